@@ -1,0 +1,48 @@
+// Quantization kernels for the CPU path: real FP8 dtypes, per-tensor scaling.
+//
+// FP8 uses LibTorch's Float8_e4m3fn / Float8_e5m2 dtypes, so rounding (nearest-even) and the
+// representable values are exactly the hardware's; "fake" quantization means the GEMM that
+// follows runs in the high-precision dtype on the dequantized values. Scaling is per tensor
+// from the current amax (Transformer Engine's "current scaling"): scale = fp8_max / amax,
+// values saturate at ±fp8_max. Scales stay tensors (no host sync).
+#pragma once
+
+#include "mixprec/quant/quant_config.h"
+
+#include <ATen/core/Tensor.h>
+
+namespace mixprec::quant {
+
+// An FP8 tensor and the factor that maps it back: x ≈ data.to(float) * scale_inv.
+struct ScaledFp8 {
+  at::Tensor data;       // dtype Float8_e4m3fn or Float8_e5m2, the input's shape
+  at::Tensor scale_inv;  // FP32 scalar (0-dim), amax / fp8_max (1 if amax is 0)
+};
+
+// Largest finite value of an FP8 dtype (448 for e4m3fn, 57344 for e5m2).
+double fp8_max(c10::ScalarType fp8_dtype);
+
+// Quantizes a floating tensor (any float dtype) with per-tensor amax scaling.
+// Throws c10::Error if `x` is not floating or `fp8_dtype` is not e4m3fn/e5m2.
+ScaledFp8 quantize_fp8(const at::Tensor& x, c10::ScalarType fp8_dtype);
+
+// data * scale_inv, in `dtype`.
+at::Tensor dequantize_fp8(const ScaledFp8& q, c10::ScalarType dtype);
+
+// quantize_fp8 then dequantize_fp8 back to x's dtype. Not differentiable.
+at::Tensor fake_quantize_fp8(const at::Tensor& x, c10::ScalarType fp8_dtype);
+
+// NVFP4 fake quantization along the last dimension: blocks of 16 values share an E4M3 scale
+// (itself scaled by an FP32 per-tensor scale so block scales fit E4M3); values are rounded to
+// nearest-even on the E2M1 grid {0, 0.5, 1, 1.5, 2, 3, 4, 6}. Returns x's dtype and shape.
+at::Tensor fake_quantize_nvfp4(const at::Tensor& x);
+
+// Differentiable GEMM-operand quantization for `format` (kNone returns x):
+//   forward  — fake-quantize x (E4M3 for both FP8 recipes, NVFP4 for kNvFp4);
+//   backward — straight-through, with the incoming gradient fake-quantized in the recipe's
+//              gradient format (E4M3 for kFp8E4M3, E5M2 for kFp8Hybrid, NVFP4 for kNvFp4).
+// The format is recorded in the autograd node, so backward (on any thread) does what forward
+// decided regardless of the scopes active then.
+at::Tensor quantize_for_gemm(const at::Tensor& x, QuantFormat format);
+
+}  // namespace mixprec::quant

@@ -1,0 +1,42 @@
+// Quantization configuration: which low-precision GEMM recipe a model uses.
+#pragma once
+
+#include <string>
+
+namespace mixprec::quant {
+
+// FP8 recipe. kE4M3: E4M3 for activations, weights and gradients. kHybrid: E4M3 forward,
+// E5M2 for gradients in backward (wider range, as Transformer Engine's "hybrid").
+enum class Fp8Recipe { kOff, kE4M3, kHybrid };
+
+// FP4 recipe. kNvFp4: E2M1 values, one E4M3 scale per 16 elements, one FP32 tensor scale.
+enum class Fp4Recipe { kOff, kNvFp4 };
+
+// The numeric format a quantization scope applies.
+enum class QuantFormat { kNone, kFp8E4M3, kFp8Hybrid, kNvFp4 };
+
+const char* to_string(Fp8Recipe recipe);
+const char* to_string(Fp4Recipe recipe);
+const char* to_string(QuantFormat format);
+
+struct QuantConfig {
+  Fp8Recipe fp8 = Fp8Recipe::kOff;
+  Fp4Recipe fp4 = Fp4Recipe::kOff;
+  bool fp8_param = false;  // create parameters as FP8 primary weights (needs fp8 on)
+  bool fp4_param = false;  // create parameters as FP4 primary weights (needs fp4 on)
+
+  // Throws c10::Error naming the conflicting fields: fp8 and fp4 both on (a GEMM has one
+  // recipe), fp8_param without fp8, fp4_param without fp4.
+  void validate() const;
+
+  // Forward GEMMs quantize (the autocast scope applies): fp8 or fp4 on.
+  bool quantizes_compute() const { return fp8 != Fp8Recipe::kOff || fp4 != Fp4Recipe::kOff; }
+  // Parameters are created quantized (the model-init scope applies).
+  bool quantizes_params() const { return fp8_param || fp4_param; }
+  // The format GEMMs use under this config (kNone if neither recipe is on).
+  QuantFormat compute_format() const;
+
+  std::string to_string() const;
+};
+
+}  // namespace mixprec::quant

@@ -1,0 +1,72 @@
+// QuantLinear: a linear layer that honours the quantization scopes (quant_state.h).
+//
+//   * Built inside an enabled model-init scope with an FP8 format, its weight is an FP8
+//     primary weight: parameter "weight" has dtype Float8_e4m3fn (requires_grad false: an
+//     FP8 weight is trained through an FP32 master, not by autograd) and buffer
+//     "weight_scale_inv" holds its per-tensor scale. With kNvFp4 the initial weight is
+//     rounded onto the NVFP4 grid but stored unpacked in its floating dtype.
+//   * Run inside an enabled autocast scope, forward fake-quantizes input and weight in the
+//     scope's format before the GEMM (quantize_for_gemm: gradients follow the recipe).
+//   * A weight marked keep_in_fp32 is never quantized: forward computes in FP32.
+// Otherwise it is a plain y = x Wᵀ + b in the weight's dtype (the input's for FP8 weights).
+#pragma once
+
+#include "mixprec/quant/quant_config.h"
+
+#include <torch/arg.h>
+#include <torch/nn/cloneable.h>
+#include <torch/nn/pimpl.h>
+
+#include <string>
+
+namespace mixprec::quant {
+
+struct QuantLinearOptions {
+  QuantLinearOptions(int64_t in_features, int64_t out_features)
+      : in_features_(in_features), out_features_(out_features) {}
+  TORCH_ARG(int64_t, in_features);
+  TORCH_ARG(int64_t, out_features);
+  TORCH_ARG(bool, bias) = true;
+};
+
+// What one forward call computed in.
+struct LinearCompute {
+  QuantFormat operands = QuantFormat::kNone;  // GEMM operand quantization applied
+  c10::ScalarType dtype = at::kFloat;         // dtype the GEMM ran (and accumulated) in
+  bool fp8_weight = false;                    // the weight is an FP8 primary weight
+  bool kept_fp32 = false;                     // the weight is marked keep_in_fp32
+  std::string to_string() const;
+};
+
+class QuantLinearImpl : public torch::nn::Cloneable<QuantLinearImpl> {
+ public:
+  QuantLinearImpl(int64_t in_features, int64_t out_features)
+      : QuantLinearImpl(QuantLinearOptions(in_features, out_features)) {}
+  // Throws c10::Error if a feature count is not positive.
+  explicit QuantLinearImpl(QuantLinearOptions options);
+
+  // Reads the model-init scope (see above) and (re)creates weight and bias.
+  void reset() override;
+
+  // input: (..., in_features), any floating dtype. Returns (..., out_features) in the
+  // compute dtype. Throws c10::Error naming the module if the last dimension is wrong.
+  at::Tensor forward(const at::Tensor& input);
+
+  // The weight as a floating tensor (dequantized if FP8), in `dtype`.
+  at::Tensor dequantized_weight(c10::ScalarType dtype) const;
+  bool has_fp8_weight() const { return weight_scale_inv.defined(); }
+  // What the most recent forward computed in (default-constructed before the first).
+  const LinearCompute& last_compute() const { return last_compute_; }
+
+  QuantLinearOptions options;
+  at::Tensor weight;
+  at::Tensor bias;
+  at::Tensor weight_scale_inv;  // defined only for FP8 primary weights
+
+ private:
+  LinearCompute last_compute_;
+};
+
+TORCH_MODULE(QuantLinear);
+
+}  // namespace mixprec::quant

@@ -1,0 +1,133 @@
+#include "mixprec/convert.h"
+
+#include <ATen/ATen.h>
+#include <c10/util/Exception.h>
+#include <torch/nn/module.h>
+
+#include <iomanip>
+#include <sstream>
+#include <unordered_map>
+
+namespace mixprec {
+
+const char* to_string(ConversionAction action) {
+  switch (action) {
+    case ConversionAction::kCast: return "cast";
+    case ConversionAction::kKeptFp32: return "kept fp32";
+    case ConversionAction::kUpcastFp32: return "restored fp32";
+    case ConversionAction::kLeftAlone: return "left alone";
+  }
+  return "?";
+}
+
+namespace {
+
+bool is_fp8(c10::ScalarType t) {
+  return t == at::kFloat8_e4m3fn || t == at::kFloat8_e5m2 || t == at::kFloat8_e4m3fnuz ||
+         t == at::kFloat8_e5m2fnuz || t == at::kFloat8_e8m0fnu;
+}
+
+// set_data keeps the TensorImpl, which is what makes the conversion identity-preserving.
+void cast_in_place(at::Tensor& tensor, c10::ScalarType dtype) {
+  at::NoGradGuard no_grad;
+  tensor.set_data(tensor.to(dtype));
+  if (tensor.requires_grad() && tensor.grad().defined() && tensor.grad().scalar_type() != dtype) {
+    tensor.mutable_grad() = tensor.grad().to(dtype);
+  }
+}
+
+std::string keep_description(const PlannedTensor& p) {
+  switch (p.reason) {
+    case KeepReason::kTensorMark: return "keep_in_fp32 mark";
+    case KeepReason::kName: return "name '" + p.rule + "'";
+    case KeepReason::kPattern: return "pattern '" + p.rule + "'";
+    case KeepReason::kNone: break;
+  }
+  return {};
+}
+
+}  // namespace
+
+int64_t ConversionReport::count(ConversionAction action) const {
+  int64_t n = 0;
+  for (const auto& e : entries) n += (e.action == action && !e.shared) ? 1 : 0;
+  return n;
+}
+
+std::string ConversionReport::to_string() const {
+  size_t width = 4;
+  for (const auto& e : entries) width = std::max(width, e.name.size());
+  std::ostringstream out;
+  out << std::left << std::setw(static_cast<int>(width)) << "name" << "  " << std::setw(9)
+      << "kind" << "  " << std::setw(22) << "dtype" << "  " << std::setw(13) << "action"
+      << "  why\n";
+  for (const auto& e : entries) {
+    std::string dtypes = std::string(c10::toString(e.before)) + " -> " + c10::toString(e.after);
+    out << std::setw(static_cast<int>(width)) << e.name << "  " << std::setw(9)
+        << mixprec::to_string(e.kind) << "  " << std::setw(22) << dtypes << "  " << std::setw(13)
+        << mixprec::to_string(e.action) << "  " << e.why << (e.shared ? " (tied)" : "") << "\n";
+  }
+  for (const auto& pattern : unmatched_patterns) {
+    out << "note: pattern '" << pattern << "' matched nothing\n";
+  }
+  const double ratio = bytes_before ? static_cast<double>(bytes_after) / bytes_before : 1.0;
+  out << "bytes: " << bytes_before << " -> " << bytes_after << " (" << std::fixed
+      << std::setprecision(1) << 100.0 * ratio << "%)\n";
+  return out.str();
+}
+
+ConversionReport convert_module_to_dtype_except_fp32_marked(torch::nn::Module& module,
+                                                            c10::ScalarType dtype,
+                                                            const PrecisionPlan& plan) {
+  TORCH_CHECK(dtype == at::kHalf || dtype == at::kBFloat16,
+              "[mixprec::convert_module_to_dtype_except_fp32_marked] target dtype must be Half "
+              "or BFloat16, got ",
+              dtype, " (module ", module.name(), ")");
+  // Validation happens entirely inside resolve(); nothing below can fail on the caller's input.
+  PrecisionPlan::Resolved resolved = plan.resolve(module);
+
+  ConversionReport report;
+  report.target = dtype;
+  report.unmatched_patterns = std::move(resolved.unmatched_patterns);
+  std::unordered_map<const c10::TensorImpl*, size_t> first_entry;  // tied tensors
+  for (auto& p : resolved.tensors) {
+    if (p.shared) {
+      ConversionEntry tied = report.entries.at(first_entry.at(p.tensor.unsafeGetTensorImpl()));
+      tied.name = p.name;
+      tied.kind = p.kind;
+      tied.shared = true;
+      report.entries.push_back(std::move(tied));
+      continue;
+    }
+    first_entry.emplace(p.tensor.unsafeGetTensorImpl(), report.entries.size());
+    ConversionEntry entry{p.name, p.kind, p.tensor.scalar_type(), p.tensor.scalar_type(),
+                          ConversionAction::kLeftAlone, p.reason, {}, p.tensor.numel(), p.shared};
+    const c10::ScalarType before = p.tensor.scalar_type();
+    report.bytes_before += static_cast<int64_t>(p.tensor.nbytes());
+
+    if (!at::isFloatingType(before)) {
+      entry.why = std::string(c10::toString(before)) + " " + mixprec::to_string(p.kind);
+    } else if (is_fp8(before)) {
+      entry.why = "quantized primary weight";
+    } else if (p.reason != KeepReason::kNone) {
+      entry.why = keep_description(p);
+      if (before == at::kFloat) {
+        entry.action = ConversionAction::kKeptFp32;
+      } else {
+        entry.action = ConversionAction::kUpcastFp32;
+        cast_in_place(p.tensor, at::kFloat);
+      }
+    } else if (before == dtype) {
+      entry.why = "already target dtype";
+    } else {
+      entry.action = ConversionAction::kCast;
+      cast_in_place(p.tensor, dtype);
+    }
+    entry.after = p.tensor.scalar_type();
+    report.bytes_after += static_cast<int64_t>(p.tensor.nbytes());
+    report.entries.push_back(std::move(entry));
+  }
+  return report;
+}
+
+}  // namespace mixprec

@@ -1,0 +1,26 @@
+#include "mixprec/module_clone.h"
+
+#include "mixprec/keep_fp32.h"
+
+#include <c10/util/Exception.h>
+#include <torch/nn/module.h>
+
+namespace mixprec {
+
+std::shared_ptr<torch::nn::Module> clone_module(const torch::nn::Module& module) {
+  std::shared_ptr<torch::nn::Module> copy = module.clone();
+  auto carry = [&](const auto& source, const auto& target) {
+    for (const auto& item : source) {
+      if (!is_kept_in_fp32(item.value())) continue;
+      const at::Tensor* twin = target.find(item.key());
+      TORCH_CHECK(twin && twin->defined(), "[mixprec::clone_module] the clone of ", module.name(),
+                  " has no tensor '", item.key(), "' to carry its keep_in_fp32 mark to");
+      keep_in_fp32(*twin);
+    }
+  };
+  carry(module.named_parameters(), copy->named_parameters());
+  carry(module.named_buffers(), copy->named_buffers());
+  return copy;
+}
+
+}  // namespace mixprec

@@ -1,0 +1,144 @@
+#include "mixprec/precision_plan.h"
+
+#include "detail/name_match.h"
+#include "mixprec/keep_fp32.h"
+
+#include <c10/util/Exception.h>
+#include <torch/nn/module.h>
+
+#include <unordered_map>
+#include <unordered_set>
+
+namespace mixprec {
+
+const char* to_string(TensorKind kind) {
+  return kind == TensorKind::kParameter ? "parameter" : "buffer";
+}
+
+const char* to_string(KeepReason reason) {
+  switch (reason) {
+    case KeepReason::kNone: return "-";
+    case KeepReason::kTensorMark: return "marked on tensor";
+    case KeepReason::kName: return "by name";
+    case KeepReason::kPattern: return "by pattern";
+  }
+  return "?";
+}
+
+PrecisionPlan& PrecisionPlan::keep_fp32_name(std::string fqn) {
+  TORCH_CHECK(!fqn.empty(), "[mixprec::PrecisionPlan::keep_fp32_name] the name is empty");
+  names_.push_back(std::move(fqn));
+  return *this;
+}
+
+PrecisionPlan& PrecisionPlan::keep_fp32_pattern(std::string glob) {
+  TORCH_CHECK(!glob.empty(), "[mixprec::PrecisionPlan::keep_fp32_pattern] the pattern is empty");
+  patterns_.push_back(std::move(glob));
+  return *this;
+}
+
+PrecisionPlan& PrecisionPlan::strict(bool on) {
+  strict_ = on;
+  return *this;
+}
+
+PrecisionPlan::Resolved PrecisionPlan::resolve(const torch::nn::Module& module) const {
+  Resolved out;
+  std::vector<std::string> all_names;  // including undefined tensors, for messages
+  std::unordered_set<const c10::TensorImpl*> seen;
+  auto collect = [&](const auto& named, TensorKind kind) {
+    for (const auto& item : named) {
+      all_names.push_back(item.key());
+      const at::Tensor& t = item.value();
+      if (!t.defined()) continue;
+      PlannedTensor planned{item.key(), kind, t, KeepReason::kNone, {}};
+      planned.shared = !seen.insert(t.unsafeGetTensorImpl()).second;
+      out.tensors.push_back(std::move(planned));
+    }
+  };
+  collect(module.named_parameters(/*recurse=*/true), TensorKind::kParameter);
+  collect(module.named_buffers(/*recurse=*/true), TensorKind::kBuffer);
+
+  std::vector<std::string> problems;
+  auto describe = [](const PlannedTensor& p) {
+    return std::string(to_string(p.kind)) + " '" + p.name + "'";
+  };
+  auto keep = [](PlannedTensor& p, KeepReason reason, const std::string& rule) {
+    if (p.reason != KeepReason::kNone) return;  // the first reason (mark > name > pattern) wins
+    p.reason = reason;
+    p.rule = rule;
+  };
+
+  for (auto& p : out.tensors) {
+    if (!is_kept_in_fp32(p.tensor)) continue;
+    if (!at::isFloatingType(p.tensor.scalar_type())) {
+      problems.push_back(describe(p) + " is marked keep_in_fp32 but is now " +
+                         std::string(c10::toString(p.tensor.scalar_type())));
+      continue;
+    }
+    keep(p, KeepReason::kTensorMark, {});
+  }
+
+  // A name is a parameter or buffer, or a submodule: then it covers every tensor below it.
+  for (const auto& name : names_) {
+    bool found = false;
+    const std::string prefix = name + ".";
+    for (auto& p : out.tensors) {
+      const bool exact = p.name == name;
+      if (!exact && p.name.rfind(prefix, 0) != 0) continue;
+      found = true;
+      if (at::isFloatingType(p.tensor.scalar_type())) {
+        keep(p, KeepReason::kName, name);
+      } else if (exact) {
+        problems.push_back("name '" + name + "' is a " + c10::toString(p.tensor.scalar_type()) +
+                           " " + to_string(p.kind) + "; only floating tensors can be kept in FP32");
+      }
+    }
+    if (found) continue;
+    if (std::find(all_names.begin(), all_names.end(), name) != all_names.end()) {
+      problems.push_back("name '" + name + "' is registered but undefined");
+      continue;
+    }
+    auto near = detail::close_matches(name, all_names);
+    problems.push_back("name '" + name + "' matches no parameter, buffer or submodule" +
+                       (near.empty() ? std::string(" (the module has none like it)")
+                                     : " (close matches: " + detail::join(near) + ")"));
+  }
+
+  for (const auto& pattern : patterns_) {
+    size_t hits = 0;
+    for (auto& p : out.tensors) {
+      if (!at::isFloatingType(p.tensor.scalar_type())) continue;
+      if (!detail::glob_match(pattern, p.name)) continue;
+      ++hits;
+      keep(p, KeepReason::kPattern, pattern);
+    }
+    if (hits > 0) continue;
+    if (strict_) {
+      problems.push_back("pattern '" + pattern +
+                         "' matches no floating parameter or buffer (the plan is strict; "
+                         "call strict(false) to allow it)");
+    } else {
+      out.unmatched_patterns.push_back(pattern);
+    }
+  }
+
+  TORCH_CHECK(problems.empty(), "[mixprec::PrecisionPlan::resolve] cannot apply the plan to ",
+              module.name(), ":\n  - ", detail::join(problems, "\n  - "));
+
+  // Tied tensors: if any name of a tensor is kept, every name of it is.
+  std::unordered_map<const c10::TensorImpl*, const PlannedTensor*> kept;
+  for (const auto& p : out.tensors) {
+    if (p.reason != KeepReason::kNone) kept.emplace(p.tensor.unsafeGetTensorImpl(), &p);
+  }
+  for (auto& p : out.tensors) {
+    if (p.reason != KeepReason::kNone) continue;
+    if (auto it = kept.find(p.tensor.unsafeGetTensorImpl()); it != kept.end()) {
+      p.reason = it->second->reason;
+      p.rule = it->second->rule.empty() ? it->second->name : it->second->rule;
+    }
+  }
+  return out;
+}
+
+}  // namespace mixprec

@@ -1,0 +1,115 @@
+#include "mixprec/quant/fake_quant.h"
+
+#include <ATen/ATen.h>
+#include <c10/util/Exception.h>
+#include <torch/csrc/autograd/custom_function.h>
+
+namespace mixprec::quant {
+
+double fp8_max(c10::ScalarType fp8_dtype) {
+  switch (fp8_dtype) {
+    case at::kFloat8_e4m3fn: return 448.0;
+    case at::kFloat8_e5m2: return 57344.0;
+    default: break;
+  }
+  TORCH_CHECK(false, "[mixprec::quant::fp8_max] expected Float8_e4m3fn or Float8_e5m2, got ",
+              fp8_dtype);
+}
+
+ScaledFp8 quantize_fp8(const at::Tensor& x, c10::ScalarType fp8_dtype) {
+  TORCH_CHECK(x.defined() && at::isFloatingType(x.scalar_type()),
+              "[mixprec::quant::quantize_fp8] input must be a floating tensor, got ",
+              x.defined() ? c10::toString(x.scalar_type()) : "undefined");
+  const double max = fp8_max(fp8_dtype);
+  at::NoGradGuard no_grad;
+  const at::Tensor xf = x.to(at::kFloat);
+  const at::Tensor amax = xf.numel() ? xf.abs().amax() : at::zeros({}, xf.options());
+  // amax == 0 (or empty) would divide by zero: any scale works, take 1.
+  const at::Tensor scale_inv = at::where(amax > 0, amax / max, at::ones_like(amax));
+  const at::Tensor data = (xf / scale_inv).clamp(-max, max).to(fp8_dtype);
+  return {data, scale_inv};
+}
+
+at::Tensor dequantize_fp8(const ScaledFp8& q, c10::ScalarType dtype) {
+  at::NoGradGuard no_grad;
+  return (q.data.to(at::kFloat) * q.scale_inv).to(dtype);
+}
+
+at::Tensor fake_quantize_fp8(const at::Tensor& x, c10::ScalarType fp8_dtype) {
+  return dequantize_fp8(quantize_fp8(x, fp8_dtype), x.scalar_type());
+}
+
+namespace {
+
+constexpr int64_t kNvFp4Block = 16;
+constexpr double kE2M1Max = 6.0;
+constexpr double kE4M3Max = 448.0;
+
+// Round-to-nearest-even onto the E2M1 magnitudes: spacing 0.5 below 2, 1 below 4, 2 up to 6.
+at::Tensor round_to_e2m1(const at::Tensor& v) {
+  const at::Tensor a = v.abs().clamp_max(kE2M1Max);
+  const at::Tensor step = at::where(a < 2, at::full_like(a, 0.5),
+                                    at::where(a < 4, at::ones_like(a), at::full_like(a, 2.0)));
+  return at::sign(v) * (at::round(a / step) * step).clamp_max(kE2M1Max);
+}
+
+}  // namespace
+
+at::Tensor fake_quantize_nvfp4(const at::Tensor& x) {
+  TORCH_CHECK(x.defined() && at::isFloatingType(x.scalar_type()),
+              "[mixprec::quant::fake_quantize_nvfp4] input must be a floating tensor");
+  at::NoGradGuard no_grad;
+  if (x.numel() == 0) return x.clone();
+  const int64_t last = x.dim() ? x.size(-1) : 1;
+  const int64_t padded = (last + kNvFp4Block - 1) / kNvFp4Block * kNvFp4Block;
+  at::Tensor xf = x.to(at::kFloat).reshape({-1, last});
+  if (padded != last) xf = at::constant_pad_nd(xf, {0, padded - last});
+  at::Tensor blocks = xf.reshape({xf.size(0), padded / kNvFp4Block, kNvFp4Block});
+
+  const at::Tensor tensor_amax = xf.abs().amax();
+  // Global scale maps the largest block scale (amax / 6) onto E4M3's top of range.
+  const at::Tensor global = at::where(tensor_amax > 0, kE4M3Max * kE2M1Max / tensor_amax,
+                                      at::ones_like(tensor_amax));
+  const at::Tensor block_amax = blocks.abs().amax(-1, /*keepdim=*/true);
+  const at::Tensor block_scale_q =
+      (block_amax / kE2M1Max * global).clamp_max(kE4M3Max).to(at::kFloat8_e4m3fn).to(at::kFloat);
+  const at::Tensor block_scale = block_scale_q / global;  // what a decoder reconstructs
+  const at::Tensor safe = at::where(block_scale > 0, block_scale, at::ones_like(block_scale));
+  const at::Tensor dq = round_to_e2m1(blocks / safe) * block_scale;
+  return dq.reshape({xf.size(0), padded}).narrow(1, 0, last).reshape(x.sizes()).to(x.scalar_type());
+}
+
+namespace {
+
+at::Tensor fake_quantize_for(const at::Tensor& x, QuantFormat format, bool gradient) {
+  switch (format) {
+    case QuantFormat::kNone: return x;
+    case QuantFormat::kFp8E4M3: return fake_quantize_fp8(x, at::kFloat8_e4m3fn);
+    case QuantFormat::kFp8Hybrid:
+      return fake_quantize_fp8(x, gradient ? at::kFloat8_e5m2 : at::kFloat8_e4m3fn);
+    case QuantFormat::kNvFp4: return fake_quantize_nvfp4(x);
+  }
+  TORCH_INTERNAL_ASSERT(false, "unknown QuantFormat");
+}
+
+struct GemmOperandQuant : torch::autograd::Function<GemmOperandQuant> {
+  static at::Tensor forward(torch::autograd::AutogradContext* ctx, const at::Tensor& x,
+                            int64_t format) {
+    ctx->saved_data["format"] = format;
+    return fake_quantize_for(x, static_cast<QuantFormat>(format), /*gradient=*/false);
+  }
+  static torch::autograd::variable_list backward(torch::autograd::AutogradContext* ctx,
+                                                 torch::autograd::variable_list grads) {
+    const auto format = static_cast<QuantFormat>(ctx->saved_data["format"].toInt());
+    return {fake_quantize_for(grads[0], format, /*gradient=*/true), at::Tensor()};
+  }
+};
+
+}  // namespace
+
+at::Tensor quantize_for_gemm(const at::Tensor& x, QuantFormat format) {
+  if (format == QuantFormat::kNone) return x;
+  return GemmOperandQuant::apply(x, static_cast<int64_t>(format));
+}
+
+}  // namespace mixprec::quant

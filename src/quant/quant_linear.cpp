@@ -1,0 +1,89 @@
+#include "mixprec/quant/quant_linear.h"
+
+#include "mixprec/keep_fp32.h"
+#include "mixprec/quant/fake_quant.h"
+#include "mixprec/quant/quant_state.h"
+
+#include <ATen/ATen.h>
+#include <c10/util/Exception.h>
+#include <torch/nn/init.h>
+
+#include <cmath>
+
+namespace mixprec::quant {
+
+std::string LinearCompute::to_string() const {
+  std::string out = operands == QuantFormat::kNone
+                        ? std::string(c10::toString(dtype))
+                        : std::string(quant::to_string(operands)) + " operands, " +
+                              c10::toString(dtype) + " accumulate";
+  if (fp8_weight) out += ", fp8 primary weight";
+  if (kept_fp32) out += ", weight kept fp32";
+  return out;
+}
+
+QuantLinearImpl::QuantLinearImpl(QuantLinearOptions options_) : options(std::move(options_)) {
+  TORCH_CHECK(options.in_features() > 0 && options.out_features() > 0,
+              "[mixprec::QuantLinear] in_features and out_features must be positive, got ",
+              options.in_features(), " and ", options.out_features());
+  reset();
+}
+
+void QuantLinearImpl::reset() {
+  // Same initialization as torch::nn::Linear.
+  at::Tensor w = at::empty({options.out_features(), options.in_features()});
+  torch::nn::init::kaiming_uniform_(w, std::sqrt(5.0));
+  const QuantScopeState init = model_init_state();
+  weight_scale_inv = at::Tensor();
+  if (init.enabled &&
+      (init.format == QuantFormat::kFp8E4M3 || init.format == QuantFormat::kFp8Hybrid)) {
+    ScaledFp8 q = quantize_fp8(w, at::kFloat8_e4m3fn);
+    weight = register_parameter("weight", q.data, /*requires_grad=*/false);
+    weight_scale_inv = register_buffer("weight_scale_inv", q.scale_inv);
+  } else {
+    if (init.enabled && init.format == QuantFormat::kNvFp4) w = fake_quantize_nvfp4(w);
+    weight = register_parameter("weight", w);
+  }
+  if (options.bias()) {
+    const double bound = 1.0 / std::sqrt(static_cast<double>(options.in_features()));
+    bias = register_parameter("bias", at::empty({options.out_features()}).uniform_(-bound, bound));
+  } else {
+    bias = register_parameter("bias", at::Tensor(), /*requires_grad=*/false);
+  }
+}
+
+at::Tensor QuantLinearImpl::dequantized_weight(c10::ScalarType dtype) const {
+  if (has_fp8_weight()) return dequantize_fp8({weight, weight_scale_inv}, dtype);
+  return weight.to(dtype);
+}
+
+at::Tensor QuantLinearImpl::forward(const at::Tensor& input) {
+  TORCH_CHECK(input.dim() >= 1 && input.size(-1) == options.in_features(),
+              "[mixprec::QuantLinear] ", name(), " expects input (..., ", options.in_features(),
+              "), got shape ", input.sizes());
+  TORCH_CHECK(at::isFloatingType(input.scalar_type()),
+              "[mixprec::QuantLinear] input must be floating, got ", input.scalar_type());
+  LinearCompute record;
+  record.fp8_weight = has_fp8_weight();
+  record.kept_fp32 = is_kept_in_fp32(weight);
+  // FP32-marked weights pull the GEMM up to FP32; FP8 weights run in the input's dtype.
+  record.dtype = record.kept_fp32    ? at::kFloat
+                 : record.fp8_weight ? input.scalar_type()
+                                     : weight.scalar_type();
+  at::Tensor x = input.to(record.dtype);
+  at::Tensor w = record.fp8_weight ? dequantized_weight(record.dtype) : weight.to(record.dtype);
+  at::Tensor b = bias.defined() ? bias.to(record.dtype) : bias;
+
+  const QuantScopeState scope = autocast_state();
+  if (scope.enabled && scope.format != QuantFormat::kNone && !record.kept_fp32) {
+    record.operands = scope.format;
+    x = quantize_for_gemm(x, scope.format);
+    // An FP8 primary weight is on the FP8 grid already; quantizing it again changes nothing.
+    const bool fp8_grid = scope.format != QuantFormat::kNvFp4;
+    if (!(record.fp8_weight && fp8_grid)) w = quantize_for_gemm(w, scope.format);
+  }
+  last_compute_ = record;
+  return at::linear(x, w, b);
+}
+
+}  // namespace mixprec::quant

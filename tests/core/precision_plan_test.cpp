@@ -1,0 +1,104 @@
+#include "mixprec/precision_plan.h"
+
+#include "support/toy_net.h"
+
+#include <gtest/gtest.h>
+
+namespace mixprec {
+namespace {
+
+using testing::ToyNet;
+
+const PlannedTensor& find(const PrecisionPlan::Resolved& r, const std::string& name) {
+  for (const auto& p : r.tensors) {
+    if (p.name == name) return p;
+  }
+  throw std::runtime_error("no planned tensor " + name);
+}
+
+std::string error_of(const std::function<void()>& fn) {
+  try {
+    fn();
+  } catch (const c10::Error& e) {
+    return e.what_without_backtrace();
+  }
+  return "";
+}
+
+TEST(PrecisionPlan, ResolvesMarksNamesAndPatterns) {
+  ToyNet net;
+  auto r = PrecisionPlan().keep_fp32_name("fc.bias").keep_fp32_pattern("*norm*").resolve(*net);
+  EXPECT_EQ(find(r, "router_weight").reason, KeepReason::kTensorMark);
+  EXPECT_EQ(find(r, "expert_bias").reason, KeepReason::kTensorMark);
+  EXPECT_EQ(find(r, "fc.bias").reason, KeepReason::kName);
+  EXPECT_EQ(find(r, "fc.bias").rule, "fc.bias");
+  EXPECT_EQ(find(r, "norm.weight").reason, KeepReason::kPattern);
+  EXPECT_EQ(find(r, "norm.bias").rule, "*norm*");
+  EXPECT_EQ(find(r, "fc.weight").reason, KeepReason::kNone);
+  EXPECT_EQ(find(r, "fc.weight").kind, TensorKind::kParameter);
+  EXPECT_EQ(find(r, "running_scale").kind, TensorKind::kBuffer);
+  EXPECT_TRUE(find(r, "fc.weight").tensor.is_same(net->fc->weight));
+}
+
+TEST(PrecisionPlan, SubmoduleNameCoversItsTensors) {
+  ToyNet net;
+  auto r = PrecisionPlan().keep_fp32_name("norm").resolve(*net);
+  EXPECT_EQ(find(r, "norm.weight").reason, KeepReason::kName);
+  EXPECT_EQ(find(r, "norm.bias").reason, KeepReason::kName);
+  EXPECT_EQ(find(r, "fc.weight").reason, KeepReason::kNone);
+}
+
+TEST(PrecisionPlan, PatternsSkipIntegerAndBoolBuffers) {
+  ToyNet net;
+  auto r = PrecisionPlan().keep_fp32_pattern("*expert*").resolve(*net);
+  EXPECT_EQ(find(r, "tokens_per_expert").reason, KeepReason::kNone);
+  EXPECT_EQ(find(r, "expert_mask").reason, KeepReason::kNone);
+}
+
+TEST(PrecisionPlan, UnknownNameListsCloseMatches) {
+  ToyNet net;
+  const std::string msg =
+      error_of([&] { PrecisionPlan().keep_fp32_name("router_weights").resolve(*net); });
+  EXPECT_NE(msg.find("name 'router_weights' matches no parameter"), std::string::npos) << msg;
+  EXPECT_NE(msg.find("close matches: router_weight"), std::string::npos) << msg;
+}
+
+TEST(PrecisionPlan, NameOfIntegerBufferIsAnError) {
+  ToyNet net;
+  const std::string msg =
+      error_of([&] { PrecisionPlan().keep_fp32_name("tokens_per_expert").resolve(*net); });
+  EXPECT_NE(msg.find("'tokens_per_expert' is a Long buffer"), std::string::npos) << msg;
+}
+
+TEST(PrecisionPlan, StrictPatternMatchingNothingIsAnError) {
+  ToyNet net;
+  const std::string msg =
+      error_of([&] { PrecisionPlan().keep_fp32_pattern("*.router.weight").resolve(*net); });
+  EXPECT_NE(msg.find("pattern '*.router.weight' matches no floating"), std::string::npos) << msg;
+  auto r = PrecisionPlan().keep_fp32_pattern("*.router.weight").strict(false).resolve(*net);
+  ASSERT_EQ(r.unmatched_patterns.size(), 1u);
+  EXPECT_EQ(r.unmatched_patterns[0], "*.router.weight");
+}
+
+TEST(PrecisionPlan, ReportsEveryProblemAtOnce) {
+  ToyNet net;
+  const std::string msg = error_of([&] {
+    PrecisionPlan()
+        .keep_fp32_name("fc.wieght")
+        .keep_fp32_name("expert_mask")
+        .keep_fp32_pattern("*ssm*")
+        .resolve(*net);
+  });
+  EXPECT_NE(msg.find("'fc.wieght'"), std::string::npos) << msg;
+  EXPECT_NE(msg.find("fc.weight"), std::string::npos) << msg;
+  EXPECT_NE(msg.find("'expert_mask' is a Bool buffer"), std::string::npos) << msg;
+  EXPECT_NE(msg.find("'*ssm*'"), std::string::npos) << msg;
+}
+
+TEST(PrecisionPlan, EmptyNameOrPatternRejected) {
+  EXPECT_THROW(PrecisionPlan().keep_fp32_name(""), c10::Error);
+  EXPECT_THROW(PrecisionPlan().keep_fp32_pattern(""), c10::Error);
+}
+
+}  // namespace
+}  // namespace mixprec

@@ -1,0 +1,94 @@
+#include "mixprec/quant/fake_quant.h"
+
+#include <ATen/ATen.h>
+#include <gtest/gtest.h>
+#include <torch/types.h>
+
+namespace mixprec::quant {
+namespace {
+
+TEST(FakeQuantFp8, ValuesAreExactlyRepresentableAndAmaxMapsToMax) {
+  at::manual_seed(0);
+  at::Tensor x = torch::randn({64, 33}) * 3;
+  for (auto fp8 : {at::kFloat8_e4m3fn, at::kFloat8_e5m2}) {
+    ScaledFp8 q = quantize_fp8(x, fp8);
+    EXPECT_EQ(q.data.scalar_type(), fp8);
+    EXPECT_EQ(q.data.sizes(), x.sizes());
+    EXPECT_EQ(q.scale_inv.dim(), 0);
+    // The largest magnitude lands on the format's largest finite value.
+    EXPECT_FLOAT_EQ(q.data.to(at::kFloat).abs().max().item<float>(), fp8_max(fp8));
+    EXPECT_FLOAT_EQ(q.scale_inv.item<float>(), x.abs().max().item<float>() / fp8_max(fp8));
+  }
+}
+
+// Relative error of round-to-nearest with m mantissa bits is at most 2^-(m+1) for normal
+// values; e4m3 has 3 bits (≤ 1/16), e5m2 has 2 (≤ 1/8). Values near the subnormal range
+// get an absolute bound instead.
+TEST(FakeQuantFp8, ErrorIsFp8Sized) {
+  at::manual_seed(1);
+  at::Tensor x = torch::randn({4096});
+  for (auto [fp8, rel] : {std::pair{at::kFloat8_e4m3fn, 1.0 / 16}, std::pair{at::kFloat8_e5m2, 1.0 / 8}}) {
+    ScaledFp8 q = quantize_fp8(x, fp8);
+    at::Tensor y = dequantize_fp8(q, at::kFloat);
+    at::Tensor err = (y - x).abs();
+    const double tiny = q.scale_inv.item<double>() * (fp8 == at::kFloat8_e4m3fn ? 0.0156 : 6.2e-5);
+    EXPECT_TRUE((err <= x.abs() * rel + tiny).all().item<bool>()) << fp8;
+    EXPECT_GT(err.max().item<double>(), 0.0) << "quantization should not be lossless";
+    // Idempotent: quantizing the dequantized values again changes nothing.
+    EXPECT_TRUE(at::equal(fake_quantize_fp8(y, fp8), y)) << fp8;
+  }
+}
+
+TEST(FakeQuantFp8, ZerosAndDtypes) {
+  at::Tensor z = torch::zeros({5}, torch::kBFloat16);
+  at::Tensor y = fake_quantize_fp8(z, at::kFloat8_e4m3fn);
+  EXPECT_EQ(y.scalar_type(), at::kBFloat16);
+  EXPECT_TRUE(at::equal(y, z));
+  EXPECT_THROW(quantize_fp8(torch::ones({2}, torch::kLong), at::kFloat8_e4m3fn), c10::Error);
+  EXPECT_THROW(quantize_fp8(torch::ones({2}), at::kHalf), c10::Error);
+}
+
+TEST(FakeQuantNvFp4, ValuesLieOnTheScaledE2M1Grid) {
+  at::manual_seed(2);
+  at::Tensor x = torch::randn({8, 40});  // 40 = two full blocks and a padded one
+  at::Tensor y = fake_quantize_nvfp4(x);
+  EXPECT_EQ(y.sizes(), x.sizes());
+  // Per block, every value divided by the block's largest |value| / 6 is an E2M1 magnitude.
+  const std::vector<float> grid = {0, 0.5, 1, 1.5, 2, 3, 4, 6};
+  for (int64_t r = 0; r < 8; ++r) {
+    for (int64_t b = 0; b < 40; b += 16) {
+      at::Tensor block = y[r].narrow(0, b, std::min<int64_t>(16, 40 - b));
+      const float amax = block.abs().max().item<float>();
+      ASSERT_GT(amax, 0);
+      at::Tensor units = block.abs() / (amax / 6);
+      for (int64_t i = 0; i < units.numel(); ++i) {
+        const float u = units[i].item<float>();
+        float best = 1e9;
+        for (float g : grid) best = std::min(best, std::abs(u - g));
+        EXPECT_LT(best, 1e-3) << "row " << r << " block " << b << " value " << u;
+      }
+    }
+  }
+  // 4-bit: error per value is at most half a step of the block's grid (step ≤ 2 units).
+  at::Tensor rel = ((y - x).abs() / x.abs().max()).max();
+  EXPECT_LT(rel.item<float>(), 0.25);
+  EXPECT_GT(rel.item<float>(), 0.0);
+}
+
+TEST(QuantizeForGemm, BackwardQuantizesGradientsInTheRecipesFormat) {
+  at::manual_seed(3);
+  at::Tensor g = torch::randn({32}) * 1e-3;
+  for (auto [format, grad_dtype] : {std::pair{QuantFormat::kFp8Hybrid, at::kFloat8_e5m2},
+                                    std::pair{QuantFormat::kFp8E4M3, at::kFloat8_e4m3fn}}) {
+    at::Tensor x = torch::randn({32}).requires_grad_(true);
+    at::Tensor y = quantize_for_gemm(x, format);
+    EXPECT_TRUE(at::equal(y.detach(), fake_quantize_fp8(x.detach(), at::kFloat8_e4m3fn)));
+    y.backward(g);
+    EXPECT_TRUE(at::equal(x.grad(), fake_quantize_fp8(g, grad_dtype)));
+  }
+  at::Tensor x = torch::randn({4}).requires_grad_(true);
+  EXPECT_TRUE(quantize_for_gemm(x, QuantFormat::kNone).is_same(x));
+}
+
+}  // namespace
+}  // namespace mixprec::quant
