@@ -121,6 +121,7 @@ ConversionReport convert_module_to_dtype_except_fp32_marked(torch::nn::Module& m
       entry.why = "already target dtype";
     } else {
       entry.action = ConversionAction::kCast;
+      entry.why = "not in plan";
       cast_in_place(p.tensor, dtype);
     }
     entry.after = p.tensor.scalar_type();

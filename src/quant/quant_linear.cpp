@@ -12,11 +12,23 @@
 
 namespace mixprec::quant {
 
+namespace {
+std::string short_name(c10::ScalarType t) {
+  switch (t) {
+    case at::kFloat: return "fp32";
+    case at::kBFloat16: return "bf16";
+    case at::kHalf: return "fp16";
+    case at::kDouble: return "fp64";
+    default: return c10::toString(t);
+  }
+}
+}  // namespace
+
 std::string LinearCompute::to_string() const {
   std::string out = operands == QuantFormat::kNone
-                        ? std::string(c10::toString(dtype))
+                        ? short_name(dtype)
                         : std::string(quant::to_string(operands)) + " operands, " +
-                              c10::toString(dtype) + " accumulate";
+                              short_name(dtype) + " accumulate";
   if (fp8_weight) out += ", fp8 primary weight";
   if (kept_fp32) out += ", weight kept fp32";
   return out;

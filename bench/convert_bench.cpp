@@ -1,0 +1,155 @@
+// Selective conversion throughput against the memory-bandwidth bound and LibTorch's own cast.
+//
+// A module of ~200M floating elements (FP32) is converted to BF16 with a precision plan that
+// keeps a few small tensors FP32. The conversion reads 4 and writes 2 bytes per cast element;
+// its rate (bytes read + written per second) is compared with memcpy of the same number of
+// bytes measured in the same run (single-threaded memcpy, std::copy, and memcpy split over
+// LibTorch's threads: the best of them is the "memcpy bound"), and with Module::to(kBFloat16)
+// (which casts everything, integer buffers included). Goal: >= 0.8 of the memcpy bound.
+#include "mixprec/convert.h"
+#include "mixprec/keep_fp32.h"
+#include "support/ratio_reporter.h"
+
+#include <ATen/Parallel.h>
+#include <benchmark/benchmark.h>
+#include <torch/nn/module.h>
+#include <torch/types.h>
+
+#include <algorithm>
+#include <cstdio>
+#include <cstring>
+#include <vector>
+
+namespace {
+
+constexpr int64_t kLayers = 48;
+constexpr int64_t kWidth = 2048;  // 48 × 2048² ≈ 201M elements
+
+struct BigNetImpl : torch::nn::Module {
+  BigNetImpl() {
+    for (int64_t i = 0; i < kLayers; ++i) {
+      register_parameter("w" + std::to_string(i), torch::randn({kWidth, kWidth}));
+      register_parameter("norm" + std::to_string(i), mixprec::keep_in_fp32(torch::ones({kWidth})));
+    }
+    register_buffer("steps", torch::zeros({1024}, torch::kLong));
+  }
+};
+
+struct Fixture {
+  std::shared_ptr<BigNetImpl> net = std::make_shared<BigNetImpl>();
+  std::vector<at::Tensor> pristine;  // the FP32 storage each run starts from
+  int64_t cast_elements = 0;
+  Fixture() {
+    for (auto& p : net->parameters()) {
+      pristine.push_back(p.detach());
+      if (!mixprec::is_kept_in_fp32(p)) cast_elements += p.numel();
+    }
+  }
+  // Points every parameter back at its FP32 storage: no copy, so not part of the measurement.
+  void reset() {
+    at::NoGradGuard no_grad;
+    auto params = net->parameters();
+    for (size_t i = 0; i < params.size(); ++i) params[i].set_data(pristine[i]);
+  }
+  int64_t bytes_moved() const { return cast_elements * (4 + 2); }
+};
+
+Fixture& fixture() {
+  static Fixture f;
+  return f;
+}
+
+// Half of bytes_moved in each direction: memcpy reads and writes the same amount.
+struct CopyBuffers {
+  std::vector<char> src, dst;
+  CopyBuffers() : src(fixture().bytes_moved() / 2, 1), dst(fixture().bytes_moved() / 2, 0) {}
+};
+
+CopyBuffers& buffers() {
+  static CopyBuffers b;
+  return b;
+}
+
+void BM_SelectiveConvert(benchmark::State& state) {
+  auto& f = fixture();
+  for (auto _ : state) {
+    state.PauseTiming();
+    f.reset();
+    state.ResumeTiming();
+    auto report = mixprec::convert_module_to_dtype_except_fp32_marked(*f.net, at::kBFloat16);
+    benchmark::DoNotOptimize(report.bytes_after);
+  }
+  state.SetBytesProcessed(state.iterations() * f.bytes_moved());
+}
+
+void BM_ModuleToBFloat16(benchmark::State& state) {
+  auto& f = fixture();
+  for (auto _ : state) {
+    state.PauseTiming();
+    f.reset();
+    state.ResumeTiming();
+    f.net->to(at::kBFloat16);
+  }
+  state.SetBytesProcessed(state.iterations() * f.bytes_moved());
+}
+
+void BM_Memcpy(benchmark::State& state) {
+  auto& b = buffers();
+  for (auto _ : state) {
+    std::memcpy(b.dst.data(), b.src.data(), b.src.size());
+    benchmark::ClobberMemory();
+  }
+  state.SetBytesProcessed(state.iterations() * 2 * b.src.size());
+}
+
+void BM_StdCopy(benchmark::State& state) {
+  auto& b = buffers();
+  for (auto _ : state) {
+    std::copy(b.src.begin(), b.src.end(), b.dst.begin());
+    benchmark::ClobberMemory();
+  }
+  state.SetBytesProcessed(state.iterations() * 2 * b.src.size());
+}
+
+void BM_ParallelMemcpy(benchmark::State& state) {
+  auto& b = buffers();
+  const int64_t n = static_cast<int64_t>(b.src.size());
+  for (auto _ : state) {
+    at::parallel_for(0, n, 1 << 22, [&](int64_t begin, int64_t end) {
+      std::memcpy(b.dst.data() + begin, b.src.data() + begin, end - begin);
+    });
+    benchmark::ClobberMemory();
+  }
+  state.SetBytesProcessed(state.iterations() * 2 * n);
+}
+
+BENCHMARK(BM_Memcpy)->Unit(benchmark::kMillisecond)->UseRealTime()->MinTime(1.0);
+BENCHMARK(BM_StdCopy)->Unit(benchmark::kMillisecond)->UseRealTime()->MinTime(1.0);
+BENCHMARK(BM_ParallelMemcpy)->Unit(benchmark::kMillisecond)->UseRealTime()->MinTime(1.0);
+BENCHMARK(BM_SelectiveConvert)->Unit(benchmark::kMillisecond)->UseRealTime()->MinTime(2.0);
+BENCHMARK(BM_ModuleToBFloat16)->Unit(benchmark::kMillisecond)->UseRealTime()->MinTime(2.0);
+
+}  // namespace
+
+int main(int argc, char** argv) {
+  benchmark::Initialize(&argc, argv);
+  mixprec::bench::RatioReporter reporter;
+  benchmark::RunSpecifiedBenchmarks(&reporter);
+  auto& f = fixture();
+  const double moved = static_cast<double>(f.bytes_moved());
+  auto rate = [&](const char* name) {
+    const double s = reporter.seconds(name);
+    return s > 0 ? moved / s / 1e9 : 0.0;
+  };
+  const double bound = std::max({rate("BM_Memcpy"), rate("BM_StdCopy"), rate("BM_ParallelMemcpy")});
+  const double ours = rate("BM_SelectiveConvert");
+  const double torch_to = rate("BM_ModuleToBFloat16");
+  std::printf("\nconversion of %.1fM cast elements (%.2f GB read+written), %d threads\n",
+              f.cast_elements / 1e6, moved / 1e9, at::get_num_threads());
+  std::printf("  memcpy bound (best of memcpy/std::copy/parallel): %6.2f GB/s\n", bound);
+  std::printf("  selective conversion:                             %6.2f GB/s  ratio to bound %.2f"
+              "  (goal >= 0.80)\n", ours, bound > 0 ? ours / bound : 0.0);
+  std::printf("  Module::to(kBFloat16):                            %6.2f GB/s  ours / to() %.2f\n",
+              torch_to, torch_to > 0 ? ours / torch_to : 0.0);
+  return 0;
+}

@@ -1,0 +1,74 @@
+// Fused optimizer kernels: one pass over a parameter's memory per step.
+//
+// These are the inner algorithms of the mixed-precision optimizer (optim/float16_optimizer.h),
+// with torch.optim's exact semantics and hyper-parameter names. One call reads the gradient
+// (FP32, BF16 or FP16, multiplied by `grad_scale_inv` on the fly: loss-scale unscaling and
+// gradient clipping folded in), the FP32 parameter (an FP32 main copy, or a native FP32
+// parameter updated in place) and the FP32 moments; it writes the moments, the parameter and,
+// when `model_param` is defined, the BF16/FP16 model parameter rounded to nearest-even from the
+// new FP32 value. CPU tensors take a vectorized (SIMD chosen at run time), multithreaded path;
+// other devices fall back to ATen ops with the same semantics.
+#pragma once
+
+#include <ATen/core/Tensor.h>
+
+#include <cstdint>
+
+namespace mixprec::optim {
+
+// torch.optim.Adam / AdamW hyper-parameters (same names, same defaults as AdamW when
+// decoupled_weight_decay is true).
+struct AdamHyperParams {
+  double lr = 1e-3;
+  double beta1 = 0.9;
+  double beta2 = 0.999;
+  double eps = 1e-8;
+  double weight_decay = 0.0;
+  bool decoupled_weight_decay = true;  // AdamW: param *= 1 - lr * weight_decay
+  bool amsgrad = false;                // keep max_exp_avg_sq and use it in the denominator
+  bool maximize = false;               // ascend: negate the gradient
+};
+
+// torch.optim.SGD hyper-parameters.
+struct SgdHyperParams {
+  double lr = 1e-3;
+  double momentum = 0.0;
+  double dampening = 0.0;
+  double weight_decay = 0.0;
+  bool nesterov = false;
+  bool maximize = false;
+};
+
+// One Adam/AdamW update of one parameter, in place.
+//   param          FP32, updated (the main copy, or the native FP32 parameter itself)
+//   grad           FP32/BF16/FP16, read only; the update uses grad * grad_scale_inv
+//   exp_avg, exp_avg_sq   FP32, updated
+//   max_exp_avg_sq FP32, updated; must be defined iff hp.amsgrad
+//   model_param    BF16/FP16 written with RNE(param) after the update, or undefined
+//   step           the step count including this update (1 on the first call)
+// All defined tensors: same device, same numel, contiguous. Throws c10::Error naming the
+// offending argument otherwise, before writing anything.
+void fused_adam_step(const at::Tensor& param, const at::Tensor& grad, const at::Tensor& exp_avg,
+                     const at::Tensor& exp_avg_sq, const at::Tensor& max_exp_avg_sq,
+                     const at::Tensor& model_param, int64_t step, const AdamHyperParams& hp,
+                     double grad_scale_inv = 1.0);
+
+// One SGD update of one parameter, in place. `momentum_buffer` must be defined iff
+// hp.momentum != 0; on `first_step` it is overwritten with the (decayed) gradient, as torch
+// does when it creates the buffer. Other arguments as in fused_adam_step.
+void fused_sgd_step(const at::Tensor& param, const at::Tensor& grad,
+                    const at::Tensor& momentum_buffer, const at::Tensor& model_param,
+                    bool first_step, const SgdHyperParams& hp, double grad_scale_inv = 1.0);
+
+struct GradStats {
+  double sum_of_squares = 0.0;  // Σ (g * grad_scale_inv)², accumulated in double per chunk
+  bool all_finite = true;       // false if any element is Inf or NaN
+};
+
+// One read-only pass over a gradient (FP32/BF16/FP16) for clipping and overflow checks.
+GradStats grad_stats(const at::Tensor& grad, double grad_scale_inv = 1.0);
+
+// model_param (BF16/FP16) = RNE(master (FP32)), elementwise. Same numel, contiguous.
+void copy_master_to_model(const at::Tensor& master, const at::Tensor& model_param);
+
+}  // namespace mixprec::optim
