@@ -1,0 +1,260 @@
+#include "mixprec/optim/float16_optimizer.h"
+
+#include "optim/support_optim.h"
+
+#include <c10/core/CPUAllocator.h>
+#include <gtest/gtest.h>
+#include <torch/optim/adamw.h>
+#include <torch/optim/schedulers/step_lr.h>
+#include <torch/optim/sgd.h>
+
+#include <atomic>
+
+namespace mixprec::optim {
+namespace {
+
+using mixprec::testing::Interleaved;
+using mixprec::testing::set_grads;
+
+std::string error_of(const std::function<void()>& fn) {
+  try {
+    fn();
+  } catch (const c10::Error& e) {
+    return e.what_without_backtrace();
+  }
+  return "";
+}
+
+TEST(Float16Optimizer, RolesFollowDtypeAndRequiresGrad) {
+  Interleaved model;
+  auto opt_ptr = mixprec::testing::make_optimizer(model, torch::optim::AdamWOptions(1e-3));
+  Float16Optimizer& opt = *opt_ptr;
+  const auto& info = opt.params_info();
+  ASSERT_EQ(info.size(), 4u);
+  EXPECT_EQ(info[0].fqn, "pre.weight");
+  EXPECT_EQ(info[0].role, ParamRole::kMaster);
+  EXPECT_EQ(info[1].role, ParamRole::kFrozen);
+  EXPECT_EQ(info[2].fqn, "gate");
+  EXPECT_EQ(info[2].role, ParamRole::kNativeFp32);
+  EXPECT_EQ(info[3].role, ParamRole::kMaster);
+  EXPECT_EQ(opt.main_param(0).scalar_type(), at::kFloat);
+  EXPECT_TRUE(at::equal(opt.main_param(0), model->pre->weight.to(at::kFloat)));
+  EXPECT_FALSE(opt.main_param(1).defined());
+  EXPECT_FALSE(opt.main_param(2).defined());
+}
+
+TEST(Float16Optimizer, StepUpdatesMastersAndRoundsModelParams) {
+  Interleaved model;
+  auto opt_ptr = mixprec::testing::make_optimizer(model, torch::optim::AdamWOptions(1e-2));
+  Float16Optimizer& opt = *opt_ptr;
+  const at::Tensor frozen_before = model->frozen->weight.clone();
+  const at::Tensor gate_before = model->gate.clone();
+  const void* gate_storage = model->gate.data_ptr();
+  set_grads(*model, 0);
+  StepResult r = opt.update();
+  EXPECT_TRUE(r.success);
+  EXPECT_EQ(r.params_stepped, 3);
+  EXPECT_GT(r.grad_norm, 0);
+  EXPECT_TRUE(at::equal(model->frozen->weight, frozen_before));
+  EXPECT_FALSE(at::equal(model->gate, gate_before));
+  EXPECT_EQ(model->gate.data_ptr(), gate_storage);  // in place
+  EXPECT_TRUE(at::equal(model->pre->weight, opt.main_param(0).to(at::kBFloat16)));
+  EXPECT_TRUE(at::equal(model->post->weight, opt.main_param(3).to(at::kBFloat16)));
+}
+
+// The native-FP32 path allocates nothing but its two moments: no hidden FP32 copy.
+struct CountingAllocator final : c10::Allocator {
+  explicit CountingAllocator(c10::Allocator* inner) : inner(inner) {}
+  c10::DataPtr allocate(size_t n) override {
+    bytes += static_cast<int64_t>(n);
+    return inner->allocate(n);
+  }
+  c10::DeleterFnPtr raw_deleter() const override { return inner->raw_deleter(); }
+  void copy_data(void* dest, const void* src, std::size_t count) const override {
+    inner->copy_data(dest, src, count);
+  }
+  c10::Allocator* inner;
+  std::atomic<int64_t> bytes{0};
+};
+
+struct Fp32OnlyImpl : torch::nn::Module {
+  Fp32OnlyImpl() { w = register_parameter("w", torch::randn({1 << 16})); }
+  at::Tensor w;
+};
+
+TEST(Float16Optimizer, NativeFp32ParamsGetNoCopy) {
+  auto model = std::make_shared<Fp32OnlyImpl>();
+  const int64_t n = model->w.numel();
+  c10::Allocator* original = c10::GetCPUAllocator();
+  CountingAllocator counting(original);
+  c10::SetCPUAllocator(&counting, /*priority=*/100);
+  int64_t at_construction = 0, at_first_step = 0, at_second_step = 0;
+  {
+    Float16Optimizer opt(*model, torch::optim::AdamWOptions(1e-3));
+    at_construction = counting.bytes.exchange(0);
+    model->w.mutable_grad() = at::ones_like(model->w);
+    counting.bytes = 0;
+    opt.update();
+    at_first_step = counting.bytes.exchange(0);
+    opt.update();
+    at_second_step = counting.bytes.exchange(0);
+    EXPECT_EQ(opt.state_bytes(ParamRole::kNativeFp32), 8 * n);
+  }
+  c10::SetCPUAllocator(original, /*priority=*/101);
+  EXPECT_LT(at_construction, 4096) << "construction must not copy an FP32 param";
+  EXPECT_LE(at_first_step, 8 * n + 4096) << "first step: exp_avg + exp_avg_sq only";
+  EXPECT_LT(at_second_step, 4096) << "later steps allocate nothing per parameter";
+}
+
+TEST(Float16Optimizer, StateBytesPerParam) {
+  Interleaved model;
+  auto opt_ptr = mixprec::testing::make_optimizer(model, torch::optim::AdamWOptions(1e-3));
+  Float16Optimizer& opt = *opt_ptr;
+  set_grads(*model, 0);
+  opt.update();
+  EXPECT_EQ(opt.state_bytes(ParamRole::kMaster), 12 * 2 * 64);  // master + 2 moments
+  EXPECT_EQ(opt.state_bytes(ParamRole::kNativeFp32), 8 * 24);   // 2 moments
+  EXPECT_EQ(opt.state_bytes(ParamRole::kFrozen), 0);
+}
+
+TEST(Float16Optimizer, ZeroGradAndLrSchedulerWork) {
+  Interleaved model;
+  auto opt_ptr = mixprec::testing::make_optimizer(model, torch::optim::AdamWOptions(1e-2));
+  Float16Optimizer& opt = *opt_ptr;
+  torch::optim::StepLR scheduler(opt, /*step_size=*/1, /*gamma=*/0.5);
+  set_grads(*model, 0);
+  opt.zero_grad();
+  EXPECT_FALSE(model->pre->weight.grad().defined());
+  scheduler.step();  // LibTorch's StepLR changes nothing on its first step
+  scheduler.step();
+  EXPECT_DOUBLE_EQ(opt.param_groups()[0].options().get_lr(), 5e-3);
+}
+
+TEST(Float16Optimizer, ClipsByGlobalNormIncludingNativeFp32) {
+  Interleaved a, b;
+  torch::NoGradGuard no_grad;
+  for (size_t i = 0; i < a->parameters().size(); ++i) b->parameters()[i].copy_(a->parameters()[i]);
+  auto clipped_ptr = mixprec::testing::make_optimizer(a, torch::optim::SGDOptions(1.0), Float16OptimizerOptions().clip_grad(0.01));
+  Float16Optimizer& clipped = *clipped_ptr;
+  auto plain_ptr = mixprec::testing::make_optimizer(b, torch::optim::SGDOptions(1.0));
+  Float16Optimizer& plain = *plain_ptr;
+  set_grads(*a, 0);
+  set_grads(*b, 0);
+  const double norm = plain.update().grad_norm;
+  // Expected global norm over pre, gate and post (frozen excluded), in double.
+  double sumsq = 0;
+  for (auto* p : {&a->pre->weight, &a->gate, &a->post->weight}) {
+    sumsq += p->grad().to(at::kDouble).pow(2).sum().item<double>();
+  }
+  EXPECT_NEAR(norm, std::sqrt(sumsq), 1e-9 * std::sqrt(sumsq));
+  const at::Tensor gate_before = a->gate.clone();
+  const StepResult r = clipped.update();
+  EXPECT_NEAR(r.grad_norm, norm, 1e-12);
+  // SGD with lr 1: the update is exactly the clipped gradient.
+  const at::Tensor delta = gate_before - a->gate;
+  const double coef = 0.01 / (norm + 1e-6);
+  EXPECT_TRUE(at::allclose(delta, a->gate.grad() * coef, 1e-5, 1e-7));
+}
+
+TEST(Float16Optimizer, Fp16DynamicScalerSkipsOverflowAndBacksOff) {
+  torch::NoGradGuard no_grad;
+  auto model = std::make_shared<Fp32OnlyImpl>();
+  model->w.set_data(model->w.to(at::kHalf));
+  LossScalerOptions scaler = LossScalerOptions::fp16_dynamic();
+  scaler.hysteresis = 1;
+  Float16Optimizer opt(*model, torch::optim::AdamWOptions(1e-3), Float16OptimizerOptions().loss_scaler(scaler));
+  EXPECT_EQ(opt.params_info()[0].role, ParamRole::kMaster);
+  const at::Tensor before = model->w.clone();
+  at::Tensor g = at::full_like(model->w, 1.0);
+  g[7] = std::numeric_limits<float>::infinity();
+  model->w.mutable_grad() = g;
+  StepResult r = opt.update();
+  EXPECT_FALSE(r.success);
+  EXPECT_EQ(r.loss_scale, 65536.0);
+  EXPECT_EQ(opt.loss_scale(), 32768.0);
+  EXPECT_TRUE(at::equal(model->w, before));
+  // Scaled gradients are unscaled on the fly: a clean step with g * scale behaves like g.
+  model->w.mutable_grad() = at::full_like(model->w, 0.5 * opt.loss_scale());
+  r = opt.update();
+  EXPECT_TRUE(r.success);
+  EXPECT_NEAR(r.grad_norm, 0.5 * std::sqrt(static_cast<double>(model->w.numel())), 1e-6);
+}
+
+TEST(Float16Optimizer, NonFiniteBf16GradsSkipOrErrorPerOption) {
+  Interleaved model;
+  auto skip_ptr = mixprec::testing::make_optimizer(model, torch::optim::AdamWOptions(1e-3));
+  Float16Optimizer& skip = *skip_ptr;
+  set_grads(*model, 0);
+  model->gate.mutable_grad()[3] = std::numeric_limits<float>::quiet_NaN();
+  const at::Tensor post_before = model->post->weight.clone();
+  StepResult r = skip.update();
+  EXPECT_FALSE(r.success);
+  EXPECT_TRUE(at::equal(model->post->weight, post_before));
+  EXPECT_EQ(skip.state_bytes(ParamRole::kNativeFp32), 0);
+
+  auto strict_ptr = mixprec::testing::make_optimizer(model, torch::optim::AdamWOptions(1e-3),
+                          Float16OptimizerOptions().non_finite_grads(NonFiniteGrads::kError));
+  Float16Optimizer& strict = *strict_ptr;
+  const std::string msg = error_of([&] { strict.update(); });
+  EXPECT_NE(msg.find("non-finite gradient in parameter 'gate'"), std::string::npos) << msg;
+  EXPECT_TRUE(at::equal(model->post->weight, post_before));
+}
+
+struct WrongDtypeImpl : torch::nn::Module {
+  WrongDtypeImpl() {
+    register_parameter("ok", torch::randn({4}));
+    register_parameter("A_log", torch::randn({4}, torch::kDouble));
+  }
+};
+
+TEST(Float16Optimizer, TrainableParamOfOtherDtypeIsAnError) {
+  auto model = std::make_shared<WrongDtypeImpl>();
+  const std::string msg =
+      error_of([&] { Float16Optimizer(*model, torch::optim::AdamWOptions(1e-3)); });
+  EXPECT_NE(msg.find("'A_log' is a trainable Double parameter"), std::string::npos) << msg;
+}
+
+TEST(Float16Optimizer, ParamNotInModelIsAnError) {
+  Interleaved model;
+  std::vector<torch::optim::OptimizerParamGroup> groups;
+  groups.emplace_back(std::vector<at::Tensor>{model->pre->weight, torch::randn({3})});
+  const std::string msg = error_of([&] {
+    Float16Optimizer(*model, std::move(groups), std::make_unique<torch::optim::AdamWOptions>());
+  });
+  EXPECT_NE(msg.find("param 1 of group 0 (id 1) is not a parameter of the model"),
+            std::string::npos)
+      << msg;
+}
+
+TEST(Float16Optimizer, MixedOptionTypesAcrossGroupsAreAnError) {
+  Interleaved model;
+  std::vector<torch::optim::OptimizerParamGroup> groups;
+  groups.emplace_back(std::vector<at::Tensor>{model->pre->weight},
+                      std::make_unique<torch::optim::AdamWOptions>());
+  groups.emplace_back(std::vector<at::Tensor>{model->post->weight},
+                      std::make_unique<torch::optim::SGDOptions>(0.1));
+  EXPECT_THROW(Float16Optimizer(*model, std::move(groups),
+                                std::make_unique<torch::optim::AdamWOptions>()),
+               c10::Error);
+}
+
+TEST(Float16Optimizer, SgdMomentumMatchesTorch) {
+  // Native FP32 path against torch::optim::SGD on a copy.
+  torch::NoGradGuard no_grad;
+  auto ours = std::make_shared<Fp32OnlyImpl>();
+  at::Tensor theirs = ours->w.detach().clone().requires_grad_(true);
+  auto options = torch::optim::SGDOptions(0.05).momentum(0.9).dampening(0.1).weight_decay(0.01).nesterov(false);
+  Float16Optimizer opt(*ours, options);
+  torch::optim::SGD reference({theirs}, options);
+  for (int step = 0; step < 4; ++step) {
+    at::Tensor g = at::sin(at::arange(ours->w.numel(), at::kFloat) * 0.1 + step);
+    ours->w.mutable_grad() = g;
+    theirs.mutable_grad() = g.clone();
+    opt.update();
+    reference.step();
+  }
+  EXPECT_TRUE(at::allclose(ours->w, theirs, 0, 1e-6));
+}
+
+}  // namespace
+}  // namespace mixprec::optim

@@ -1,0 +1,81 @@
+#include "mixprec/optim/loss_scaler.h"
+
+#include <c10/util/Exception.h>
+#include <gtest/gtest.h>
+#include <nlohmann/json.hpp>
+
+namespace mixprec::optim {
+namespace {
+
+TEST(LossScaler, ConstantIgnoresOverflow) {
+  LossScaler s;
+  s.update(true);
+  s.update(false);
+  EXPECT_EQ(s.scale(), 1.0);
+}
+
+TEST(LossScaler, DynamicBacksOffAfterHysteresisAndGrowsAfterInterval) {
+  LossScalerOptions o = LossScalerOptions::fp16_dynamic();
+  o.growth_interval = 3;
+  o.hysteresis = 2;
+  LossScaler s(o);
+  EXPECT_EQ(s.scale(), 65536.0);
+  s.update(true);  // hysteresis 2 -> 1: no backoff yet
+  EXPECT_EQ(s.scale(), 65536.0);
+  s.update(true);  // spent: backoff
+  EXPECT_EQ(s.scale(), 32768.0);
+  s.update(true);  // still spent: backs off on every overflow until growth refills it
+  EXPECT_EQ(s.scale(), 16384.0);
+  s.update(false);
+  s.update(false);
+  EXPECT_EQ(s.scale(), 16384.0);
+  s.update(false);  // third clean step in a row: grow, hysteresis refilled
+  EXPECT_EQ(s.scale(), 32768.0);
+  s.update(true);
+  EXPECT_EQ(s.scale(), 32768.0);
+}
+
+TEST(LossScaler, RespectsMinAndMax) {
+  LossScalerOptions o = LossScalerOptions::fp16_dynamic();
+  o.hysteresis = 1;
+  o.min_scale = 16384.0;
+  o.max_scale = 65536.0;
+  o.growth_interval = 1;
+  LossScaler s(o);
+  for (int i = 0; i < 5; ++i) s.update(true);
+  EXPECT_EQ(s.scale(), 16384.0);
+  for (int i = 0; i < 5; ++i) s.update(false);
+  EXPECT_EQ(s.scale(), 65536.0);
+}
+
+TEST(LossScaler, StateRoundTripsAndBadStateIsRejected) {
+  LossScalerOptions o = LossScalerOptions::fp16_dynamic();
+  LossScaler a(o), b(o);
+  a.update(true);
+  a.update(true);
+  a.update(false);
+  b.load_state(a.state());
+  EXPECT_EQ(b.state(), a.state());
+  const nlohmann::json before = b.state();
+  EXPECT_THROW(b.load_state({{"scale", -1.0}, {"growth_tracker", 0}, {"hysteresis_tracker", 1}}),
+               c10::Error);
+  EXPECT_THROW(b.load_state({{"scale", 2.0}}), c10::Error);
+  EXPECT_EQ(b.state(), before);
+}
+
+TEST(LossScaler, BadOptionsNameTheField) {
+  LossScalerOptions o;
+  o.growth_factor = 1.0;
+  try {
+    LossScaler s(o);
+    FAIL();
+  } catch (const c10::Error& e) {
+    EXPECT_NE(std::string(e.what_without_backtrace()).find("growth_factor"), std::string::npos);
+  }
+  o = LossScalerOptions{};
+  o.backoff_factor = 1.5;
+  EXPECT_THROW(LossScaler{o}, c10::Error);
+}
+
+}  // namespace
+}  // namespace mixprec::optim
