@@ -42,7 +42,10 @@ void LossScaler::update(bool found_inf) {
   if (!options_.dynamic) return;
   if (found_inf) {
     growth_tracker_ = 0;
-    if (--hysteresis_tracker_ <= 0) {
+    // Floored at 0 (Megatron lets it run negative; the behaviour is the same, and a
+    // non-negative tracker is what a saved state can be checked against).
+    hysteresis_tracker_ = std::max<int64_t>(0, hysteresis_tracker_ - 1);
+    if (hysteresis_tracker_ == 0) {
       scale_ = std::max(scale_ * options_.backoff_factor, options_.min_scale);
     }
     return;

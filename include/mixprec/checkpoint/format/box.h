@@ -1,0 +1,55 @@
+// Boxes in a tensor's index space: how a chunk of a sharded tensor sits in the global tensor.
+//
+// A box is a global offset and a local shape, one entry per dimension ("offset [0, 128],
+// shape [64, 128]" is rows 0..63, columns 128..255). A rank-0 box (both empty) is the single
+// element of a scalar. The manifest stores one box per chunk; the resharding loader
+// intersects the boxes it needs with the boxes on disk.
+#pragma once
+
+#include <cstdint>
+#include <optional>
+#include <string>
+#include <vector>
+
+namespace mixprec::checkpoint {
+
+struct Box {
+  std::vector<std::int64_t> offset;  // first global index per dim, ≥ 0
+  std::vector<std::int64_t> shape;   // extent per dim, ≥ 0; same length as offset
+
+  std::size_t rank() const { return shape.size(); }
+  // product(shape); 1 for rank 0. Requires a valid box (fits_in succeeded).
+  std::uint64_t volume() const;
+  // "[0, 128]+[64, 128]" — for error messages.
+  std::string to_string() const;
+};
+
+// "[64, 128]" — for error messages.
+std::string dims_to_string(const std::vector<std::int64_t>& dims);
+
+// True if `box` has `global_shape`'s rank, non-negative offsets and extents, and lies inside
+// it (offset + shape ≤ global per dim, computed without overflow).
+bool fits_in(const Box& box, const std::vector<std::int64_t>& global_shape);
+
+// The common part of two boxes, or nullopt if they share no element (boxes with a zero
+// extent share nothing) or differ in rank. Requires offset + shape to fit in int64 per dim.
+std::optional<Box> intersect(const Box& a, const Box& b);
+
+// How a set of boxes fails to tile a global shape exactly.
+struct TilingProblem {
+  enum class Kind { kOutOfBounds, kOverlap, kGap } kind;
+  std::size_t first = 0;      // index of the offending box (kOutOfBounds, kOverlap)
+  std::size_t second = 0;     // the other box of an overlap
+  std::uint64_t covered = 0;  // elements covered (kGap)
+  std::uint64_t total = 0;    // elements in the global shape (kGap)
+};
+
+// Checks that `boxes` tile `global_shape` exactly: each fits in it, no two share an element,
+// and together they cover every element. Returns the first problem found, or nullopt.
+// Zero-volume boxes are allowed (they cover nothing) but must still fit. Cost is a sort plus
+// a sweep along the dimension with the most distinct offsets: O(n log n) for the usual
+// "split along one dim" layouts, O(n²) only for pathological ones. Never throws.
+std::optional<TilingProblem> check_tiling(const std::vector<Box>& boxes,
+                                          const std::vector<std::int64_t>& global_shape);
+
+}  // namespace mixprec::checkpoint

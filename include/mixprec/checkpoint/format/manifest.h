@@ -1,0 +1,111 @@
+// manifest.json: the table of contents of one checkpoint directory.
+//
+// Format "mixprec-checkpoint", version 1 (UTF-8 JSON, one object):
+//
+//   {
+//     "format": "mixprec-checkpoint",
+//     "version": 1,
+//     "sequence": 12,                       // commit order within a checkpoint root (≥ 1)
+//     "common": { ... }                     // inline common state: any JSON object, or
+//     "common_file": {"file": "common.json", "bytes": 311, "xxh3": "<16 hex>"},  // not both
+//     "keys": {
+//       "<key>": {
+//         "dtype": "F32",                     // a safetensors dtype name (dtype.h)
+//         "shape": [1024, 512],               // the global shape
+//         "chunks": [
+//           {"file": "data-00000.safetensors", // a file in the same directory
+//            "tensor": "<name in that file>",
+//            "offset": [0, 0],                // global offset of the chunk, per dim
+//            "shape": [512, 512],             // local shape
+//            "bytes": 1048576,                // product(shape) × element size
+//            "xxh3": "0123456789abcdef"}      // XXH3-64 of the chunk's bytes (checksum.h)
+//         ]
+//       }
+//     }
+//   }
+//
+// The common state (step, hyper-parameters, scaler, RNG state, user metadata) is opaque here.
+// Parsing is strict: unknown or missing fields, wrong JSON types, duplicate member names,
+// a different "format", or a version other than 1 are errors; a newer version is reported as
+// such. Adding a field means bumping the version. Validation (also run by parse_manifest):
+//   - key names non-empty; dtype known; dims ≥ 0 and element counts fit in 63 bits;
+//   - file names are plain names in the checkpoint directory (see is_valid_file_name);
+//   - every chunk has the key's rank, lies inside the global shape, has bytes equal to its
+//     volume × element size, and no (file, tensor) pair is used by two chunks;
+//   - the chunks of a key tile its global shape exactly: no gap, no overlap (box.h).
+// The manifest is written last inside the staging directory; the directory rename commits it.
+#pragma once
+
+#include "mixprec/checkpoint/format/box.h"
+#include "mixprec/checkpoint/format/dtype.h"
+
+#include <nlohmann/json.hpp>
+
+#include <cstdint>
+#include <filesystem>
+#include <map>
+#include <optional>
+#include <string>
+#include <string_view>
+#include <vector>
+
+namespace mixprec::checkpoint {
+
+inline constexpr std::string_view kManifestFormat = "mixprec-checkpoint";
+inline constexpr int kManifestVersion = 1;
+inline constexpr std::string_view kManifestFileName = "manifest.json";
+
+// One stored piece of a key: a tensor in a safetensors file and where it sits globally.
+struct Chunk {
+  std::string file;    // file name inside the checkpoint directory
+  std::string tensor;  // tensor name inside that file
+  Box box;             // global offset and local shape
+  std::uint64_t bytes = 0;
+  std::uint64_t checksum = 0;  // XXH3-64 of the bytes
+};
+
+// A logical tensor of the checkpoint (e.g. "optimizer.state.exp_avg.<fqn>").
+struct KeyEntry {
+  Dtype dtype = Dtype::F32;
+  std::vector<std::int64_t> shape;  // global shape
+  std::vector<Chunk> chunks;
+};
+
+// A reference to the common state stored as its own file in the checkpoint directory.
+struct CommonFileRef {
+  std::string file;
+  std::uint64_t bytes = 0;
+  std::uint64_t checksum = 0;  // XXH3-64 of the whole file
+};
+
+struct Manifest {
+  std::uint64_t sequence = 0;  // ≥ 1; assigned at save time, see retention.h
+  std::map<std::string, KeyEntry> keys;
+  // Exactly one of the two: the common state inline (a JSON object), or a file reference.
+  std::optional<nlohmann::json> common;
+  std::optional<CommonFileRef> common_file;
+};
+
+// True for a name that may appear as a file (or checkpoint directory) name: 1–200 characters
+// from [A-Za-z0-9._-], not starting with '.', so never "", ".", "..", a hidden name or a path.
+bool is_valid_file_name(std::string_view name);
+
+// Checks everything listed above. Throws FormatError "<source>: key '<k>': chunk <i>: ...".
+void validate_manifest(const Manifest& manifest, std::string_view source);
+
+// Parses and validates manifest JSON text; `source` (a path or label) starts every error.
+// Throws FormatError naming the source, key, chunk index and field at fault.
+Manifest parse_manifest(std::string_view json_text, std::string_view source);
+
+// Serializes a manifest (validated first; throws FormatError like validate_manifest).
+// Output is deterministic: keys sorted, two-space indentation, trailing newline.
+std::string manifest_to_json(const Manifest& manifest);
+
+// Reads and parses <dir>/manifest.json. Throws FormatError naming the path.
+Manifest read_manifest(const std::filesystem::path& checkpoint_dir);
+
+// The common state of a checkpoint: the inline object, or <dir>/<common_file> read, checked
+// against its recorded size and XXH3-64, and parsed. Throws FormatError/ChecksumError.
+nlohmann::json read_common(const std::filesystem::path& checkpoint_dir, const Manifest& manifest);
+
+}  // namespace mixprec::checkpoint

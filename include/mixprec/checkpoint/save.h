@@ -1,0 +1,48 @@
+// Saving sharded state dicts as a checkpoint directory (format: checkpoint/format/manifest.h,
+// docs/checkpoint-format.md).
+//
+// Each data-parallel rank writes the shards it owns (replica_id 0) into its own safetensors
+// file, data-<rank>.safetensors; tensor bytes stream from the tensors' own memory with their
+// XXH3-64 computed on the way (no staging copy: peak extra memory is the writer's buffer).
+// Rank 0's common state goes to common.json; manifest.json, written last, lists every chunk.
+// The directory is committed durably (checkpoint/format/commit.h): a crash at any point
+// leaves the previous checkpoint loadable and never publishes a partial one.
+#pragma once
+
+#include "mixprec/sharded_state_dict.h"
+
+#include <cstdint>
+#include <filesystem>
+#include <set>
+#include <string>
+#include <vector>
+
+namespace mixprec::checkpoint {
+
+struct SaveOptions {
+  bool update_latest = true;   // point <root>/latest at the new checkpoint
+  std::size_t keep_last = 0;   // > 0: keep-last-K retention after the commit
+  std::set<std::string> in_use;  // names retention must not delete (e.g. the one resumed from)
+};
+
+struct SaveResult {
+  std::filesystem::path dir;   // <root>/<name>
+  std::uint64_t tensor_bytes = 0;
+  std::size_t files = 0;       // data files written
+  std::vector<std::string> deleted;  // removed by retention
+};
+
+// Writes `ranks` (one state dict per data-parallel rank; with no data parallelism, one) as
+// the checkpoint <root>/<name>. The common state is rank 0's. Tensors may live on any device
+// (non-CPU ones are copied to the host one at a time).
+// Throws c10::Error before writing anything if a tensor's dtype cannot be stored, if shards of
+// a key disagree on dtype or global shape, or if the replica-0 shards of a key do not tile it
+// exactly (a shard written twice, or a gap); FormatError for I/O failures. On any failure the
+// staging directory is removed and <root> is as before.
+SaveResult save_checkpoint(const std::filesystem::path& root, const std::string& name,
+                           const std::vector<const ShardedStateDict*>& ranks,
+                           const SaveOptions& options = {});
+SaveResult save_checkpoint(const std::filesystem::path& root, const std::string& name,
+                           const ShardedStateDict& state, const SaveOptions& options = {});
+
+}  // namespace mixprec::checkpoint

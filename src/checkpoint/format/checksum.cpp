@@ -1,0 +1,58 @@
+#include "mixprec/checkpoint/format/checksum.h"
+
+// Compiled in from the header (XXH_INLINE_ALL) rather than linked: the format library then
+// needs no extra link dependency, and sanitizer/fuzzer builds instrument the hash code too.
+#define XXH_INLINE_ALL
+#include <xxhash.h>
+
+namespace mixprec::checkpoint {
+
+struct Xxh3Hasher::State {
+  XXH3_state_t xxh;
+};
+
+Xxh3Hasher::Xxh3Hasher() : state_(std::make_unique<State>()) { reset(); }
+Xxh3Hasher::~Xxh3Hasher() = default;
+Xxh3Hasher::Xxh3Hasher(Xxh3Hasher&&) noexcept = default;
+Xxh3Hasher& Xxh3Hasher::operator=(Xxh3Hasher&&) noexcept = default;
+
+void Xxh3Hasher::update(std::span<const std::byte> bytes) {
+  // Only fails on a null state, which the constructor rules out.
+  (void)XXH3_64bits_update(&state_->xxh, bytes.data(), bytes.size());
+}
+
+std::uint64_t Xxh3Hasher::digest() const { return XXH3_64bits_digest(&state_->xxh); }
+
+void Xxh3Hasher::reset() { (void)XXH3_64bits_reset(&state_->xxh); }
+
+std::uint64_t xxh3_64(std::span<const std::byte> bytes) {
+  return XXH3_64bits(bytes.data(), bytes.size());
+}
+
+std::string checksum_to_hex(std::uint64_t checksum) {
+  static constexpr char kDigits[] = "0123456789abcdef";
+  std::string hex(16, '0');
+  for (int i = 15; i >= 0; --i, checksum >>= 4) {
+    hex[static_cast<std::size_t>(i)] = kDigits[checksum & 15];
+  }
+  return hex;
+}
+
+std::optional<std::uint64_t> checksum_from_hex(std::string_view hex) {
+  if (hex.size() != 16) return std::nullopt;
+  std::uint64_t value = 0;
+  for (char c : hex) {
+    int digit;
+    if (c >= '0' && c <= '9') {
+      digit = c - '0';
+    } else if (c >= 'a' && c <= 'f') {
+      digit = c - 'a' + 10;
+    } else {
+      return std::nullopt;
+    }
+    value = (value << 4) | static_cast<std::uint64_t>(digit);
+  }
+  return value;
+}
+
+}  // namespace mixprec::checkpoint

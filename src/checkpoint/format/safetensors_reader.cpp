@@ -1,0 +1,123 @@
+#include "mixprec/checkpoint/format/safetensors_reader.h"
+
+#include "fail.h"
+#include "mixprec/checkpoint/format/checksum.h"
+#include "posix_file.h"
+
+#include <fcntl.h>
+#include <unistd.h>
+
+#include <array>
+#include <vector>
+
+namespace mixprec::checkpoint {
+namespace {
+
+using detail::fail;
+
+// Streaming checksums read through a buffer of this size, so verifying a multi-GB tensor
+// needs no more memory than this.
+constexpr std::size_t kChecksumChunk = 4 << 20;
+
+}  // namespace
+
+SafetensorsReader::SafetensorsReader(std::filesystem::path path) : path_(std::move(path)) {
+  detail::UniqueFd fd = detail::open_file(path_, O_RDONLY);
+  const std::uint64_t size = detail::file_size(fd.get(), path_);
+  if (size < 8) fail(path_.string(), ": ", size, " bytes is too short for a safetensors file");
+  std::array<std::byte, 8> prefix;
+  detail::pread_all(fd.get(), 0, prefix, path_);
+  const std::uint64_t n = decode_header_length(prefix);
+  // Both checks come before allocating n bytes: a corrupt length must not become a huge
+  // allocation.
+  if (n > kMaxSafetensorsHeaderSize) {
+    fail(path_.string(), ": header length ", n, " (bytes 0-7) exceeds the limit of ",
+         kMaxSafetensorsHeaderSize);
+  }
+  if (n > size - 8) {
+    fail(path_.string(), ": header length ", n, " (bytes 0-7) runs past the end of the ", size,
+         "-byte file");
+  }
+  std::vector<std::byte> header_json(n);
+  detail::pread_all(fd.get(), 8, header_json, path_);
+  header_ = parse_safetensors_header(header_json, size - 8 - n, path_.string());
+  fd_ = fd.release();
+}
+
+SafetensorsReader::~SafetensorsReader() {
+  if (fd_ >= 0) ::close(fd_);
+}
+
+SafetensorsReader::SafetensorsReader(SafetensorsReader&& other) noexcept
+    : path_(std::move(other.path_)), header_(std::move(other.header_)), fd_(other.fd_) {
+  other.fd_ = -1;
+}
+
+SafetensorsReader& SafetensorsReader::operator=(SafetensorsReader&& other) noexcept {
+  if (this != &other) {
+    if (fd_ >= 0) ::close(fd_);
+    path_ = std::move(other.path_);
+    header_ = std::move(other.header_);
+    fd_ = other.fd_;
+    other.fd_ = -1;
+  }
+  return *this;
+}
+
+const TensorEntry& SafetensorsReader::tensor(std::string_view name) const {
+  const TensorEntry* entry = header_.find(name);
+  if (entry == nullptr) fail(path_.string(), ": no tensor '", name, "' in the file");
+  return *entry;
+}
+
+void SafetensorsReader::pread_exact(std::uint64_t file_offset, std::span<std::byte> out,
+                                    std::string_view tensor_name) const {
+  if (fd_ < 0)
+    fail(path_.string(), ": read of tensor '", tensor_name, "' from a moved-from reader");
+  detail::pread_all(fd_, file_offset, out, path_);
+}
+
+void SafetensorsReader::read(std::string_view name, std::span<std::byte> out,
+                             std::optional<std::uint64_t> expected_checksum) const {
+  const TensorEntry& t = tensor(name);
+  if (out.size() != t.byte_size()) {
+    fail(path_.string(), ": tensor '", name, "' holds ", t.byte_size(),
+         " bytes but the destination holds ", out.size());
+  }
+  pread_exact(header_.data_offset() + t.begin, out, name);
+  if (expected_checksum) {
+    const std::uint64_t actual = xxh3_64(out);
+    if (actual != *expected_checksum) {
+      throw ChecksumError(detail::concat("[mixprec::checkpoint] ", path_.string(), ": tensor '",
+                                         name, "': checksum mismatch: expected xxh3 ",
+                                         checksum_to_hex(*expected_checksum), ", got ",
+                                         checksum_to_hex(actual), " (data corrupt)"));
+    }
+  }
+}
+
+void SafetensorsReader::read_range(std::string_view name, std::uint64_t offset,
+                                   std::span<std::byte> out) const {
+  const TensorEntry& t = tensor(name);
+  if (offset > t.byte_size() || out.size() > t.byte_size() - offset) {
+    fail(path_.string(), ": tensor '", name, "': range [", offset, ", +", out.size(),
+         ") is outside its ", t.byte_size(), " bytes");
+  }
+  pread_exact(header_.data_offset() + t.begin + offset, out, name);
+}
+
+std::uint64_t SafetensorsReader::checksum(std::string_view name) const {
+  const TensorEntry& t = tensor(name);
+  Xxh3Hasher hasher;
+  std::vector<std::byte> buffer(std::min<std::uint64_t>(t.byte_size(), kChecksumChunk));
+  for (std::uint64_t done = 0; done < t.byte_size();) {
+    std::span<std::byte> piece(buffer.data(),
+                               std::min<std::uint64_t>(buffer.size(), t.byte_size() - done));
+    pread_exact(header_.data_offset() + t.begin + done, piece, name);
+    hasher.update(piece);
+    done += piece.size();
+  }
+  return hasher.digest();
+}
+
+}  // namespace mixprec::checkpoint

@@ -1,0 +1,123 @@
+#include "mixprec/checkpoint/format/safetensors_writer.h"
+
+#include "fail.h"
+#include "mixprec/checkpoint/format/crash_point.h"
+#include "posix_file.h"
+
+#include <fcntl.h>
+#include <unistd.h>
+
+namespace mixprec::checkpoint {
+namespace {
+
+using detail::crash_point;
+using detail::fail;
+
+// Pieces smaller than this are gathered before write(2): optimizer state has many tiny
+// tensors (biases, norm scales), and one syscall each would dominate their cost.
+constexpr std::size_t kBufferSize = 1 << 20;
+
+}  // namespace
+
+SafetensorsWriter::SafetensorsWriter(std::filesystem::path path, std::vector<TensorSpec> tensors,
+                                     std::map<std::string, std::string> metadata)
+    : path_(std::move(path)), specs_(std::move(tensors)) {
+  const std::string header = encode_safetensors_header(specs_, metadata, path_.string());
+  written_.reserve(specs_.size());
+  for (const TensorSpec& spec : specs_) written_.push_back({spec.name, spec.byte_size(), 0});
+
+  crash_point("safetensors: before create");
+  detail::UniqueFd fd = detail::open_file(path_, O_WRONLY | O_CREAT | O_EXCL);
+  fd_ = fd.release();
+  buffer_.reserve(kBufferSize);
+  try {
+    crash_point("safetensors: before header write");
+    write_out(std::as_bytes(std::span(header)));
+    flush_buffer();
+    crash_point("safetensors: after header write");
+    advance_past_complete();
+  } catch (...) {
+    ::close(fd_);
+    ::unlink(path_.c_str());
+    fd_ = -1;
+    throw;
+  }
+}
+
+SafetensorsWriter::~SafetensorsWriter() {
+  if (!closed_ && fd_ >= 0) {
+    ::close(fd_);
+    ::unlink(path_.c_str());
+  }
+}
+
+void SafetensorsWriter::advance_past_complete() {
+  while (current_ < specs_.size() && current_written_ == written_[current_].byte_size) {
+    written_[current_].checksum = hasher_.digest();
+    hasher_.reset();
+    current_written_ = 0;
+    ++current_;
+  }
+}
+
+void SafetensorsWriter::write(std::string_view name, std::span<const std::byte> piece) {
+  if (closed_ || fd_ < 0) fail(path_.string(), ": write to tensor '", name, "' after close()");
+  if (current_ >= specs_.size()) {
+    fail(path_.string(), ": write to tensor '", name, "' but every declared tensor is complete");
+  }
+  const WrittenTensor& target = written_[current_];
+  if (name != target.name) {
+    fail(path_.string(), ": write to tensor '", name, "' but tensor '", target.name,
+         "' (declared #", current_,
+         ") is not complete yet; tensors must be written in the "
+         "declared order");
+  }
+  if (piece.size() > target.byte_size - current_written_) {
+    fail(path_.string(), ": tensor '", name, "': ", piece.size(), "-byte write at byte ",
+         current_written_, " runs past its declared size of ", target.byte_size, " bytes");
+  }
+  if (piece.empty()) return;
+  hasher_.update(piece);
+  write_out(piece);
+  current_written_ += piece.size();
+  crash_point("safetensors: after tensor piece");
+  advance_past_complete();
+}
+
+void SafetensorsWriter::write_out(std::span<const std::byte> bytes) {
+  if (buffer_.size() + bytes.size() <= kBufferSize) {
+    buffer_.insert(buffer_.end(), bytes.begin(), bytes.end());
+    return;
+  }
+  flush_buffer();
+  if (bytes.size() >= kBufferSize) {
+    detail::write_all(fd_, bytes, path_);
+  } else {
+    buffer_.assign(bytes.begin(), bytes.end());
+  }
+}
+
+void SafetensorsWriter::flush_buffer() {
+  if (buffer_.empty()) return;
+  detail::write_all(fd_, buffer_, path_);
+  buffer_.clear();
+}
+
+std::vector<WrittenTensor> SafetensorsWriter::close() {
+  if (closed_ || fd_ < 0) fail(path_.string(), ": close() called twice");
+  if (current_ < specs_.size()) {
+    fail(path_.string(), ": close() before tensor '", written_[current_].name, "' is complete (",
+         current_written_, " of ", written_[current_].byte_size, " bytes written)");
+  }
+  flush_buffer();
+  crash_point("safetensors: before fsync");
+  detail::fsync_fd(fd_, path_);
+  crash_point("safetensors: after fsync");
+  detail::UniqueFd fd(fd_);
+  fd_ = -1;
+  closed_ = true;  // from here on the file is complete; never unlink it
+  fd.close_checked(path_);
+  return written_;
+}
+
+}  // namespace mixprec::checkpoint

@@ -1,0 +1,66 @@
+#include "mixprec/checkpoint/format/verify.h"
+
+#include "fail.h"
+#include "mixprec/checkpoint/format/checksum.h"
+#include "mixprec/checkpoint/format/error.h"
+#include "mixprec/checkpoint/format/manifest.h"
+#include "mixprec/checkpoint/format/safetensors_reader.h"
+
+#include <map>
+#include <set>
+
+namespace mixprec::checkpoint {
+
+VerifyReport verify_checkpoint(const std::filesystem::path& dir) {
+  using detail::fail;
+  const Manifest manifest = read_manifest(dir);
+  VerifyReport report;
+  report.keys = manifest.keys.size();
+  std::map<std::string, SafetensorsReader> readers;
+  std::map<std::string, std::set<std::string>> referenced;  // file → tensors used by chunks
+  for (const auto& [key, entry] : manifest.keys) {
+    for (std::size_t i = 0; i < entry.chunks.size(); ++i) {
+      const Chunk& chunk = entry.chunks[i];
+      auto it = readers.find(chunk.file);
+      if (it == readers.end()) it = readers.emplace(chunk.file, dir / chunk.file).first;
+      const SafetensorsReader& reader = it->second;
+      const std::string where = detail::concat(reader.path().string(), ": key '", key, "' chunk ",
+                                               i, " (tensor '", chunk.tensor, "')");
+      const TensorEntry* t = reader.header().find(chunk.tensor);
+      if (t == nullptr) fail(where, ": tensor not found in the file");
+      if (t->dtype != entry.dtype) {
+        fail(where, ": dtype is ", dtype_name(t->dtype), ", the manifest says ",
+             dtype_name(entry.dtype));
+      }
+      if (t->shape != chunk.box.shape) {
+        fail(where, ": shape is ", dims_to_string(t->shape), ", the manifest says ",
+             dims_to_string(chunk.box.shape));
+      }
+      const std::uint64_t actual = reader.checksum(chunk.tensor);
+      if (actual != chunk.checksum) {
+        throw ChecksumError(detail::concat(
+            "[mixprec::checkpoint] ", where, ": checksum mismatch: expected xxh3 ",
+            checksum_to_hex(chunk.checksum), ", got ", checksum_to_hex(actual), " (data corrupt)"));
+      }
+      referenced[chunk.file].insert(chunk.tensor);
+      report.bytes += t->byte_size();
+      ++report.chunks;
+    }
+  }
+  // A tensor no chunk refers to means the manifest and the data disagree about what was saved.
+  for (const auto& [file, reader] : readers) {
+    for (const TensorEntry& t : reader.header().tensors) {
+      if (referenced[file].count(t.name) == 0) {
+        fail(reader.path().string(), ": tensor '", t.name, "' is not referenced by the manifest");
+      }
+    }
+  }
+  report.files = readers.size();
+  if (manifest.common_file) {
+    (void)read_common(dir, manifest);
+    ++report.files;
+  }
+  return report;
+}
+
+}  // namespace mixprec::checkpoint

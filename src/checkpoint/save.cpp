@@ -1,0 +1,215 @@
+#include "mixprec/checkpoint/save.h"
+
+#include "checkpoint/save_pipeline.h"
+
+#include "mixprec/checkpoint/format/checksum.h"
+#include "mixprec/checkpoint/format/commit.h"
+#include "mixprec/checkpoint/format/manifest.h"
+#include "mixprec/checkpoint/format/retention.h"
+#include "mixprec/checkpoint/format/safetensors_writer.h"
+#include "mixprec/checkpoint/tensor_dtype.h"
+
+#include <ATen/ATen.h>
+#include <c10/util/Exception.h>
+
+#include <cstdio>
+
+namespace mixprec::checkpoint {
+namespace {
+
+// Pieces handed to the writer: large enough for full-speed write(2), small enough that a
+// device tensor's host copy stays small.
+constexpr int64_t kPieceBytes = 64 << 20;
+
+std::string data_file_name(size_t rank) {
+  char name[32];
+  std::snprintf(name, sizeof(name), "data-%05zu.safetensors", rank);
+  return name;
+}
+
+struct KeyPlan {
+  Dtype dtype;
+  std::vector<int64_t> global_shape;
+  std::vector<Chunk> chunks;  // replica-0 shards, in rank order
+  std::vector<size_t> chunk_rank;
+};
+
+// Checks every shard of every rank and builds the per-key plan. Throws before any I/O.
+std::map<std::string, KeyPlan> plan_keys(const std::vector<const ShardedStateDict*>& ranks) {
+  std::map<std::string, KeyPlan> plan;
+  std::vector<std::string> problems;
+  for (size_t r = 0; r < ranks.size(); ++r) {
+    TORCH_CHECK(ranks[r] != nullptr, "[mixprec::checkpoint::save] rank ", r, " state is null");
+    for (const auto& [key, shard] : ranks[r]->tensors) {
+      const std::string where = "key '" + key + "' (rank " + std::to_string(r) + ")";
+      if (!shard.local.defined()) {
+        problems.push_back(where + ": undefined tensor");
+        continue;
+      }
+      const Dtype dtype = to_checkpoint_dtype(shard.local.scalar_type());
+      if (shard.global_offset.size() != shard.global_shape.size() ||
+          shard.local.dim() != static_cast<int64_t>(shard.global_shape.size())) {
+        problems.push_back(where + ": local rank " + std::to_string(shard.local.dim()) +
+                           ", global shape " + c10::str(shard.global_shape) + ", offset " +
+                           c10::str(shard.global_offset));
+        continue;
+      }
+      auto [it, inserted] = plan.try_emplace(key, KeyPlan{dtype, shard.global_shape, {}, {}});
+      KeyPlan& kp = it->second;
+      if (!inserted && (kp.dtype != dtype || kp.global_shape != shard.global_shape)) {
+        problems.push_back(where + ": dtype/global shape " + std::string(dtype_name(dtype)) +
+                           c10::str(shard.global_shape) + " disagrees with another rank's " +
+                           std::string(dtype_name(kp.dtype)) + c10::str(kp.global_shape));
+        continue;
+      }
+      if (shard.replica_id != 0) continue;  // a replica: written once, by its replica 0
+      Chunk chunk;
+      chunk.file = data_file_name(r);
+      chunk.tensor = key;
+      chunk.box = Box{shard.global_offset, shard.local.sizes().vec()};
+      chunk.bytes = static_cast<uint64_t>(shard.local.numel()) * element_size(dtype);
+      kp.chunks.push_back(std::move(chunk));
+      kp.chunk_rank.push_back(r);
+    }
+  }
+  for (const auto& [key, kp] : plan) {
+    std::vector<Box> boxes;
+    for (const auto& c : kp.chunks) boxes.push_back(c.box);
+    if (auto problem = check_tiling(boxes, kp.global_shape)) {
+      using Kind = TilingProblem::Kind;
+      std::string what =
+          problem->kind == Kind::kOverlap
+              ? "shards of ranks " + std::to_string(kp.chunk_rank[problem->first]) + " and " +
+                    std::to_string(kp.chunk_rank[problem->second]) +
+                    " overlap (a shard written twice? mark duplicates with replica_id > 0)"
+          : problem->kind == Kind::kGap
+              ? "replica-0 shards cover " + std::to_string(problem->covered) + " of " +
+                    std::to_string(problem->total) + " elements"
+              : "shard " + kp.chunks[problem->first].box.to_string() + " lies outside " +
+                    c10::str(kp.global_shape);
+      problems.push_back("key '" + key + "': " + what);
+    }
+  }
+  TORCH_CHECK(problems.empty(), "[mixprec::checkpoint::save] cannot save:\n  - ",
+              [&] {
+                std::string s;
+                for (size_t i = 0; i < problems.size(); ++i) s += (i ? "\n  - " : "") + problems[i];
+                return s;
+              }());
+  return plan;
+}
+
+// Streams one rank's replica-0 shards into its data file, piece by piece as `source` hands
+// them over; returns checksums by key.
+std::map<std::string, uint64_t> write_rank_file(const CheckpointStaging& staging, size_t rank,
+                                                const ShardedStateDict& state,
+                                                detail::PieceSource& source, uint64_t& bytes) {
+  std::vector<TensorSpec> specs;
+  for (const auto& [key, shard] : state.tensors) {
+    if (shard.replica_id != 0) continue;
+    specs.push_back({key, to_checkpoint_dtype(shard.local.scalar_type()), shard.local.sizes().vec()});
+  }
+  std::map<std::string, uint64_t> checksums;
+  if (specs.empty()) return checksums;
+  SafetensorsWriter writer(staging.file(data_file_name(rank)), specs);
+  detail::for_each_piece(state, rank, [&](const detail::Piece& piece) {
+    const at::Tensor bytes_on_host = source.acquire(piece);
+    writer.write(piece.key, {static_cast<const std::byte*>(bytes_on_host.const_data_ptr()),
+                             bytes_on_host.nbytes()});
+    source.release(piece);
+  });
+  for (const auto& written : writer.close()) {
+    checksums[written.name] = written.checksum;
+    bytes += written.byte_size;
+  }
+  return checksums;
+}
+
+// Hands out the state's own memory: no copy for CPU contiguous tensors.
+class DirectSource final : public detail::PieceSource {
+ public:
+  at::Tensor acquire(const detail::Piece& piece) override { return detail::piece_on_host(piece); }
+  void release(const detail::Piece&) override {}
+};
+
+}  // namespace
+
+namespace detail {
+
+void check_savable(const std::vector<const ShardedStateDict*>& ranks) {
+  TORCH_CHECK(!ranks.empty(), "[mixprec::checkpoint::save] no state to save");
+  plan_keys(ranks);
+}
+
+void for_each_piece(const ShardedStateDict& state, size_t rank,
+                    const std::function<void(const Piece&)>& fn) {
+  for (const auto& [key, shard] : state.tensors) {
+    if (shard.replica_id != 0) continue;
+    const int64_t numel = shard.local.numel();
+    const int64_t per_piece = std::max<int64_t>(1, kPieceBytes / shard.local.element_size());
+    for (int64_t begin = 0; begin < numel; begin += per_piece) {
+      fn(Piece{rank, key, &shard.local, begin, std::min(per_piece, numel - begin)});
+    }
+  }
+}
+
+at::Tensor piece_on_host(const Piece& piece) {
+  return piece.tensor->reshape({-1}).narrow(0, piece.begin, piece.count).to(at::kCPU).contiguous();
+}
+
+SaveResult save_from_source(const std::filesystem::path& root, const std::string& name,
+                            const std::vector<const ShardedStateDict*>& ranks,
+                            PieceSource& source, const SaveOptions& options) {
+  TORCH_CHECK(!ranks.empty(), "[mixprec::checkpoint::save] no state to save");
+  std::map<std::string, KeyPlan> plan = plan_keys(ranks);
+
+  SaveResult result;
+  CheckpointStaging staging(root, name);
+  std::vector<std::map<std::string, uint64_t>> checksums(ranks.size());
+  for (size_t r = 0; r < ranks.size(); ++r) {
+    checksums[r] = write_rank_file(staging, r, *ranks[r], source, result.tensor_bytes);
+    result.files += checksums[r].empty() ? 0 : 1;
+  }
+
+  Manifest manifest;
+  manifest.sequence = next_sequence(root);
+  for (auto& [key, kp] : plan) {
+    KeyEntry entry{kp.dtype, kp.global_shape, {}};
+    for (size_t i = 0; i < kp.chunks.size(); ++i) {
+      Chunk chunk = kp.chunks[i];
+      chunk.checksum = checksums[kp.chunk_rank[i]].at(key);
+      entry.chunks.push_back(std::move(chunk));
+    }
+    manifest.keys.emplace(key, std::move(entry));
+  }
+  const std::string common = ranks[0]->common.dump(2) + "\n";
+  staging.write_file("common.json", common);
+  manifest.common_file = CommonFileRef{
+      "common.json", common.size(),
+      xxh3_64({reinterpret_cast<const std::byte*>(common.data()), common.size()})};
+  staging.write_file(kManifestFileName, manifest_to_json(manifest));  // last: the table of contents
+  result.dir = staging.commit(CommitOptions{options.update_latest});
+
+  if (options.keep_last > 0) {
+    RetentionOptions retention{options.keep_last, options.in_use};
+    retention.in_use.insert(name);
+    result.deleted = apply_retention(root, retention);
+  }
+  return result;
+}
+
+}  // namespace detail
+
+SaveResult save_checkpoint(const std::filesystem::path& root, const std::string& name,
+                           const std::vector<const ShardedStateDict*>& ranks,
+                           const SaveOptions& options) {
+  DirectSource source;
+  return detail::save_from_source(root, name, ranks, source, options);
+}
+
+SaveResult save_checkpoint(const std::filesystem::path& root, const std::string& name,
+                           const ShardedStateDict& state, const SaveOptions& options) {
+  return save_checkpoint(root, name, std::vector<const ShardedStateDict*>{&state}, options);
+}
+
+}  // namespace mixprec::checkpoint

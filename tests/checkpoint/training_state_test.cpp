@@ -1,0 +1,265 @@
+// Saving and resuming whole training states: bitwise resume in a fresh process, in-process
+// round trips, corrupted checkpoints that must leave everything untouched, async saves.
+#include "mixprec/checkpoint/training_state.h"
+
+#include "checkpoint/support_training.h"
+#include "mixprec/checkpoint/async_save.h"
+#include "mixprec/checkpoint/format/error.h"
+
+#include <gtest/gtest.h>
+
+#include <cstdlib>
+#include <fstream>
+
+namespace mixprec::checkpoint {
+namespace {
+
+namespace fs = std::filesystem;
+using mixprec::testing::TrainingSetup;
+
+struct TempRoot {
+  fs::path path;
+  TempRoot() {
+    char tmpl[] = "/tmp/mixprec-train-XXXXXX";
+    path = mkdtemp(tmpl);
+  }
+  ~TempRoot() { fs::remove_all(path); }
+};
+
+void run_worker(const std::string& args) {
+  const std::string command = std::string(MIXPREC_RESUME_WORKER) + " " + args;
+  ASSERT_EQ(std::system(command.c_str()), 0) << command;
+}
+
+void expect_same_checkpoint(const fs::path& a, const fs::path& b) {
+  const ShardedStateDict sa = read_checkpoint(a), sb = read_checkpoint(b);
+  ASSERT_EQ(sa.tensors.size(), sb.tensors.size());
+  for (const auto& [key, t] : sa.tensors) {
+    ASSERT_TRUE(sb.contains(key)) << key;
+    EXPECT_TRUE(t.local.scalar_type() == sb.at(key).local.scalar_type() &&
+                at::equal(t.local, sb.at(key).local))
+        << key;
+  }
+  EXPECT_EQ(sa.common, sb.common);
+}
+
+class ResumeTest : public ::testing::TestWithParam<std::string> {};
+
+// N steps straight == k steps, save, load in a fresh process, N - k steps: params, masters,
+// moments, step, scaler and the RNG (data order) all bitwise identical.
+TEST_P(ResumeTest, FreshProcessResumeIsBitwise) {
+  const std::string dtype = GetParam();
+  TempRoot straight, split;
+  run_worker("straight " + straight.path.string() + " " + dtype + " 12");
+  run_worker("first " + split.path.string() + " " + dtype + " 5");
+  run_worker("resume " + split.path.string() + " " + dtype + " 12");
+  expect_same_checkpoint(straight.path / "final", split.path / "final");
+  const ShardedStateDict final_state = read_checkpoint(split.path / "final");
+  EXPECT_EQ(final_state.common["user"]["steps_done"], 12);
+  if (dtype == "fp16") {
+    // The scaler started at 1e30: early steps overflowed and were skipped.
+    EXPECT_LT(final_state.common["optimizer"]["scaler"]["scale"].get<double>(), 1e30);
+  }
+}
+
+INSTANTIATE_TEST_SUITE_P(Dtypes, ResumeTest, ::testing::Values("bf16", "fp16"));
+
+// Every tensor of model and optimizer, plus the optimizer's common state, for comparisons.
+ShardedStateDict snapshot(TrainingSetup& s) {
+  ShardedStateDict out = model_sharded_state_dict(*s.model).clone();
+  out.merge(s.optimizer->sharded_state_dict().clone());
+  return out;
+}
+
+void expect_unchanged(TrainingSetup& s, const ShardedStateDict& before) {
+  const ShardedStateDict now = snapshot(s);
+  ASSERT_EQ(now.tensors.size(), before.tensors.size());
+  for (const auto& [key, t] : before.tensors) {
+    EXPECT_TRUE(at::equal(now.at(key).local, t.local)) << key;
+  }
+  EXPECT_EQ(now.common, before.common);
+}
+
+TEST(TrainingState, InProcessRoundTrip) {
+  TempRoot root;
+  TrainingSetup a(at::kBFloat16);
+  for (int i = 0; i < 3; ++i) a.step();
+  const SaveResult saved = save_training_state(root.path, "s3", *a.model, *a.optimizer, {{"epoch", 1}});
+  EXPECT_EQ(saved.files, 1u);
+  TrainingSetup b(at::kBFloat16);
+  const ResumeResult resumed = load_training_state(root.path, *b.model, *b.optimizer);
+  EXPECT_EQ(resumed.dir, root.path / "s3");
+  EXPECT_EQ(resumed.user["epoch"], 1);
+  EXPECT_TRUE(resumed.optimizer.clean());
+  expect_unchanged(b, snapshot(a));
+}
+
+// --- corruption: a clear error naming file and key; model and optimizer untouched ----------
+
+struct Corruption {
+  std::string name;
+  std::function<void(const fs::path& dir)> apply;
+  std::string expected;  // substring of the error
+};
+
+void flip_byte(const fs::path& file, std::streamoff offset_from_end) {
+  std::fstream f(file, std::ios::in | std::ios::out | std::ios::binary);
+  f.seekg(-offset_from_end, std::ios::end);
+  char c;
+  f.read(&c, 1);
+  c ^= 0x5a;
+  f.seekp(-offset_from_end, std::ios::end);
+  f.write(&c, 1);
+}
+
+std::vector<Corruption> corruptions() {
+  const std::string data = "data-00000.safetensors";
+  return {
+      {"flipped data byte", [=](const fs::path& d) { flip_byte(d / data, 3); }, data},
+      {"flipped manifest byte",
+       [](const fs::path& d) {
+         std::string text;
+         {
+           std::ifstream in(d / "manifest.json");
+           text.assign(std::istreambuf_iterator<char>(in), {});
+         }
+         text[text.find("\"xxh3\": \"", text.find("\"keys\"")) + 9] ^= 0x01;  // a chunk checksum
+         std::ofstream(d / "manifest.json", std::ios::trunc) << text;
+       },
+       "data-00000.safetensors"},
+      {"truncated data file",
+       [=](const fs::path& d) { fs::resize_file(d / data, fs::file_size(d / data) - 100); }, data},
+      {"missing data file", [=](const fs::path& d) { fs::remove(d / data); }, data},
+      {"missing common file", [](const fs::path& d) { fs::remove(d / "common.json"); }, "common.json"},
+      {"wrong format version",
+       [](const fs::path& d) {
+         std::string text;
+         {
+           std::ifstream in(d / "manifest.json");
+           text.assign(std::istreambuf_iterator<char>(in), {});
+         }
+         const auto at = text.find("\"version\": 1");
+         ASSERT_NE(at, std::string::npos);
+         text.replace(at, 12, "\"version\": 7");
+         std::ofstream(d / "manifest.json", std::ios::trunc) << text;
+       },
+       "version"},
+  };
+}
+
+TEST(TrainingState, CorruptedCheckpointsFailCleanlyAndChangeNothing) {
+  for (const Corruption& corruption : corruptions()) {
+    TempRoot root;
+    TrainingSetup a(at::kBFloat16);
+    for (int i = 0; i < 2; ++i) a.step();
+    const SaveResult saved = save_training_state(root.path, "c", *a.model, *a.optimizer);
+    corruption.apply(saved.dir);
+
+    TrainingSetup b(at::kBFloat16);
+    b.step();
+    const ShardedStateDict before = snapshot(b);
+    const at::Tensor rng_before = at::detail::getDefaultCPUGenerator().get_state();
+    std::string message;
+    try {
+      load_training_state(root.path, *b.model, *b.optimizer);
+    } catch (const std::exception& e) {
+      message = e.what();
+    }
+    EXPECT_FALSE(message.empty()) << corruption.name << ": the load did not fail";
+    EXPECT_NE(message.find(corruption.expected), std::string::npos)
+        << corruption.name << ": " << message;
+    expect_unchanged(b, before);
+    EXPECT_TRUE(at::equal(at::detail::getDefaultCPUGenerator().get_state(), rng_before))
+        << corruption.name;
+  }
+}
+
+TEST(TrainingState, ChecksumErrorNamesFileAndKey) {
+  TempRoot root;
+  TrainingSetup a(at::kBFloat16);
+  a.step();
+  const SaveResult saved = save_training_state(root.path, "c", *a.model, *a.optimizer);
+  flip_byte(saved.dir / "data-00000.safetensors", 3);  // inside the last tensor (sorted keys)
+  try {
+    read_checkpoint(saved.dir);
+    FAIL() << "expected a checksum error";
+  } catch (const ChecksumError& e) {
+    const std::string msg = e.what();
+    EXPECT_NE(msg.find("data-00000.safetensors"), std::string::npos) << msg;
+    EXPECT_NE(msg.find("up.weight"), std::string::npos) << msg;  // the last key in the file
+  }
+}
+
+TEST(TrainingState, PlanMismatchOnLoadChangesNothing) {
+  TempRoot root;
+  TrainingSetup a(at::kBFloat16);
+  a.step();
+  ShardedStateDict state = training_state_dict(*a.model, *a.optimizer);
+  state.tensors["optimizer.state.exp_avg.router"] = ShardedTensor::whole(at::zeros({5, 32}));
+  save_checkpoint(root.path, "bad", state);
+  TrainingSetup b(at::kBFloat16);
+  b.step();
+  const ShardedStateDict before = snapshot(b);
+  try {
+    load_training_state(root.path, *b.model, *b.optimizer);
+    FAIL();
+  } catch (const c10::Error& e) {
+    EXPECT_NE(std::string(e.what_without_backtrace()).find("'router' exp_avg: shape [5, 32]"),
+              std::string::npos);
+  }
+  expect_unchanged(b, before);
+}
+
+TEST(TrainingState, KeepLastKRetention) {
+  TempRoot root;
+  TrainingSetup a(at::kBFloat16);
+  SaveOptions options;
+  options.keep_last = 2;
+  for (int i = 0; i < 4; ++i) {
+    a.step();
+    save_training_state(root.path, "step-" + std::to_string(i), *a.model, *a.optimizer, {}, options);
+  }
+  EXPECT_FALSE(fs::exists(root.path / "step-0"));
+  EXPECT_FALSE(fs::exists(root.path / "step-1"));
+  EXPECT_TRUE(fs::exists(root.path / "step-2"));
+  EXPECT_EQ(resolve_checkpoint(root.path), root.path / "step-3");
+  EXPECT_THROW(save_training_state(root.path, "step-3", *a.model, *a.optimizer), std::exception)
+      << "a committed checkpoint is never overwritten";
+}
+
+TEST(AsyncSave, SameBytesAsSyncAndIndependentOfLaterSteps) {
+  TempRoot root;
+  TrainingSetup a(at::kBFloat16);
+  a.step();
+  save_training_state(root.path, "sync", *a.model, *a.optimizer);
+  AsyncCheckpointSaver saver({64u << 20});
+  saver.save(root.path, "async", training_state_dict(*a.model, *a.optimizer));
+  for (int i = 0; i < 3; ++i) a.step();  // training goes on while the writer works
+  const auto result = saver.wait();
+  ASSERT_TRUE(result.has_value());
+  EXPECT_LE(saver.peak_staged_bytes(), 64u << 20);
+  expect_same_checkpoint(root.path / "sync", root.path / "async");
+  EXPECT_EQ(resolve_checkpoint(root.path), root.path / "async");
+}
+
+TEST(AsyncSave, ErrorsSurfaceOnWaitAndNextSave) {
+  TempRoot root;
+  TrainingSetup a(at::kBFloat16);
+  save_training_state(root.path, "taken", *a.model, *a.optimizer);
+  AsyncCheckpointSaver saver;
+  saver.save(root.path, "taken", training_state_dict(*a.model, *a.optimizer));
+  EXPECT_THROW(saver.wait(), std::exception);
+  saver.save(root.path, "taken", training_state_dict(*a.model, *a.optimizer));
+  EXPECT_THROW(saver.save(root.path, "other", training_state_dict(*a.model, *a.optimizer)),
+               std::exception);
+  EXPECT_FALSE(saver.in_flight());
+  saver.save(root.path, "other", training_state_dict(*a.model, *a.optimizer));
+  EXPECT_TRUE(saver.wait().has_value());
+}
+
+TEST(AsyncSave, BudgetBelowOnePieceIsRefused) {
+  EXPECT_THROW(AsyncCheckpointSaver({1u << 20}), c10::Error);
+}
+
+}  // namespace
+}  // namespace mixprec::checkpoint
