@@ -17,12 +17,12 @@
 namespace mixprec::checkpoint {
 namespace {
 
-// Pieces handed to the writer: large enough for full-speed write(2), small enough that a
-// device tensor's host copy stays small.
-constexpr int64_t kPieceBytes = 64 << 20;
+// Pieces (detail::kPieceBytes) are large enough for full-speed write(2), small enough that a
+// device tensor's host copy and an async save's staging unit stay small.
+using detail::kPieceBytes;
 
 std::string data_file_name(size_t rank) {
-  char name[32];
+  char name[48];
   std::snprintf(name, sizeof(name), "data-%05zu.safetensors", rank);
   return name;
 }

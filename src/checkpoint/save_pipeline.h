@@ -8,6 +8,9 @@
 
 namespace mixprec::checkpoint::detail {
 
+// Pieces are at most this many bytes.
+inline constexpr int64_t kPieceBytes = int64_t{64} << 20;
+
 // A run of elements of one shard, at most 64 MiB: the unit of writing and of staging.
 struct Piece {
   size_t rank;

@@ -55,16 +55,16 @@ ShardedStateDict Float16Optimizer::sharded_state_dict() const {
   int64_t common_step = 0;
   for (const auto& s : slots_) common_step = std::max(common_step, s->step);
   nlohmann::json groups = nlohmann::json::array();
+  for (const auto& group : param_groups()) {  // every group, empty ones included
+    groups.push_back(detail::group_hyper_params_json(group.options(), algorithm_));
+    groups.back()["params"] = nlohmann::json::array();
+  }
   nlohmann::json frozen = nlohmann::json::array();
   nlohmann::json without_state = nlohmann::json::array();
   nlohmann::json steps = nlohmann::json::object();
   for (size_t k = 0; k < slots_.size(); ++k) {
     const ParamInfo& info = info_[k];
     const Slot& s = *slots_[k];
-    if (groups.size() <= info.group) {
-      groups.push_back(detail::group_hyper_params_json(param_groups()[info.group].options(), algorithm_));
-      groups.back()["params"] = nlohmann::json::array();
-    }
     groups[info.group]["params"].push_back(info.fqn);
     if (info.role == ParamRole::kFrozen) frozen.push_back(info.fqn);
     if (s.master.defined()) {

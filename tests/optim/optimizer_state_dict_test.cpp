@@ -6,6 +6,9 @@
 
 #include <gtest/gtest.h>
 #include <torch/optim/adamw.h>
+#include <torch/serialize.h>
+
+#include <sstream>
 
 #include <set>
 
@@ -198,6 +201,20 @@ TEST(OptimizerStateDict, PositionalRoundTripResumesBitwise) {
   train(*ma, a, 2, 4);
   train(*mb, b, 2, 4);
   expect_same_state(*ma, a, *mb, b);
+}
+
+// torch::save / torch::load of the optimizer keep working (through the positional form).
+TEST(OptimizerStateDict, TorchSerializeArchiveRoundTrip) {
+  Interleaved ma;
+  auto a_ptr = mixprec::testing::make_optimizer(ma, torch::optim::AdamWOptions(1e-2));
+  train(*ma, *a_ptr, 0, 2);
+  std::stringstream archive;
+  torch::save(*a_ptr, archive);
+  Interleaved mb;
+  auto b_ptr = mixprec::testing::make_optimizer(mb, torch::optim::AdamWOptions(1e-3));
+  load_model_sharded_state_dict(*mb, model_sharded_state_dict(*ma));
+  torch::load(*b_ptr, archive);
+  expect_same_state(*ma, *a_ptr, *mb, *b_ptr);
 }
 
 // Saved with gate as BF16 + main copy; loaded where gate is native FP32.

@@ -4,8 +4,9 @@
 // then copies its tensors piece by piece (≤ 64 MiB each) into host memory while a background
 // thread writes the pieces already staged. Staged-but-unwritten bytes never exceed the budget
 // (a piece waits for the writer to free room), so a large state costs at most `budget` extra
-// memory. save() returns once every piece is staged: from then on training may change the
-// tensors. The background thread commits the checkpoint when the last byte is written.
+// memory; the staging buffers are kept and reused by later saves. save() returns once every
+// piece is staged: from then on training may change the tensors. The background thread
+// commits the checkpoint when the last byte is written.
 //
 // At most one save is in flight: a new save() first waits for the previous one. An error of
 // the background save is rethrown by the next wait() or save(); the destructor waits too and
@@ -48,7 +49,9 @@ class AsyncCheckpointSaver {
 
  private:
   struct Pipeline;
+  struct BufferPool;
   AsyncSaveOptions options_;
+  std::shared_ptr<BufferPool> pool_;  // staging buffers, reused across saves
   std::shared_ptr<Pipeline> pipeline_;
   std::thread worker_;
 };

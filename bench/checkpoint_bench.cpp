@@ -1,0 +1,372 @@
+// Checkpoint save and load of a ~1 GB mixed-precision training state, against the disk itself
+// and against LibTorch's own serialization, measured in one run on the same bytes.
+//
+// The state: a model of BF16 weights (FP32 masters and AdamW moments in the optimizer, one
+// step taken so the moments are not zeros) plus a few native FP32 vectors — 14 bytes per BF16
+// parameter, as a real mixed-precision job holds it — saved through training_state_dict.
+//
+//   raw     write(2) of the same tensor bytes into one file + fsync; pread(2) back into freshly
+//           allocated tensors. The disk's bound for this amount of data.
+//   torch   torch::save / torch::load of the same tensors (a std::vector<at::Tensor>); the
+//           save is followed by an fsync so that it is as durable as the others.
+//   ours    save_checkpoint (data file, checksums, manifest, fsyncs, atomic rename, `latest`);
+//           read_checkpoint (every chunk's checksum verified); verify_checkpoint.
+//   async   AsyncCheckpointSaver (default 1 GiB staging budget): time until save() returns
+//           (training may continue) and until the commit.
+//
+// Every read starts cold: the files were fsynced, so posix_fadvise(POSIX_FADV_DONTNEED) drops
+// their pages from the page cache before the timed read (no root needed for one's own files).
+// Peak extra memory: /proc/self/clear_refs ← "5" resets VmHWM to the current RSS before the
+// operation; VmHWM − that RSS afterwards is the operation's high-water mark (page cache is not
+// RSS, so this is memory the process itself held).
+//
+// Goals: ours ≥ 0.8 of raw for save and load; ≥ 2× torch::save / torch::load; peak extra
+// memory of a synchronous save ≤ 10% of the state. Each operation runs kRounds times, one
+// iteration each, and the summary takes the fastest round (shared machines are noisy; the
+// first write of a run also pays for flushing whatever else is dirty). A full run takes about
+// a minute. MIXPREC_BENCH_STATE_MB overrides the state size (default 1024); files go to a fresh
+// directory under $TMPDIR (or /tmp), removed at the end.
+#include "mixprec/checkpoint/async_save.h"
+#include "mixprec/checkpoint/format/verify.h"
+#include "mixprec/checkpoint/load.h"
+#include "mixprec/checkpoint/training_state.h"
+
+#include <ATen/ATen.h>
+#include <benchmark/benchmark.h>
+#include <torch/optim/adamw.h>
+#include <torch/serialize.h>
+
+#include <fcntl.h>
+#include <unistd.h>
+#include <chrono>
+#include <cstdio>
+#include <cstdlib>
+#include <cstring>
+#include <fstream>
+#include <map>
+
+namespace {
+
+namespace fs = std::filesystem;
+using Clock = std::chrono::steady_clock;
+namespace ckpt = mixprec::checkpoint;
+
+constexpr int64_t kWidth = 2048;                       // each BF16 weight is [rows, kWidth]
+constexpr std::size_t kPiece = std::size_t{64} << 20;  // raw I/O in 64 MiB calls
+constexpr int kRounds = 3;
+
+// Failures throw, so that main removes the scratch directory before exiting.
+[[noreturn]] void die(const std::string& what) {
+  throw std::runtime_error(what + ": " + std::strerror(errno));
+}
+
+// ---- the state ------------------------------------------------------------------------------
+
+struct BenchNet : torch::nn::Module {
+  explicit BenchNet(int64_t bytes) {
+    // 14 B per BF16 parameter (2 model + 4 master + 8 moments); four equal weights.
+    const int64_t rows = std::max<int64_t>(1, bytes / 14 / 4 / kWidth);
+    for (int i = 0; i < 4; ++i) {
+      register_parameter("block" + std::to_string(i) + "_weight",
+                         (at::randn({rows, kWidth}) * 0.02).to(at::kBFloat16));
+      register_parameter("block" + std::to_string(i) + "_scale", at::ones({kWidth}));  // FP32
+    }
+  }
+};
+
+struct State {
+  std::shared_ptr<BenchNet> model;
+  std::unique_ptr<mixprec::optim::Float16Optimizer> optimizer;
+  mixprec::ShardedStateDict dict;   // aliases model and optimizer tensors
+  std::vector<at::Tensor> tensors;  // the same tensors, for raw and torch::save
+  std::uint64_t bytes = 0;
+  fs::path dir;  // scratch directory of this run
+};
+
+State& state() {
+  static State s = [] {
+    State st;
+    const char* mb = std::getenv("MIXPREC_BENCH_STATE_MB");
+    const int64_t target = (mb ? std::atoll(mb) : 1024) << 20;
+    at::manual_seed(0);
+    st.model = std::make_shared<BenchNet>(target);
+    st.optimizer = std::make_unique<mixprec::optim::Float16Optimizer>(
+        *st.model, torch::optim::AdamWOptions(1e-4).weight_decay(0.01));
+    for (auto& p : st.model->parameters()) p.mutable_grad() = at::randn_like(p) * 1e-3;
+    st.optimizer->update();
+    st.optimizer->zero_grad(true);
+    st.dict = mixprec::checkpoint::training_state_dict(*st.model, *st.optimizer);
+    for (const auto& [key, shard] : st.dict.tensors) {
+      st.tensors.push_back(shard.local);
+      st.bytes += shard.local.nbytes();
+    }
+    return st;
+  }();
+  return s;
+}
+
+// ---- measurement helpers --------------------------------------------------------------------
+
+double seconds_since(Clock::time_point t0) {
+  return std::chrono::duration<double>(Clock::now() - t0).count();
+}
+
+// VmRSS or VmHWM of this process, in bytes.
+std::int64_t status_kib(const std::string& field) {
+  std::ifstream in("/proc/self/status");
+  for (std::string line; std::getline(in, line);) {
+    if (line.rfind(field + ":", 0) == 0) return std::atoll(line.c_str() + field.size() + 1) * 1024;
+  }
+  return -1;
+}
+
+// Resets the RSS high-water mark; returns the RSS it starts from, or -1 if unsupported.
+std::int64_t reset_peak_rss() {
+  std::ofstream out("/proc/self/clear_refs");
+  out << "5";
+  out.flush();
+  return out ? status_kib("VmRSS") : -1;
+}
+
+// Per benchmark: the fastest round (the least disturbed by other tenants of a shared machine)
+// and the largest peak of any round.
+std::map<std::string, double> best_seconds;
+std::map<std::string, double> peak_extra;  // bytes
+
+void record_time(benchmark::State& bm, const std::string& name, double seconds) {
+  bm.SetIterationTime(seconds);
+  auto [it, inserted] = best_seconds.try_emplace(name, seconds);
+  if (!inserted) it->second = std::min(it->second, seconds);
+}
+
+void record_peak(benchmark::State& bm, const std::string& name, std::int64_t baseline) {
+  if (baseline < 0) return;
+  const double extra = static_cast<double>(status_kib("VmHWM") - baseline);
+  peak_extra[name] = std::max(peak_extra[name], extra);
+  bm.counters["peak_extra_MiB"] = extra / (1 << 20);
+}
+
+void drop_cache(const fs::path& path) {
+  for (const fs::path& file : fs::is_directory(path)
+                                  ? std::vector<fs::path>(fs::directory_iterator(path), {})
+                                  : std::vector<fs::path>{path}) {
+    const int fd = ::open(file.c_str(), O_RDONLY);
+    if (fd < 0) die("open " + file.string());
+    ::posix_fadvise(fd, 0, 0, POSIX_FADV_DONTNEED);
+    ::close(fd);
+  }
+}
+
+void fsync_file(const fs::path& path) {
+  const int fd = ::open(path.c_str(), O_RDONLY);
+  if (fd < 0 || ::fsync(fd) != 0) die("fsync " + path.string());
+  ::close(fd);
+}
+
+// ---- raw ------------------------------------------------------------------------------------
+
+void BM_RawWrite(benchmark::State& bm) {
+  State& s = state();
+  for (auto _ : bm) {
+    fs::remove(s.dir / "raw.bin");
+    const std::int64_t baseline = reset_peak_rss();
+    const auto t0 = Clock::now();
+    const int fd = ::open((s.dir / "raw.bin").c_str(), O_WRONLY | O_CREAT | O_TRUNC, 0644);
+    if (fd < 0) die("open raw.bin");
+    for (const at::Tensor& t : s.tensors) {
+      const char* p = static_cast<const char*>(t.const_data_ptr());
+      for (std::size_t done = 0; done < t.nbytes();) {
+        const ssize_t n = ::write(fd, p + done, std::min(kPiece, t.nbytes() - done));
+        if (n <= 0) die("write raw.bin");
+        done += static_cast<std::size_t>(n);
+      }
+    }
+    if (::fsync(fd) != 0 || ::close(fd) != 0) die("fsync raw.bin");
+    record_time(bm, __func__, seconds_since(t0));
+    record_peak(bm, __func__, baseline);
+  }
+  bm.SetBytesProcessed(static_cast<int64_t>(bm.iterations() * s.bytes));
+}
+
+void BM_RawRead(benchmark::State& bm) {
+  State& s = state();
+  for (auto _ : bm) {
+    drop_cache(s.dir / "raw.bin");
+    const auto t0 = Clock::now();
+    const int fd = ::open((s.dir / "raw.bin").c_str(), O_RDONLY);
+    if (fd < 0) die("open raw.bin");
+    std::vector<at::Tensor> back;
+    off_t offset = 0;
+    for (const at::Tensor& t : s.tensors) {
+      back.push_back(at::empty(t.sizes(), t.options()));
+      char* p = static_cast<char*>(back.back().data_ptr());
+      for (std::size_t done = 0; done < t.nbytes();) {
+        const ssize_t n = ::pread(fd, p + done, std::min(kPiece, t.nbytes() - done), offset);
+        if (n <= 0) die("pread raw.bin");
+        done += static_cast<std::size_t>(n);
+        offset += n;
+      }
+    }
+    ::close(fd);
+    record_time(bm, __func__, seconds_since(t0));
+  }
+  bm.SetBytesProcessed(static_cast<int64_t>(bm.iterations() * s.bytes));
+}
+
+// ---- torch::save / torch::load --------------------------------------------------------------
+
+void BM_TorchSave(benchmark::State& bm) {
+  State& s = state();
+  const fs::path file = s.dir / "torch.pt";
+  for (auto _ : bm) {
+    fs::remove(file);
+    const std::int64_t baseline = reset_peak_rss();
+    const auto t0 = Clock::now();
+    torch::save(s.tensors, file.string());
+    fsync_file(file);
+    record_time(bm, __func__, seconds_since(t0));
+    record_peak(bm, __func__, baseline);
+  }
+  bm.SetBytesProcessed(static_cast<int64_t>(bm.iterations() * s.bytes));
+}
+
+void BM_TorchLoad(benchmark::State& bm) {
+  State& s = state();
+  const fs::path file = s.dir / "torch.pt";
+  for (auto _ : bm) {
+    drop_cache(file);
+    const auto t0 = Clock::now();
+    std::vector<at::Tensor> back;
+    torch::load(back, file.string());
+    record_time(bm, __func__, seconds_since(t0));
+  }
+  bm.SetBytesProcessed(static_cast<int64_t>(bm.iterations() * s.bytes));
+}
+
+// ---- mixprec --------------------------------------------------------------------------------
+
+void BM_OursSave(benchmark::State& bm) {
+  State& s = state();
+  for (auto _ : bm) {
+    fs::remove_all(s.dir / "ours");
+    const std::int64_t baseline = reset_peak_rss();
+    const auto t0 = Clock::now();
+    ckpt::save_checkpoint(s.dir / "ours", "step-1", s.dict);
+    record_time(bm, __func__, seconds_since(t0));
+    record_peak(bm, __func__, baseline);
+  }
+  bm.SetBytesProcessed(static_cast<int64_t>(bm.iterations() * s.bytes));
+}
+
+void BM_OursLoad(benchmark::State& bm) {
+  State& s = state();
+  for (auto _ : bm) {
+    drop_cache(s.dir / "ours" / "step-1");
+    const auto t0 = Clock::now();
+    const mixprec::ShardedStateDict back =
+        ckpt::read_checkpoint(ckpt::resolve_checkpoint(s.dir / "ours"));
+    record_time(bm, __func__, seconds_since(t0));
+    benchmark::DoNotOptimize(back.tensors.size());
+  }
+  bm.SetBytesProcessed(static_cast<int64_t>(bm.iterations() * s.bytes));
+}
+
+void BM_OursVerify(benchmark::State& bm) {
+  State& s = state();
+  for (auto _ : bm) {
+    drop_cache(s.dir / "ours" / "step-1");
+    const auto t0 = Clock::now();
+    const ckpt::VerifyReport report = ckpt::verify_checkpoint(s.dir / "ours" / "step-1");
+    record_time(bm, __func__, seconds_since(t0));
+    benchmark::DoNotOptimize(report.bytes);
+  }
+  bm.SetBytesProcessed(static_cast<int64_t>(bm.iterations() * s.bytes));
+}
+
+double async_return_seconds = 0;
+std::size_t async_peak_staged = 0;
+
+void BM_OursAsyncSave(benchmark::State& bm) {
+  State& s = state();
+  ckpt::AsyncCheckpointSaver saver;
+  for (auto _ : bm) {
+    fs::remove_all(s.dir / "async");
+    const auto t0 = Clock::now();
+    saver.save(s.dir / "async", "step-1", s.dict);
+    const double returned = seconds_since(t0);
+    saver.wait();
+    record_time(bm, __func__, seconds_since(t0));
+    bm.counters["return_s"] = returned;
+    async_return_seconds =
+        async_return_seconds > 0 ? std::min(async_return_seconds, returned) : returned;
+  }
+  async_peak_staged = std::max(async_peak_staged, saver.peak_staged_bytes());
+  bm.SetBytesProcessed(static_cast<int64_t>(bm.iterations() * s.bytes));
+}
+
+#define MIXPREC_IO_BENCH(fn) \
+  BENCHMARK(fn)->Iterations(1)->Repetitions(kRounds)->UseManualTime()->Unit(benchmark::kMillisecond)
+MIXPREC_IO_BENCH(BM_RawWrite);
+MIXPREC_IO_BENCH(BM_RawRead);
+MIXPREC_IO_BENCH(BM_TorchSave);
+MIXPREC_IO_BENCH(BM_TorchLoad);
+MIXPREC_IO_BENCH(BM_OursSave);
+MIXPREC_IO_BENCH(BM_OursLoad);
+MIXPREC_IO_BENCH(BM_OursVerify);
+MIXPREC_IO_BENCH(BM_OursAsyncSave);
+
+}  // namespace
+
+int main(int argc, char** argv) {
+  benchmark::Initialize(&argc, argv);
+  State& s = state();
+  const char* tmp = std::getenv("TMPDIR");
+  std::string templ = (fs::path(tmp && *tmp ? tmp : "/tmp") / "mixprec-ckpt-bench-XXXXXX").string();
+  if (::mkdtemp(templ.data()) == nullptr) {
+    std::perror(templ.c_str());
+    return 1;
+  }
+  s.dir = templ;
+  std::printf("state: %zu tensors, %.1f MiB, scratch %s\n", s.tensors.size(), s.bytes / 1048576.0,
+              s.dir.c_str());
+  int status = 0;
+  try {
+    benchmark::RunSpecifiedBenchmarks();
+  } catch (const std::exception& e) {
+    std::fprintf(stderr, "checkpoint_bench: %s\n", e.what());
+    status = 1;
+  }
+  std::error_code ec;
+  fs::remove_all(s.dir, ec);
+  if (status != 0) return status;
+
+  auto t = [&](const char* name) { return best_seconds.count(name) ? best_seconds[name] : 0.0; };
+  auto ratio = [](double num, double den) { return den > 0 ? num / den : 0.0; };
+  auto gbps = [&](const char* name) { return ratio(s.bytes / 1e9, t(name)); };
+  std::printf("\ncheckpoint of %.2f GB (%zu tensors)\n", s.bytes / 1e9, s.tensors.size());
+  std::printf("  save  raw %.2f GB/s  torch::save %.2f GB/s  ours %.2f GB/s\n", gbps("BM_RawWrite"),
+              gbps("BM_TorchSave"), gbps("BM_OursSave"));
+  std::printf(
+      "  load  raw %.2f GB/s  torch::load %.2f GB/s  ours %.2f GB/s  (verify alone %.2f GB/s)\n",
+      gbps("BM_RawRead"), gbps("BM_TorchLoad"), gbps("BM_OursLoad"), gbps("BM_OursVerify"));
+  std::printf("  ours / raw          save %.2f  load %.2f   (goal >= 0.80)\n",
+              ratio(t("BM_RawWrite"), t("BM_OursSave")), ratio(t("BM_RawRead"), t("BM_OursLoad")));
+  std::printf("  ours vs torch       save %.2fx  load %.2fx  (goal >= 2x)\n",
+              ratio(t("BM_TorchSave"), t("BM_OursSave")),
+              ratio(t("BM_TorchLoad"), t("BM_OursLoad")));
+  auto peak = [&](const char* name) {
+    auto it = peak_extra.find(name);
+    return it == peak_extra.end()
+               ? std::string("n/a")
+               : std::to_string(it->second / (1 << 20)).substr(0, 7) + " MiB (" +
+                     std::to_string(100.0 * it->second / s.bytes).substr(0, 5) + "%)";
+  };
+  std::printf("  peak extra memory   ours save %s  (goal <= 10%%); raw write %s; torch::save %s\n",
+              peak("BM_OursSave").c_str(), peak("BM_RawWrite").c_str(),
+              peak("BM_TorchSave").c_str());
+  std::printf(
+      "  async save          returns after %.2f s, committed after %.2f s (sync %.2f s); "
+      "peak staged %.1f MiB\n",
+      async_return_seconds, t("BM_OursAsyncSave"), t("BM_OursSave"), async_peak_staged / 1048576.0);
+  return 0;
+}

@@ -1,0 +1,257 @@
+// The mixprec-ckpt command-line tool, run as a separate process on checkpoints written by the
+// library: inspect's roles and totals, verify's exit status on good and corrupt data, diff on
+// identical, stepped and structurally different checkpoints, and the one-line error contract
+// (stderr "mixprec-ckpt: …", exit 2) for bad arguments and unreadable paths.
+#include "mixprec/checkpoint/training_state.h"
+
+#include "checkpoint/format/format_test_util.h"
+#include "optim/support_optim.h"
+
+#include <gtest/gtest.h>
+
+#include <torch/optim/adamw.h>
+
+#include <sys/wait.h>
+#include <cstdio>
+#include <regex>
+
+namespace mixprec::checkpoint {
+namespace {
+
+namespace fs = std::filesystem;
+using testing::TempDir;
+
+// The tool binary: <build>/tools/mixprec-ckpt. MIXPREC_BINARY_DIR, when the build defines it,
+// names <build>; otherwise it is found from this test binary, <build>/tests/checkpoint_tests.
+fs::path tool_path() {
+#ifdef MIXPREC_BINARY_DIR
+  return fs::path(MIXPREC_BINARY_DIR) / "tools" / "mixprec-ckpt";
+#else
+  return fs::read_symlink("/proc/self/exe").parent_path().parent_path() / "tools" / "mixprec-ckpt";
+#endif
+}
+
+std::string shell_quote(const std::string& s) {
+  std::string out = "'";
+  for (char c : s) out += c == '\'' ? std::string("'\\''") : std::string(1, c);
+  return out + "'";
+}
+
+struct ToolRun {
+  int status = -1;  // exit status; -1 if the tool died from a signal (a crash is a failure)
+  std::string out, err;
+  std::vector<std::string> out_lines() const {
+    std::vector<std::string> lines;
+    std::stringstream s(out);
+    for (std::string line; std::getline(s, line);) lines.push_back(line);
+    return lines;
+  }
+  bool has_line(const std::string& pattern) const {
+    const std::regex re(pattern);
+    for (const auto& line : out_lines()) {
+      if (std::regex_search(line, re)) return true;
+    }
+    return false;
+  }
+};
+
+// Runs the tool with `args`, capturing stdout and stderr in files next to `scratch`.
+ToolRun run_tool(const fs::path& scratch, const std::vector<std::string>& args) {
+  std::string command = shell_quote(tool_path().string());
+  for (const auto& a : args) command.append(" ").append(shell_quote(a));
+  const fs::path out = scratch / "tool.out", err = scratch / "tool.err";
+  command.append(" >").append(shell_quote(out.string()));
+  command.append(" 2>").append(shell_quote(err.string())).append(" </dev/null");
+  const int raw = std::system(command.c_str());
+  ToolRun run;
+  run.status = (raw != -1 && WIFEXITED(raw)) ? WEXITSTATUS(raw) : -1;
+  run.out = testing::read_file(out);
+  run.err = testing::read_file(err);
+  return run;
+}
+
+// The error contract: exactly one line on stderr, starting "mixprec-ckpt: ", nothing on stdout.
+void expect_one_line_error(const ToolRun& run, int status, const std::string& fragment) {
+  EXPECT_EQ(run.status, status) << run.err;
+  EXPECT_EQ(run.err.rfind("mixprec-ckpt: ", 0), 0u) << run.err;
+  EXPECT_EQ(std::count(run.err.begin(), run.err.end(), '\n'), 1) << run.err;
+  EXPECT_NE(run.err.find(fragment), std::string::npos)
+      << "stderr lacks '" << fragment << "': " << run.err;
+  EXPECT_TRUE(run.out.empty()) << run.out;
+}
+
+void flip_last_byte(const fs::path& file) {
+  std::string bytes = testing::read_file(file);
+  ASSERT_FALSE(bytes.empty());
+  bytes.back() = static_cast<char>(bytes.back() ^ 0x01);
+  testing::write_file(file, bytes);
+}
+
+// The Interleaved model (pre.weight, post.weight: BF16 with masters; gate: FP32 kept; frozen),
+// AdamW, two steps taken.
+class CkptTool : public ::testing::Test {
+ protected:
+  void SetUp() override {
+    ASSERT_TRUE(fs::exists(tool_path())) << tool_path() << " is missing: build target mixprec-ckpt";
+    at::manual_seed(11);
+    model_ = mixprec::testing::Interleaved();
+    optimizer_ = mixprec::testing::make_optimizer(
+        model_, torch::optim::AdamWOptions(1e-2).betas({0.9, 0.95}).weight_decay(0.1));
+    step();
+    step();
+  }
+  void step() {
+    mixprec::testing::set_grads(*model_, ++steps_);
+    ASSERT_TRUE(optimizer_->update().success);
+  }
+  fs::path save(const std::string& name) {
+    return save_training_state(dir_.path() / "root", name, *model_, *optimizer_, {{"epoch", 1}})
+        .dir;
+  }
+  ToolRun tool(const std::vector<std::string>& args) { return run_tool(dir_.path(), args); }
+
+  TempDir dir_;
+  mixprec::testing::Interleaved model_{nullptr};
+  std::unique_ptr<optim::Float16Optimizer> optimizer_;
+  int64_t steps_ = 0;
+};
+
+TEST_F(CkptTool, InspectListsRolesDtypesAndTotals) {
+  save("step-2");
+  const ToolRun run = tool({"inspect", (dir_.path() / "root").string()});  // via `latest`
+  ASSERT_EQ(run.status, 0) << run.err;
+  EXPECT_TRUE(run.err.empty()) << run.err;
+  EXPECT_TRUE(run.has_line("^format +mixprec-checkpoint, version 1$")) << run.out;
+  EXPECT_TRUE(run.has_line("^sequence +1$")) << run.out;
+  EXPECT_TRUE(run.has_line("^optimizer +adamw, step 2$")) << run.out;
+  EXPECT_TRUE(run.has_line("^scaler +dynamic=false .*scale=1(\\.0)?( |$)")) << run.out;
+  EXPECT_TRUE(run.has_line("^user +\\{\"epoch\":1\\}$")) << run.out;
+  // Key table: dtype, shape, bytes, chunks.
+  EXPECT_TRUE(
+      run.has_line("^  optimizer\\.state\\.fp32_param\\.pre\\.weight +F32 +\\[8, 8\\] +256 +1$"))
+      << run.out;
+  EXPECT_TRUE(run.has_line("^  rng\\.cpu +U8 ")) << run.out;
+  // Parameter table: role, then model dtype.
+  EXPECT_TRUE(run.has_line(
+      "^  pre\\.weight +fp32 master +BF16 +\\[8, 8\\] +0 +2 +fp32_param exp_avg exp_avg_sq$"))
+      << run.out;
+  EXPECT_TRUE(run.has_line("^  post\\.weight +fp32 master +BF16 ")) << run.out;
+  EXPECT_TRUE(run.has_line("^  gate +native fp32 +F32 +\\[24\\] +0 +2 +exp_avg exp_avg_sq$"))
+      << run.out;
+  EXPECT_TRUE(run.has_line("^  frozen\\.weight +frozen +BF16 +\\[8, 8\\] +0 +- +-$")) << run.out;
+  // Totals: params, elements, model bytes, optimizer bytes (masters and moments: 3 × 4 B).
+  EXPECT_TRUE(run.has_line("^  fp32 master +2 +128 +256 +1536$")) << run.out;
+  EXPECT_TRUE(run.has_line("^  native fp32 +1 +24 +96 +192$")) << run.out;
+  EXPECT_TRUE(run.has_line("^  frozen +1 +64 +128 +0$")) << run.out;
+  EXPECT_FALSE(run.has_line("^warning:")) << run.out;
+}
+
+TEST_F(CkptTool, VerifyPassesAndCatchesAFlippedByte) {
+  const fs::path ckpt = save("step-2");
+  const ToolRun good = tool({"verify", ckpt.string()});
+  EXPECT_EQ(good.status, 0) << good.err;
+  EXPECT_EQ(good.out.rfind("OK " + ckpt.string() + ": ", 0), 0u) << good.out;
+
+  flip_last_byte(ckpt / "data-00000.safetensors");
+  expect_one_line_error(tool({"verify", ckpt.string()}), 1, "data-00000.safetensors");
+  // Metadata is intact, so inspect still works; diff reads the data and refuses.
+  EXPECT_EQ(tool({"inspect", ckpt.string()}).status, 0);
+  expect_one_line_error(tool({"diff", ckpt.string(), ckpt.string()}), 2, "checksum mismatch");
+}
+
+TEST_F(CkptTool, DiffOfIdenticalStatesIsZero) {
+  const fs::path a = save("a");
+  const fs::path b = save("b");  // same state, later sequence: still identical
+  const ToolRun run = tool({"diff", a.string(), b.string()});
+  EXPECT_EQ(run.status, 0) << run.out << run.err;
+  EXPECT_TRUE(run.has_line("^result: identical$")) << run.out;
+  EXPECT_TRUE(run.has_line("^  pre\\.weight +BF16 +\\[8, 8\\] +0 +0/64$")) << run.out;
+  EXPECT_TRUE(run.has_line("^common state: 0 differences$")) << run.out;
+  EXPECT_EQ(tool({"diff", (dir_.path() / "root").string(), b.string()}).status, 0);  // root = b
+}
+
+TEST_F(CkptTool, DiffAfterOneMoreStepShowsTheChange) {
+  const fs::path a = save("a");
+  const at::Tensor gate_before = model_->gate.detach().clone();
+  step();
+  const fs::path b = save("b");
+  const ToolRun run = tool({"diff", a.string(), b.string()});
+  EXPECT_EQ(run.status, 1) << run.out << run.err;
+  EXPECT_TRUE(run.has_line("^result: different$")) << run.out;
+  // The exact largest change of the native FP32 parameter, as the tool formats it.
+  char expected[32];
+  std::snprintf(expected, sizeof expected, "%.6g",
+                (model_->gate.detach().to(at::kDouble) - gate_before.to(at::kDouble))
+                    .abs()
+                    .max()
+                    .item<double>());
+  EXPECT_TRUE(run.has_line("^  gate +F32 +\\[24\\] +" +
+                           std::regex_replace(expected, std::regex("\\."), "\\.") + " +24/24$"))
+      << expected << "\n"
+      << run.out;
+  EXPECT_TRUE(
+      run.has_line("^  optimizer\\.state\\.fp32_param\\.post\\.weight +F32 +\\[8, 8\\] +[0-9.e-]+ "
+                   "+[1-9][0-9]*/64$"))
+      << run.out;
+  EXPECT_TRUE(run.has_line("^  frozen\\.weight +BF16 +\\[8, 8\\] +0 +0/64$")) << run.out;
+  EXPECT_TRUE(run.has_line("^  /optimizer/step: 2 -> 3$")) << run.out;
+}
+
+TEST_F(CkptTool, DiffReportsMissingKeysAndMismatches) {
+  const float nan = std::nanf("");
+  ShardedStateDict a, b;
+  a.tensors["same_nan"] = ShardedTensor::whole(at::tensor({1.0f, nan, 3.0f}));
+  b.tensors["same_nan"] = ShardedTensor::whole(at::tensor({1.0f, nan, 3.0f}));
+  a.tensors["changed"] = ShardedTensor::whole(at::tensor({1.0f, 2.0f, 3.0f, 4.0f}));
+  b.tensors["changed"] = ShardedTensor::whole(at::tensor({1.0f, 2.5f, 3.0f, 3.0f}));
+  a.tensors["dtype"] = ShardedTensor::whole(at::zeros({2, 2}));
+  b.tensors["dtype"] = ShardedTensor::whole(at::zeros({2, 2}, at::kBFloat16));
+  a.tensors["shape"] = ShardedTensor::whole(at::zeros({4}, at::kLong));
+  b.tensors["shape"] = ShardedTensor::whole(at::zeros({2, 2}, at::kLong));
+  a.tensors["gone"] = ShardedTensor::whole(at::ones({3}, at::kInt));
+  b.tensors["new"] = ShardedTensor::whole(at::ones({1}, at::kBool));
+  a.common = {{"step", 1}};
+  b.common = {{"step", 1}, {"note", "x"}};
+  const fs::path pa = save_checkpoint(dir_.path() / "ra", "a", a).dir;
+  const fs::path pb = save_checkpoint(dir_.path() / "rb", "b", b).dir;
+  const ToolRun run = tool({"diff", pa.string(), pb.string()});
+  EXPECT_EQ(run.status, 1) << run.err;
+  EXPECT_TRUE(run.has_line("^  same_nan +F32 +\\[3\\] +0 +0/3$")) << run.out;
+  EXPECT_TRUE(run.has_line("^  changed +F32 +\\[4\\] +1 +2/4$")) << run.out;
+  EXPECT_TRUE(run.has_line("^mismatch: dtype: A F32 \\[2, 2\\], B BF16 \\[2, 2\\]$")) << run.out;
+  EXPECT_TRUE(run.has_line("^mismatch: shape: A I64 \\[4\\], B I64 \\[2, 2\\]$")) << run.out;
+  EXPECT_TRUE(run.has_line("^only in A: gone \\(I32 \\[3\\]\\)$")) << run.out;
+  EXPECT_TRUE(run.has_line("^only in B: new \\(BOOL \\[1\\]\\)$")) << run.out;
+  EXPECT_TRUE(run.has_line("^  /note: \\(absent\\) -> \"x\"$")) << run.out;
+  // No optimizer in the common state: inspect still describes the tensors.
+  const ToolRun inspect = tool({"inspect", pa.string()});
+  EXPECT_EQ(inspect.status, 0) << inspect.err;
+  EXPECT_TRUE(inspect.has_line("^optimizer +none")) << inspect.out;
+}
+
+TEST_F(CkptTool, BadArgumentsAndPathsAreOneLineErrors) {
+  const fs::path ckpt = save("step-2");
+  expect_one_line_error(tool({}), 2, "no command");
+  expect_one_line_error(tool({"frobnicate", ckpt.string()}), 2, "unknown command 'frobnicate'");
+  expect_one_line_error(tool({"inspect"}), 2, "expected 1 argument, got 0");
+  expect_one_line_error(tool({"diff", ckpt.string()}), 2, "expected 2 arguments, got 1");
+  expect_one_line_error(tool({"verify", "--fast", ckpt.string()}), 2, "unknown option '--fast'");
+  const std::string missing = (dir_.path() / "no-such-dir").string();
+  expect_one_line_error(tool({"inspect", missing}), 2, missing + ": no such file or directory");
+  expect_one_line_error(tool({"verify", missing}), 2, missing);
+  expect_one_line_error(tool({"diff", ckpt.string(), missing}), 2, missing);
+  expect_one_line_error(tool({"inspect", dir_.path().string()}), 2, "neither a checkpoint");
+  expect_one_line_error(tool({"inspect", (ckpt / "common.json").string()}), 2, "not a directory");
+
+  testing::write_file(ckpt / "manifest.json", "{\"format\": \"mixprec-checkpoint\", \"vers");
+  expect_one_line_error(tool({"inspect", ckpt.string()}), 2, (ckpt / "manifest.json").string());
+  expect_one_line_error(tool({"verify", ckpt.string()}), 1, (ckpt / "manifest.json").string());
+
+  const ToolRun help = tool({"--help"});
+  EXPECT_EQ(help.status, 0);
+  EXPECT_EQ(help.out.rfind("usage: mixprec-ckpt", 0), 0u) << help.out;
+  EXPECT_EQ(tool({"diff", "--help"}).status, 0);
+}
+
+}  // namespace
+}  // namespace mixprec::checkpoint

@@ -1,0 +1,121 @@
+// mixprec-ckpt: inspect, verify and compare mixprec checkpoints (SPEC §4, "A command-line
+// tool"). This file only parses the command line and maps every failure to the tool's
+// contract (ckpt/cli.h): one line "mixprec-ckpt: …" on stderr and exit status 1 or 2. No
+// exception escapes main, whatever the input.
+#include "ckpt/cli.h"
+#include "ckpt/diff.h"
+#include "ckpt/inspect.h"
+#include "ckpt/verify.h"
+
+#include "mixprec/checkpoint/format/error.h"
+
+#include <c10/util/Exception.h>
+
+#include <iostream>
+#include <new>
+#include <string>
+#include <vector>
+
+namespace {
+
+using namespace mixprec::tools;
+
+constexpr const char* kUsage = R"(usage: mixprec-ckpt <command> [arguments]
+
+Inspect, verify and compare mixprec checkpoints.
+
+commands:
+  inspect DIR   format, sequence, step, loss scaler; every key with dtype, shape, bytes and
+                chunks; every optimizer parameter with its role (fp32 master, native fp32,
+                frozen) and model dtype, with totals per role. Reads metadata only.
+  verify DIR    reads every byte and checks all checksums against the manifest.
+  diff A B      per-key max |A - B| for keys in both, keys only in A or B, dtype/shape
+                mismatches, and common-state (step, hyper-parameters...) differences.
+  help          this text (also -h, --help)
+
+DIR, A and B are checkpoint directories (holding manifest.json) or checkpoint roots, in
+which case the checkpoint named by their 'latest' file is used.
+
+exit status:
+  0  success; diff: the checkpoints are identical
+  1  verify: the checkpoint is corrupt or malformed; diff: the checkpoints differ
+  2  bad arguments, a path that is not a checkpoint, or a file that cannot be read
+)";
+
+struct Command {
+  const char* name;
+  std::size_t arguments;
+  const char* synopsis;
+};
+
+constexpr Command kCommands[] = {
+    {"inspect", 1, "inspect DIR"}, {"verify", 1, "verify DIR"}, {"diff", 2, "diff A B"}};
+
+bool is_help(const std::string& arg) { return arg == "-h" || arg == "--help" || arg == "help"; }
+
+int run(const std::vector<std::string>& args) {
+  if (args.empty()) throw ToolError(kExitUsage, "no command given (try 'mixprec-ckpt --help')");
+  if (is_help(args[0])) {
+    std::cout << kUsage;
+    return kExitOk;
+  }
+  const Command* command = nullptr;
+  for (const Command& c : kCommands) {
+    if (args[0] == c.name) command = &c;
+  }
+  if (command == nullptr) {
+    throw ToolError(kExitUsage,
+                    "unknown command '" + args[0] + "' (commands: inspect, verify, diff)");
+  }
+  for (std::size_t i = 1; i < args.size(); ++i) {
+    if (is_help(args[i])) {
+      std::cout << "usage: mixprec-ckpt " << command->synopsis << "\n\n" << kUsage;
+      return kExitOk;
+    }
+    if (args[i].size() > 1 && args[i][0] == '-') {
+      throw ToolError(kExitUsage,
+                      std::string(command->name) + ": unknown option '" + args[i] + "'");
+    }
+  }
+  if (args.size() - 1 != command->arguments) {
+    throw ToolError(kExitUsage, std::string(command->name) + ": expected " +
+                                    std::to_string(command->arguments) + " argument" +
+                                    (command->arguments == 1 ? "" : "s") + ", got " +
+                                    std::to_string(args.size() - 1) + " (usage: mixprec-ckpt " +
+                                    command->synopsis + ")");
+  }
+  const std::string name = command->name;
+  if (name == "diff") {
+    return run_diff(checkpoint_dir_from_arg(args[1]), checkpoint_dir_from_arg(args[2]), std::cout);
+  }
+  const auto dir = checkpoint_dir_from_arg(args[1]);
+  if (name == "verify") return run_verify(dir, std::cout);
+  return run_inspect(dir, args[1], std::cout);
+}
+
+int fail(int code, std::string_view message) {
+  std::cout.flush();
+  std::cerr << "mixprec-ckpt: " << one_line(message) << std::endl;
+  return code;
+}
+
+}  // namespace
+
+int main(int argc, char** argv) {
+  try {
+    return run(std::vector<std::string>(argv + 1, argv + argc));
+  } catch (const ToolError& e) {
+    return fail(e.code(), e.what());
+  } catch (const mixprec::checkpoint::FormatError& e) {
+    // inspect and diff: a file that cannot be read or parsed (verify maps its own to 1).
+    return fail(kExitUsage, e.what());
+  } catch (const c10::Error& e) {
+    return fail(kExitUsage, e.what_without_backtrace());
+  } catch (const std::bad_alloc&) {
+    return fail(kExitUsage, "out of memory");
+  } catch (const std::exception& e) {
+    return fail(kExitUsage, e.what());
+  } catch (...) {
+    return fail(kExitUsage, "unknown error");
+  }
+}
