@@ -15,7 +15,10 @@ import sys
 import torch
 
 STEPS = 5
-N = 1031  # odd: exercises vector tails
+# A multiple of 8: LibTorch's fused kernel runs the last numel % 8 elements through a scalar
+# loop whose FMA contraction depends on how LibTorch was compiled (1 ulp apart in exp_avg_sq);
+# mixprec's own kernel tests cover odd sizes against that kernel with a stated tolerance.
+N = 1032
 
 
 def bits(t):

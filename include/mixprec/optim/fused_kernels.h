@@ -8,6 +8,13 @@
 // when `model_param` is defined, the BF16/FP16 model parameter rounded to nearest-even from the
 // new FP32 value. CPU tensors take a vectorized (SIMD chosen at run time), multithreaded path;
 // other devices fall back to ATen ops with the same semantics.
+//
+// Numerics (CPU): per element, the same FP32 operations in the same order as LibTorch's fused
+// CPU kernels (at::_fused_adam_, at::_fused_adamw_, at::_fused_sgd_), FMAs included, so the
+// results are bit-identical to theirs on CPUs with FMA (see tests/optim/fused_kernels_test.cpp
+// for the one exception, inside LibTorch's kernel). grad * grad_scale_inv is one FP32 multiply
+// (grad_scale_inv rounded to FP32). BF16/FP16 outputs equal at::Tensor::to() bit for bit, except
+// that NaN is written as a quiet NaN of the same sign.
 #pragma once
 
 #include <ATen/core/Tensor.h>
@@ -23,7 +30,7 @@ struct AdamHyperParams {
   double beta1 = 0.9;
   double beta2 = 0.999;
   double eps = 1e-8;
-  double weight_decay = 0.0;
+  double weight_decay = 0.0;           // note: torch.optim.AdamW's default is 1e-2
   bool decoupled_weight_decay = true;  // AdamW: param *= 1 - lr * weight_decay
   bool amsgrad = false;                // keep max_exp_avg_sq and use it in the denominator
   bool maximize = false;               // ascend: negate the gradient
@@ -66,9 +73,12 @@ struct GradStats {
 };
 
 // One read-only pass over a gradient (FP32/BF16/FP16) for clipping and overflow checks.
+// sum_of_squares is Inf/NaN exactly when all_finite is false; the result does not depend on
+// the number of threads. Contiguous tensors only; throws c10::Error otherwise.
 GradStats grad_stats(const at::Tensor& grad, double grad_scale_inv = 1.0);
 
-// model_param (BF16/FP16) = RNE(master (FP32)), elementwise. Same numel, contiguous.
+// model_param (BF16/FP16) = RNE(master (FP32)), elementwise. Same numel, device, contiguous;
+// throws c10::Error naming the argument otherwise, before writing anything.
 void copy_master_to_model(const at::Tensor& master, const at::Tensor& model_param);
 
 }  // namespace mixprec::optim
