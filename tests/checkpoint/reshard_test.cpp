@@ -5,6 +5,8 @@
 #include "mixprec/checkpoint/save.h"
 
 #include <ATen/ATen.h>
+#include "checkpoint/format/format_test_util.h"
+
 #include <gtest/gtest.h>
 
 #include <filesystem>
@@ -14,13 +16,10 @@ namespace {
 
 namespace fs = std::filesystem;
 
+// A scratch checkpoint root, removed at scope exit.
 struct TempRoot {
-  fs::path path;
-  TempRoot() {
-    char tmpl[] = "/tmp/mixprec-reshard-XXXXXX";
-    path = mkdtemp(tmpl);
-  }
-  ~TempRoot() { fs::remove_all(path); }
+  testing::TempDir dir;
+  const fs::path& path = dir.path();
 };
 
 // A state with uneven first dimensions, several dtypes, a 2-D and a 3-D tensor, and a scalar.

@@ -6,6 +6,8 @@
 #include "mixprec/checkpoint/async_save.h"
 #include "mixprec/checkpoint/format/error.h"
 
+#include "checkpoint/format/format_test_util.h"
+
 #include <gtest/gtest.h>
 
 #include <cstdlib>
@@ -17,13 +19,10 @@ namespace {
 namespace fs = std::filesystem;
 using mixprec::testing::TrainingSetup;
 
+// A scratch checkpoint root, removed at scope exit.
 struct TempRoot {
-  fs::path path;
-  TempRoot() {
-    char tmpl[] = "/tmp/mixprec-train-XXXXXX";
-    path = mkdtemp(tmpl);
-  }
-  ~TempRoot() { fs::remove_all(path); }
+  testing::TempDir dir;
+  const fs::path& path = dir.path();
 };
 
 void run_worker(const std::string& args) {

@@ -2,6 +2,8 @@
 
 #include "support/toy_net.h"
 
+#include "support/error_message.h"
+
 #include <gtest/gtest.h>
 
 namespace mixprec {
@@ -16,14 +18,7 @@ const PlannedTensor& find(const PrecisionPlan::Resolved& r, const std::string& n
   throw std::runtime_error("no planned tensor " + name);
 }
 
-std::string error_of(const std::function<void()>& fn) {
-  try {
-    fn();
-  } catch (const c10::Error& e) {
-    return e.what_without_backtrace();
-  }
-  return "";
-}
+using mixprec::testing::error_of;
 
 TEST(PrecisionPlan, ResolvesMarksNamesAndPatterns) {
   ToyNet net;

@@ -3,6 +3,8 @@
 #include "optim/support_optim.h"
 
 #include <c10/core/CPUAllocator.h>
+#include "support/error_message.h"
+
 #include <gtest/gtest.h>
 #include <torch/optim/adamw.h>
 #include <torch/optim/schedulers/step_lr.h>
@@ -16,14 +18,7 @@ namespace {
 using mixprec::testing::Interleaved;
 using mixprec::testing::set_grads;
 
-std::string error_of(const std::function<void()>& fn) {
-  try {
-    fn();
-  } catch (const c10::Error& e) {
-    return e.what_without_backtrace();
-  }
-  return "";
-}
+using mixprec::testing::error_of;
 
 TEST(Float16Optimizer, RolesFollowDtypeAndRequiresGrad) {
   Interleaved model;

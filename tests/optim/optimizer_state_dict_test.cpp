@@ -4,6 +4,8 @@
 
 #include "optim/support_optim.h"
 
+#include "support/error_message.h"
+
 #include <gtest/gtest.h>
 #include <torch/optim/adamw.h>
 #include <torch/serialize.h>
@@ -19,14 +21,7 @@ using mixprec::testing::bitwise_equal;
 using mixprec::testing::Interleaved;
 using mixprec::testing::set_grads;
 
-std::string error_of(const std::function<void()>& fn) {
-  try {
-    fn();
-  } catch (const c10::Error& e) {
-    return e.what_without_backtrace();
-  }
-  return "";
-}
+using mixprec::testing::error_of;
 
 std::set<std::string> keys_with_prefix(const ShardedStateDict& sd, const std::string& prefix) {
   std::set<std::string> out;
