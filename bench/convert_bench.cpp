@@ -132,11 +132,12 @@ void BM_ParallelMemcpy(benchmark::State& state) {
   state.SetBytesProcessed(state.iterations() * 2 * static_cast<int64_t>(n));
 }
 
-BENCHMARK(BM_Memcpy)->Unit(benchmark::kMillisecond)->UseRealTime()->MinTime(1.0);
-BENCHMARK(BM_StdCopy)->Unit(benchmark::kMillisecond)->UseRealTime()->MinTime(1.0);
-BENCHMARK(BM_ParallelMemcpy)->Unit(benchmark::kMillisecond)->UseRealTime()->MinTime(1.0);
-BENCHMARK(BM_SelectiveConvert)->Unit(benchmark::kMillisecond)->UseRealTime()->MinTime(2.0);
-BENCHMARK(BM_ModuleToBFloat16)->Unit(benchmark::kMillisecond)->UseRealTime()->MinTime(2.0);
+// Five repetitions each; the ratios use the fastest (see ratio_reporter.h).
+BENCHMARK(BM_Memcpy)->Unit(benchmark::kMillisecond)->UseRealTime()->MinTime(0.3)->Repetitions(5);
+BENCHMARK(BM_StdCopy)->Unit(benchmark::kMillisecond)->UseRealTime()->MinTime(0.3)->Repetitions(5);
+BENCHMARK(BM_ParallelMemcpy)->Unit(benchmark::kMillisecond)->UseRealTime()->MinTime(0.3)->Repetitions(5);
+BENCHMARK(BM_SelectiveConvert)->Unit(benchmark::kMillisecond)->UseRealTime()->MinTime(0.5)->Repetitions(5);
+BENCHMARK(BM_ModuleToBFloat16)->Unit(benchmark::kMillisecond)->UseRealTime()->MinTime(0.5)->Repetitions(5);
 
 }  // namespace
 
@@ -153,7 +154,7 @@ int main(int argc, char** argv) {
   const double bound = std::max({rate("BM_Memcpy"), rate("BM_StdCopy"), rate("BM_ParallelMemcpy")});
   const double ours = rate("BM_SelectiveConvert");
   const double torch_to = rate("BM_ModuleToBFloat16");
-  std::printf("\nconversion of %.1fM cast elements (%.2f GB read+written), %d threads\n",
+  std::printf("\nfastest of 5 repetitions each\nconversion of %.1fM cast elements (%.2f GB read+written), %d threads\n",
               f.cast_elements / 1e6, moved / 1e9, at::get_num_threads());
   std::printf("  memcpy bound (best of memcpy/std::copy/parallel): %6.2f GB/s\n", bound);
   std::printf("  selective conversion:                             %6.2f GB/s  ratio to bound %.2f"

@@ -1,9 +1,11 @@
-// A Google Benchmark console reporter that also remembers each benchmark's real time per
-// iteration, so a bench can print ratios between peers measured in the same run.
+// A Google Benchmark console reporter that also remembers each benchmark's fastest real time
+// per iteration over its repetitions, so a bench can print ratios between peers measured in
+// the same run. The fastest run is the one least disturbed by a shared machine.
 #pragma once
 
 #include <benchmark/benchmark.h>
 
+#include <algorithm>
 #include <map>
 #include <string>
 
@@ -14,8 +16,10 @@ class RatioReporter : public benchmark::ConsoleReporter {
   void ReportRuns(const std::vector<Run>& runs) override {
     for (const auto& run : runs) {
       if (run.run_type == Run::RT_Iteration && !run.error_occurred) {
-        seconds_[run.run_name.function_name] = run.GetAdjustedRealTime() /
-                                                benchmark::GetTimeUnitMultiplier(run.time_unit);
+        const double s =
+            run.GetAdjustedRealTime() / benchmark::GetTimeUnitMultiplier(run.time_unit);
+        auto [it, inserted] = seconds_.emplace(run.run_name.function_name, s);
+        if (!inserted) it->second = std::min(it->second, s);
       }
     }
     ConsoleReporter::ReportRuns(runs);

@@ -54,5 +54,14 @@ void set_group_hyper_params(torch::optim::OptimizerOptions& options, const nlohm
 
 const char* algorithm_name(Algorithm algo);
 
+// Prefix of every optimizer tensor key in a sharded state dict.
+inline constexpr const char* kStatePrefix = "optimizer.state.";
+// Per-parameter state tensors of each algorithm, by torch's names.
+inline const std::vector<std::string> kAdamKeys = {"exp_avg", "exp_avg_sq", "max_exp_avg_sq"};
+inline const std::vector<std::string> kSgdKeys = {"momentum_buffer"};
+
+// State dicts alias the optimizer's tensors, as torch's do: no copy of the whole state.
+inline at::Tensor copy_of(const at::Tensor& t) { return t.detach(); }
+
 }  // namespace detail
 }  // namespace mixprec::optim
