@@ -29,8 +29,8 @@ constexpr int64_t kWidth = 2048;  // 48 × 2048² ≈ 201M elements
 struct BigNetImpl : torch::nn::Module {
   BigNetImpl() {
     for (int64_t i = 0; i < kLayers; ++i) {
-      register_parameter("w" + std::to_string(i), torch::randn({kWidth, kWidth}));
-      register_parameter("norm" + std::to_string(i), mixprec::keep_in_fp32(torch::ones({kWidth})));
+      register_parameter(c10::str("w", i), torch::randn({kWidth, kWidth}));
+      register_parameter(c10::str("norm", i), mixprec::keep_in_fp32(torch::ones({kWidth})));
     }
     register_buffer("steps", torch::zeros({1024}, torch::kLong));
   }

@@ -67,7 +67,9 @@ build_project() {
       -DCMAKE_PREFIX_PATH="${CMAKE_PREFIX_PATH:+$CMAKE_PREFIX_PATH;}$prefix" \
       -DMIXPREC_PYTHON="$MIXPREC_VENV/bin/python" "${launcher[@]}" >/dev/null
   fi
+  local start=$SECONDS
   cmake --build "$MIXPREC_BUILD" --parallel "$(nproc)"
+  log "build finished in $((SECONDS - start)) s"
 }
 
 setup_all() {
