@@ -46,9 +46,12 @@ void QuantLinearImpl::reset() {
   at::Tensor w = at::empty({options.out_features(), options.in_features()});
   torch::nn::init::kaiming_uniform_(w, std::sqrt(5.0));
   const QuantScopeState init = model_init_state();
+  // A module that already holds an FP8 weight keeps that layout when rebuilt: this is how
+  // Cloneable::clone() rebuilds the copy (outside any init scope) before copying the data.
+  const bool keep_fp8 = weight_scale_inv.defined();
   weight_scale_inv = at::Tensor();
-  if (init.enabled &&
-      (init.format == QuantFormat::kFp8E4M3 || init.format == QuantFormat::kFp8Hybrid)) {
+  if (keep_fp8 || (init.enabled && (init.format == QuantFormat::kFp8E4M3 ||
+                                    init.format == QuantFormat::kFp8Hybrid))) {
     ScaledFp8 q = quantize_fp8(w, at::kFloat8_e4m3fn);
     weight = register_parameter("weight", q.data, /*requires_grad=*/false);
     weight_scale_inv = register_buffer("weight_scale_inv", q.scale_inv);

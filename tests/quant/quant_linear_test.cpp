@@ -99,6 +99,22 @@ TEST(QuantLinear, ModelInitWithFp8ParamHoldsFp8PrimaryWeights) {
   EXPECT_EQ(report.entries[0].why, "quantized primary weight");
 }
 
+TEST(QuantLinear, Fp8PrimaryWeightsSurviveClone) {
+  std::shared_ptr<torch::nn::Module> copy;
+  QuantLinear layer(nullptr);
+  {
+    QuantModelInitGuard init(kFp8Param);
+    layer = QuantLinear(16, 4);
+  }
+  copy = layer->clone();  // outside the init scope, as clone() usually runs
+  auto* cloned = copy->as<QuantLinearImpl>();
+  ASSERT_NE(cloned, nullptr);
+  EXPECT_EQ(cloned->weight.scalar_type(), at::kFloat8_e4m3fn);
+  EXPECT_TRUE(at::equal(cloned->weight.to(at::kFloat), layer->weight.to(at::kFloat)));
+  EXPECT_TRUE(at::equal(cloned->weight_scale_inv, layer->weight_scale_inv));
+  EXPECT_FALSE(cloned->weight.is_same(layer->weight));
+}
+
 TEST(QuantLinear, DisabledInitScopeBuildsHighPrecisionWeights) {
   QuantModelInitGuard init(kFp8Param);
   auto off = fp8_disabled_context(kFp8Param, /*is_init=*/true);

@@ -45,7 +45,8 @@ class QuantLinearImpl : public torch::nn::Cloneable<QuantLinearImpl> {
   // Throws c10::Error if a feature count is not positive.
   explicit QuantLinearImpl(QuantLinearOptions options);
 
-  // Reads the model-init scope (see above) and (re)creates weight and bias.
+  // Reads the model-init scope (see above) and (re)creates weight and bias. A module that
+  // already has an FP8 weight keeps the FP8 layout, so clone() works for FP8 modules too.
   void reset() override;
 
   // input: (..., in_features), any floating dtype. Returns (..., out_features) in the
