@@ -14,7 +14,7 @@ const char* to_string(ConversionAction action) {
   switch (action) {
     case ConversionAction::kCast: return "cast";
     case ConversionAction::kKeptFp32: return "kept fp32";
-    case ConversionAction::kUpcastFp32: return "restored fp32";
+    case ConversionAction::kUpcastFp32: return "made fp32";
     case ConversionAction::kLeftAlone: return "left alone";
   }
   return "?";

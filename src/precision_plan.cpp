@@ -10,6 +10,16 @@
 #include <unordered_set>
 
 namespace mixprec {
+namespace {
+
+// What the plan can keep in FP32: floating tensors that are not FP8 primary weights (those
+// are quantized on purpose; keeping one in FP32 is a contradiction the plan reports).
+bool keepable(const at::Tensor& t) {
+  const auto type = t.scalar_type();
+  return at::isFloatingType(type) && !at::isFloat8Type(type);
+}
+
+}  // namespace
 
 const char* to_string(TensorKind kind) {
   return kind == TensorKind::kParameter ? "parameter" : "buffer";
@@ -71,7 +81,7 @@ PrecisionPlan::Resolved PrecisionPlan::resolve(const torch::nn::Module& module) 
 
   for (auto& p : out.tensors) {
     if (!is_kept_in_fp32(p.tensor)) continue;
-    if (!at::isFloatingType(p.tensor.scalar_type())) {
+    if (!keepable(p.tensor)) {
       problems.push_back(describe(p) + " is marked keep_in_fp32 but is now " +
                          std::string(c10::toString(p.tensor.scalar_type())));
       continue;
@@ -87,11 +97,12 @@ PrecisionPlan::Resolved PrecisionPlan::resolve(const torch::nn::Module& module) 
       const bool exact = p.name == name;
       if (!exact && p.name.rfind(prefix, 0) != 0) continue;
       found = true;
-      if (at::isFloatingType(p.tensor.scalar_type())) {
+      if (keepable(p.tensor)) {
         keep(p, KeepReason::kName, name);
       } else if (exact) {
         problems.push_back("name '" + name + "' is a " + c10::toString(p.tensor.scalar_type()) +
-                           " " + to_string(p.kind) + "; only floating tensors can be kept in FP32");
+                           " " + to_string(p.kind) +
+                           "; only floating, non-FP8 tensors can be kept in FP32");
       }
     }
     if (found) continue;
@@ -108,7 +119,7 @@ PrecisionPlan::Resolved PrecisionPlan::resolve(const torch::nn::Module& module) 
   for (const auto& pattern : patterns_) {
     size_t hits = 0;
     for (auto& p : out.tensors) {
-      if (!at::isFloatingType(p.tensor.scalar_type())) continue;
+      if (!keepable(p.tensor)) continue;
       if (!detail::glob_match(pattern, p.name)) continue;
       ++hits;
       keep(p, KeepReason::kPattern, pattern);

@@ -19,7 +19,8 @@ namespace mixprec {
 enum class ConversionAction {
   kCast,        // floating, not kept: cast to the target half dtype
   kKeptFp32,    // kept by the plan and already FP32: untouched
-  kUpcastFp32,  // kept by the plan but was not FP32 (e.g. after Module::to(kBFloat16)): now FP32
+  kUpcastFp32,  // kept by the plan but was not FP32 (e.g. after Module::to(kBFloat16), or
+                // FP64): now FP32
   kLeftAlone,   // integer/bool buffers, FP8 primary weights, tensors already in the target dtype
 };
 

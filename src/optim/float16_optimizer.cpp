@@ -81,6 +81,7 @@ void Float16Optimizer::build_slots(const torch::nn::Module& model) {
     if (item.value().defined()) fqn_of.emplace(item.value().unsafeGetTensorImpl(), item.key());
   }
   std::vector<std::string> problems;
+  std::unordered_map<const c10::TensorImpl*, int64_t> first_id;  // a parameter listed twice
   int64_t id = 0;
   for (size_t g = 0; g < param_groups().size(); ++g) {
     const auto& params = param_groups()[g].params();
@@ -91,6 +92,10 @@ void Float16Optimizer::build_slots(const torch::nn::Module& model) {
         problems.push_back("param " + std::to_string(i) + " of group " + std::to_string(g) +
                            " (id " + std::to_string(id) + ") is not a parameter of the model");
         continue;
+      }
+      if (auto [seen, fresh] = first_id.emplace(p.unsafeGetTensorImpl(), id); !fresh) {
+        problems.push_back("'" + it->second + "' appears twice (ids " +
+                           std::to_string(seen->second) + " and " + std::to_string(id) + ")");
       }
       ParamInfo info{it->second, g, id, ParamRole::kFrozen};
       if (p.requires_grad()) {
@@ -172,6 +177,9 @@ StepResult Float16Optimizer::update() {
                 "[mixprec::Float16Optimizer::update] gradient of '", info_[k].fqn,
                 "' must be dense with the parameter's shape ", slots_[k]->param.sizes(), ", got ",
                 grad.sizes());
+    TORCH_CHECK(grad.device() == slots_[k]->param.device(),
+                "[mixprec::Float16Optimizer::update] gradient of '", info_[k].fqn, "' is on ",
+                grad.device(), ", the parameter on ", slots_[k]->param.device());
     const GradStats stats = grad_stats(grad.contiguous(), inv_scale);
     sum_of_squares += stats.sum_of_squares;
     if (!stats.all_finite && !first_non_finite) first_non_finite = &info_[k];
@@ -187,6 +195,17 @@ StepResult Float16Optimizer::update() {
     scaler_.update(/*found_inf=*/true);
     last_result_ = result;
     return result;
+  }
+
+  // Hyper-parameters are checked for every group before any parameter is stepped, so a bad
+  // value (e.g. a scheduler that drove lr negative) fails the whole step, not half of it.
+  for (size_t k : active) {
+    const auto& options = param_groups()[info_[k].group].options();
+    if (algorithm_ == Algorithm::kSgd) {
+      check_hyper_params(detail::sgd_hyper_params(options));
+    } else {
+      check_hyper_params(detail::adam_hyper_params(options, algorithm_));
+    }
   }
 
   double multiplier = inv_scale;
@@ -209,27 +228,31 @@ void Float16Optimizer::step_slot(size_t index, double grad_multiplier) {
   const at::Tensor model_param = slot.master.defined() ? slot.param.detach() : at::Tensor();
   const auto fp32 = target.options().dtype(at::kFloat);
 
+  // State is committed only after the kernel has run: a throwing kernel leaves none behind.
   if (algorithm_ == Algorithm::kSgd) {
     const SgdHyperParams hp = detail::sgd_hyper_params(options);
     const bool first = !slot.momentum_buffer.defined();
-    if (hp.momentum != 0 && first) slot.momentum_buffer = at::empty_like(target, fp32);
-    fused_sgd_step(target, grad, hp.momentum != 0 ? slot.momentum_buffer : at::Tensor(),
-                   model_param, first, hp, grad_multiplier);
+    at::Tensor buffer = slot.momentum_buffer;
+    if (hp.momentum != 0 && first) buffer = at::empty_like(target, fp32);
+    fused_sgd_step(target, grad, hp.momentum != 0 ? buffer : at::Tensor(), model_param, first, hp,
+                   grad_multiplier);
+    slot.momentum_buffer = hp.momentum != 0 ? buffer : slot.momentum_buffer;
     ++slot.step;
     return;
   }
   const AdamHyperParams hp = detail::adam_hyper_params(options, algorithm_);
-  if (!slot.exp_avg.defined()) {
-    slot.exp_avg = at::zeros_like(target, fp32);
-    slot.exp_avg_sq = at::zeros_like(target, fp32);
+  at::Tensor exp_avg = slot.exp_avg, exp_avg_sq = slot.exp_avg_sq, max_sq = slot.max_exp_avg_sq;
+  if (!exp_avg.defined()) {
+    exp_avg = at::zeros_like(target, fp32);
+    exp_avg_sq = at::zeros_like(target, fp32);
   }
-  if (hp.amsgrad && !slot.max_exp_avg_sq.defined()) {
-    slot.max_exp_avg_sq = at::zeros_like(target, fp32);
-  }
+  if (hp.amsgrad && !max_sq.defined()) max_sq = at::zeros_like(target, fp32);
+  fused_adam_step(target, grad, exp_avg, exp_avg_sq, hp.amsgrad ? max_sq : at::Tensor(),
+                  model_param, slot.step + 1, hp, grad_multiplier);
+  slot.exp_avg = exp_avg;
+  slot.exp_avg_sq = exp_avg_sq;
+  slot.max_exp_avg_sq = max_sq;
   ++slot.step;
-  fused_adam_step(target, grad, slot.exp_avg, slot.exp_avg_sq,
-                  hp.amsgrad ? slot.max_exp_avg_sq : at::Tensor(), model_param, slot.step, hp,
-                  grad_multiplier);
 }
 
 void Float16Optimizer::copy_masters_to_model() {

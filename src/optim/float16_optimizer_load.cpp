@@ -45,23 +45,57 @@ LoadReport Float16Optimizer::apply_loaded(Loaded&& saved, const LoadOptions& opt
     if (p.fp32.defined()) {
       check_tensor(p.fp32, param, p.fp32_source, /*must_be_fp32=*/true, problems);
     }
-    if (p.moments.empty()) continue;
-    // A parameter with state needs all of its algorithm's moments.
-    const bool amsgrad = adam && detail::adam_hyper_params(param_groups()[info.group].options(),
-                                                           algorithm_).amsgrad;
-    std::vector<std::string> need = adam ? std::vector<std::string>{"exp_avg", "exp_avg_sq"}
-                                         : std::vector<std::string>{"momentum_buffer"};
-    if (amsgrad) need.push_back("max_exp_avg_sq");
-    for (const auto& kind : need) {
-      if (!p.moments.count(kind)) {
-        saved.report.missing_keys.push_back("'" + info.fqn + "' " + kind);
-      }
+    if (info.role == ParamRole::kFrozen) continue;
+    // The moments this parameter's state needs, by the hyper-parameters being loaded (they
+    // replace the current ones): Adam's two (three with amsgrad), SGD's buffer if momentum.
+    const nlohmann::json* group = saved.groups.is_array() && info.group < saved.groups.size()
+                                      ? &saved.groups[info.group]
+                                      : nullptr;
+    std::vector<std::string> need;
+    if (adam) {
+      need = {"exp_avg", "exp_avg_sq"};
+      const bool amsgrad = group ? group->value("amsgrad", false)
+                                 : detail::adam_hyper_params(
+                                       param_groups()[info.group].options(), algorithm_).amsgrad;
+      if (amsgrad) need.push_back("max_exp_avg_sq");
+    } else {
+      const double momentum = group ? group->value("momentum", 0.0)
+                                    : detail::sgd_hyper_params(
+                                          param_groups()[info.group].options()).momentum;
+      if (momentum != 0) need.push_back("momentum_buffer");
     }
-    if (p.step <= 0) problems.push_back("'" + info.fqn + "' has moments but step " + std::to_string(p.step));
+    p.needs_moments = !need.empty();
+    const bool has_state = !p.moments.empty() || (p.step > 0 && !p.fresh_ok);
+    if (!has_state) continue;
+    std::vector<std::string> missing;
+    for (const auto& kind : need) {
+      if (!p.moments.count(kind)) missing.push_back(kind);
+    }
+    for (const auto& kind : missing) {
+      saved.report.missing_keys.push_back(std::string(detail::kStatePrefix) + kind + "." + info.fqn);
+    }
+    if (!missing.empty()) {
+      // Non-strict: a partial state is no state; the parameter starts fresh.
+      p.moments.clear();
+      p.step = 0;
+      saved.report.notes.push_back("'" + info.fqn + "': incomplete optimizer state, starts fresh");
+      continue;
+    }
+    if (p.step <= 0) {
+      problems.push_back("'" + info.fqn + "' has optimizer state but step " +
+                         std::to_string(p.step));
+    }
   }
   if (!saved.scaler.is_object()) problems.push_back("no loss scaler state");
   LossScaler scaler_copy = scaler_;
-  if (saved.scaler.is_object()) {
+  const bool scaler_mode_differs = saved.scaler.is_object() && saved.scaler.contains("dynamic") &&
+                                   saved.scaler["dynamic"] != scaler_.is_dynamic();
+  if (scaler_mode_differs) {
+    // e.g. FP16 with a dynamic scale resumed as BF16: the saved scale means nothing here.
+    saved.report.notes.push_back(std::string("loss scaler: the state is ") +
+                                 (scaler_.is_dynamic() ? "constant" : "dynamic") +
+                                 ", this optimizer's is not; keeping the configured scaler");
+  } else if (saved.scaler.is_object()) {
     try {
       scaler_copy.load_state(saved.scaler);
     } catch (const c10::Error& e) {
@@ -87,10 +121,14 @@ LoadReport Float16Optimizer::apply_loaded(Loaded&& saved, const LoadOptions& opt
     auto& p = saved.params[k];
     const ParamInfo& info = info_[k];
     if (info.role == ParamRole::kFrozen) continue;
-    auto fp32_copy = [](const at::Tensor& t) { return t.detach().to(at::kFloat).contiguous().clone(); };
+    // On the parameter's device: a checkpoint is read to the host.
+    auto fp32_copy = [&](const at::Tensor& t) {
+      return t.detach().to(slot.param.device(), at::kFloat, /*non_blocking=*/false, /*copy=*/true)
+          .contiguous();
+    };
     slot.exp_avg = slot.exp_avg_sq = slot.max_exp_avg_sq = slot.momentum_buffer = at::Tensor();
     slot.step = 0;
-    if (!p.moments.empty()) {
+    if (!p.moments.empty() || (!p.needs_moments && !p.fresh_ok)) {
       slot.step = p.step;
       for (auto& [kind, t] : p.moments) {
         at::Tensor value = fp32_copy(t);

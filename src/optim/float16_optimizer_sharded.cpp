@@ -116,10 +116,19 @@ LoadReport Float16Optimizer::load_sharded_state_dict(const ShardedStateDict& sta
       }
       saved.groups = groups;
     }
-    if (c.contains("frozen")) frozen_then = c["frozen"].get<std::set<std::string>>();
-    if (c.contains("without_state")) {
-      without_state_then = c["without_state"].get<std::set<std::string>>();
-    }
+    auto name_list = [&](const char* field, std::set<std::string>& out) {
+      if (!c.contains(field)) return;
+      const auto& list = c[field];
+      bool ok = list.is_array();
+      for (const auto& item : list) ok = ok && item.is_string();
+      if (!ok) {
+        problems.push_back(std::string("common state: '") + field + "' is not a list of names");
+        return;
+      }
+      out = list.get<std::set<std::string>>();
+    };
+    name_list("frozen", frozen_then);
+    name_list("without_state", without_state_then);
     const int64_t step = c.contains("step") && c["step"].is_number_integer() ? c["step"].get<int64_t>() : -1;
     if (step < 0) problems.push_back("common state: 'step' missing or not a non-negative integer");
     for (auto& p : saved.params) p.step = step;
@@ -163,8 +172,6 @@ LoadReport Float16Optimizer::load_sharded_state_dict(const ShardedStateDict& sta
         saved.report.missing_keys.push_back(master_key);
       }
     }
-    if (!p.moments.empty() || p.step == 0 || p.fresh_ok) continue;
-    for (const auto& kind : {moment_keys[0]}) saved.report.missing_keys.push_back(prefix + kind + "." + info.fqn);
   }
   for (const auto& [key, value] : state.tensors) {
     if (key.rfind(prefix, 0) == 0 && !used.count(key)) saved.report.unexpected_keys.push_back(key);

@@ -28,7 +28,8 @@ PositionalStateDict Float16Optimizer::state_dict() const {
       if (s.master.defined()) out.fp32_params[id] = copy_of(s.master);
       if (!s.has_state()) continue;
       auto& entry = out.state[id];
-      entry["step"] = at::scalar_tensor(static_cast<double>(s.step), at::kFloat);
+      // torch stores the step as a float32 scalar; a double is exact up to 2^53 steps.
+      entry["step"] = at::scalar_tensor(static_cast<double>(s.step), at::kDouble);
       for (const auto& [key, t] : std::map<std::string, const at::Tensor*>{
                {"exp_avg", &s.exp_avg}, {"exp_avg_sq", &s.exp_avg_sq},
                {"max_exp_avg_sq", &s.max_exp_avg_sq}, {"momentum_buffer", &s.momentum_buffer}}) {
@@ -137,6 +138,15 @@ void Float16Optimizer::save(torch::serialize::OutputArchive& archive) const {
   archive.write("scaler", c10::IValue(sd.scaler.dump()));
 }
 
+namespace {
+int64_t parse_id(const std::string& key, const std::string& digits) {
+  TORCH_CHECK(!digits.empty() && digits.size() < 18 &&
+                  digits.find_first_not_of("0123456789") == std::string::npos,
+              "[mixprec::Float16Optimizer::load] archive key '", key, "' has no parameter id");
+  return std::stoll(digits);
+}
+}  // namespace
+
 void Float16Optimizer::load(torch::serialize::InputArchive& archive) {
   PositionalStateDict sd;
   c10::IValue groups, scaler;
@@ -153,11 +163,11 @@ void Float16Optimizer::load(torch::serialize::InputArchive& archive) {
       TORCH_CHECK(slash != std::string::npos, "[mixprec::Float16Optimizer::load] bad key ", key);
       at::Tensor t;
       archive.read(key, t);
-      sd.state[std::stoll(key.substr(6, slash - 6))][key.substr(slash + 1)] = t;
+      sd.state[parse_id(key, key.substr(6, slash - 6))][key.substr(slash + 1)] = t;
     } else if (key.rfind("fp32_params/", 0) == 0) {
       at::Tensor t;
       archive.read(key, t);
-      sd.fp32_params[std::stoll(key.substr(12))] = t;
+      sd.fp32_params[parse_id(key, key.substr(12))] = t;
     }
   }
   load_state_dict(sd);

@@ -147,15 +147,7 @@ void validate_adam(const at::Tensor& param, const at::Tensor& grad, const at::Te
               "[mixprec::fused_adam_step] step counts this update and must be >= 1, "
               "got ",
               step);
-  // Same ranges torch.optim.Adam(W) accepts.
-  TORCH_CHECK(hp.lr >= 0.0, "[mixprec::fused_adam_step] invalid hp.lr: ", hp.lr);
-  TORCH_CHECK(hp.eps >= 0.0, "[mixprec::fused_adam_step] invalid hp.eps: ", hp.eps);
-  TORCH_CHECK(hp.beta1 >= 0.0 && hp.beta1 < 1.0,
-              "[mixprec::fused_adam_step] invalid hp.beta1: ", hp.beta1);
-  TORCH_CHECK(hp.beta2 >= 0.0 && hp.beta2 < 1.0,
-              "[mixprec::fused_adam_step] invalid hp.beta2: ", hp.beta2);
-  TORCH_CHECK(hp.weight_decay >= 0.0,
-              "[mixprec::fused_adam_step] invalid hp.weight_decay: ", hp.weight_decay);
+  check_hyper_params(hp);
   check_scale(op, grad_scale_inv);
 }
 
@@ -176,6 +168,25 @@ void validate_sgd(const at::Tensor& param, const at::Tensor& grad,
                       {"grad", &grad},
                       {"momentum_buffer", &momentum_buffer},
                       {"model_param", &model_param}});
+  check_hyper_params(hp);
+  check_scale(op, grad_scale_inv);
+}
+
+}  // namespace
+
+// Same ranges torch.optim.Adam(W) and SGD accept.
+void check_hyper_params(const AdamHyperParams& hp) {
+  TORCH_CHECK(hp.lr >= 0.0, "[mixprec::fused_adam_step] invalid hp.lr: ", hp.lr);
+  TORCH_CHECK(hp.eps >= 0.0, "[mixprec::fused_adam_step] invalid hp.eps: ", hp.eps);
+  TORCH_CHECK(hp.beta1 >= 0.0 && hp.beta1 < 1.0,
+              "[mixprec::fused_adam_step] invalid hp.beta1: ", hp.beta1);
+  TORCH_CHECK(hp.beta2 >= 0.0 && hp.beta2 < 1.0,
+              "[mixprec::fused_adam_step] invalid hp.beta2: ", hp.beta2);
+  TORCH_CHECK(hp.weight_decay >= 0.0,
+              "[mixprec::fused_adam_step] invalid hp.weight_decay: ", hp.weight_decay);
+}
+
+void check_hyper_params(const SgdHyperParams& hp) {
   TORCH_CHECK(hp.lr >= 0.0, "[mixprec::fused_sgd_step] invalid hp.lr: ", hp.lr);
   TORCH_CHECK(hp.momentum >= 0.0, "[mixprec::fused_sgd_step] invalid hp.momentum: ", hp.momentum);
   TORCH_CHECK(hp.weight_decay >= 0.0,
@@ -183,10 +194,7 @@ void validate_sgd(const at::Tensor& param, const at::Tensor& grad,
   TORCH_CHECK(!hp.nesterov || (hp.momentum > 0.0 && hp.dampening == 0.0),
               "[mixprec::fused_sgd_step] hp.nesterov requires hp.momentum > 0 and "
               "hp.dampening == 0");
-  check_scale(op, grad_scale_inv);
 }
-
-}  // namespace
 
 void fused_adam_step(const at::Tensor& param, const at::Tensor& grad, const at::Tensor& exp_avg,
                      const at::Tensor& exp_avg_sq, const at::Tensor& max_exp_avg_sq,

@@ -77,9 +77,12 @@ void LossScaler::load_state(const nlohmann::json& state) {
               "[mixprec::LossScaler::load_state] scale must be positive, got ", scale);
   TORCH_CHECK(growth >= 0 && hysteresis >= 0,
               "[mixprec::LossScaler::load_state] trackers must be non-negative");
-  scale_ = scale;
-  growth_tracker_ = growth;
-  hysteresis_tracker_ = hysteresis;
+  // Within this scaler's configured range: a state from a run with other limits is brought
+  // inside them rather than trusted.
+  scale_ = options_.dynamic ? std::clamp(scale, options_.min_scale, options_.max_scale)
+                            : options_.initial_scale;  // a constant scale is configuration
+  growth_tracker_ = std::min(growth, options_.growth_interval - 1);
+  hysteresis_tracker_ = std::min(hysteresis, options_.hysteresis);
 }
 
 }  // namespace mixprec::optim

@@ -28,6 +28,7 @@ struct Float16Optimizer::Loaded {
     at::Tensor fp32;          // FP32 value for the parameter: a saved main copy, or the model's
     std::string fp32_source;  // FP32 tensor across a plan change; and the key it came from
     bool fresh_ok = false;    // saved without state (frozen or never stepped): may start fresh
+    bool needs_moments = true;  // set while checking: SGD without momentum keeps only a step
   };
   std::vector<Param> params;  // parallel to the optimizer's slots
   nlohmann::json groups;      // per group: hyper-parameters

@@ -97,6 +97,11 @@ TEST(QuantLinear, ModelInitWithFp8ParamHoldsFp8PrimaryWeights) {
   auto report = convert_module_to_dtype_except_fp32_marked(*layer, at::kBFloat16);
   EXPECT_EQ(layer->weight.scalar_type(), at::kFloat8_e4m3fn);
   EXPECT_EQ(report.entries[0].why, "quantized primary weight");
+  // Keeping an FP8 primary weight in FP32 is a contradiction: named, it is an error; a broad
+  // pattern simply does not cover it.
+  EXPECT_THROW(PrecisionPlan().keep_fp32_name("weight").resolve(*layer), c10::Error);
+  auto resolved = PrecisionPlan().keep_fp32_pattern("*").resolve(*layer);
+  EXPECT_EQ(resolved.tensors[0].reason, KeepReason::kNone);
 }
 
 TEST(QuantLinear, Fp8PrimaryWeightsSurviveClone) {

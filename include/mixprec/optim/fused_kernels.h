@@ -46,6 +46,12 @@ struct SgdHyperParams {
   bool maximize = false;
 };
 
+// Throw c10::Error naming the hyper-parameter if it is outside the range torch.optim accepts
+// (negative lr/eps/weight decay, betas outside [0, 1), nesterov without plain momentum).
+// The step functions run these too; callers use them to validate before changing anything.
+void check_hyper_params(const AdamHyperParams& hp);
+void check_hyper_params(const SgdHyperParams& hp);
+
 // One Adam/AdamW update of one parameter, in place.
 //   param          FP32, updated (the main copy, or the native FP32 parameter itself)
 //   grad           FP32/BF16/FP16, read only; the update uses grad * grad_scale_inv
