@@ -165,7 +165,9 @@ std::optional<SaveResult> AsyncCheckpointSaver::wait() {
 }
 
 std::size_t AsyncCheckpointSaver::peak_staged_bytes() const {
-  return pipeline_ ? pipeline_->peak_bytes : 0;
+  if (!pipeline_) return 0;
+  std::lock_guard<std::mutex> lock(pipeline_->mutex);  // the writer may still be running
+  return pipeline_->peak_bytes;
 }
 
 }  // namespace mixprec::checkpoint
