@@ -25,6 +25,8 @@
 #include <ATen/ATen.h>
 #include <ATen/Parallel.h>  // at::get_num_threads
 #include <benchmark/benchmark.h>
+
+#include "support/ratio_reporter.h"
 #include <torch/optim/adamw.h>
 
 #include <algorithm>
@@ -51,26 +53,6 @@ mixprec::optim::AdamHyperParams hyper_params() {
   return hp;
 }
 
-// Minimum seconds per iteration over the repetitions of each benchmark.
-class MinTimeReporter : public benchmark::ConsoleReporter {
- public:
-  void ReportRuns(const std::vector<Run>& runs) override {
-    for (const auto& run : runs) {
-      if (run.run_type != Run::RT_Iteration || run.error_occurred) continue;
-      const double s = run.GetAdjustedRealTime() / benchmark::GetTimeUnitMultiplier(run.time_unit);
-      auto [it, inserted] = best_.try_emplace(run.run_name.function_name, s);
-      if (!inserted) it->second = std::min(it->second, s);
-    }
-    ConsoleReporter::ReportRuns(runs);
-  }
-  double seconds(const std::string& name) const {
-    auto it = best_.find(name);
-    return it == best_.end() ? 0.0 : it->second;
-  }
-
- private:
-  std::map<std::string, double> best_;
-};
 
 // State of the mixed-precision setup (ours and the three-pass baseline share the grads).
 struct Mixed {
@@ -225,7 +207,7 @@ int main(int argc, char** argv) {
   args.insert(args.begin() + 1, interleave);
   int args_count = static_cast<int>(args.size());
   benchmark::Initialize(&args_count, args.data());
-  MinTimeReporter reporter;
+  mixprec::bench::RatioReporter reporter;  // fastest repetition of each
   benchmark::RunSpecifiedBenchmarks(&reporter);
   benchmark::Shutdown();
 
