@@ -86,36 +86,15 @@ LoadReport Float16Optimizer::load_sharded_state_dict(const ShardedStateDict& sta
                          ", the optimizer runs " + detail::algorithm_name(algorithm_));
     }
     const auto& groups = c.contains("param_groups") ? c["param_groups"] : nlohmann::json();
-    if (!groups.is_array() || groups.size() != param_groups().size()) {
-      problems.push_back("the state has " + std::to_string(groups.is_array() ? groups.size() : 0) +
-                         " param groups, the optimizer has " +
-                         std::to_string(param_groups().size()));
-    } else {
-      // Each group must list the same parameters, by name, in the same order.
-      size_t k = 0;
-      for (size_t g = 0; g < groups.size(); ++g) {
-        const auto& names = groups[g].contains("params") ? groups[g]["params"] : nlohmann::json();
-        const size_t want = param_groups()[g].params().size();
-        if (!names.is_array() || names.size() != want) {
-          problems.push_back("param group " + std::to_string(g) + " lists " +
-                             std::to_string(names.is_array() ? names.size() : 0) +
-                             " params in the state, " + std::to_string(want) +
-                             " in the optimizer");
-          k += want;
-          continue;
-        }
-        for (size_t i = 0; i < want; ++i, ++k) {
-          if (names[i] != info_[k].fqn) {
-            problems.push_back("param group " + std::to_string(g) + " position " +
-                               std::to_string(i) + ": the state has " + names[i].dump() +
-                               ", the optimizer has '" + info_[k].fqn + "'");
-          }
-        }
-        auto hp = detail::check_group_hyper_params(groups[g], algorithm_, g);
-        problems.insert(problems.end(), hp.begin(), hp.end());
-      }
-      saved.groups = groups;
-    }
+    // Each group must list the same parameters, by name, in the same order.
+    detail::check_saved_groups(
+        groups, param_groups(), algorithm_,
+        [this](size_t, size_t, size_t k, const nlohmann::json& entry) -> std::string {
+          if (entry == info_[k].fqn) return {};
+          return "the state has " + entry.dump() + ", the optimizer has '" + info_[k].fqn + "'";
+        },
+        problems);
+    if (groups.is_array() && groups.size() == param_groups().size()) saved.groups = groups;
     auto name_list = [&](const char* field, std::set<std::string>& out) {
       if (!c.contains(field)) return;
       const auto& list = c[field];

@@ -51,32 +51,14 @@ LoadReport Float16Optimizer::load_state_dict(const PositionalStateDict& state,
 
   // Groups must match one to one, in order and size: ids are positions.
   const auto& groups = state.param_groups;
-  if (!groups.is_array() || groups.size() != param_groups().size()) {
-    problems.push_back("the state has " + std::to_string(groups.is_array() ? groups.size() : 0) +
-                       " param groups, the optimizer has " + std::to_string(param_groups().size()));
-  } else {
-    int64_t id = 0;
-    for (size_t g = 0; g < groups.size(); ++g) {
-      const auto& ids = groups[g].contains("params") ? groups[g]["params"] : nlohmann::json();
-      const size_t want = param_groups()[g].params().size();
-      if (!ids.is_array() || ids.size() != want) {
-        problems.push_back("param group " + std::to_string(g) + " has " +
-                           std::to_string(ids.is_array() ? ids.size() : 0) +
-                           " params in the state, " + std::to_string(want) + " in the optimizer");
-      } else {
-        for (size_t i = 0; i < want; ++i, ++id) {
-          if (!ids[i].is_number_integer() || ids[i].get<int64_t>() != id) {
-            problems.push_back("param group " + std::to_string(g) + " position " +
-                               std::to_string(i) + ": id " + ids[i].dump() + ", expected " +
-                               std::to_string(id));
-          }
-        }
-      }
-      auto hp = detail::check_group_hyper_params(groups[g], algorithm_, g);
-      problems.insert(problems.end(), hp.begin(), hp.end());
-    }
-    saved.groups = groups;
-  }
+  detail::check_saved_groups(
+      groups, param_groups(), algorithm_,
+      [](size_t, size_t, size_t id, const nlohmann::json& entry) -> std::string {
+        if (entry.is_number_integer() && entry.get<int64_t>() == static_cast<int64_t>(id)) return {};
+        return "id " + entry.dump() + ", expected " + std::to_string(id);
+      },
+      problems);
+  if (groups.is_array() && groups.size() == param_groups().size()) saved.groups = groups;
   saved.scaler = state.scaler;
 
   const auto& keys = algorithm_ == Algorithm::kSgd ? kSgdKeys : kAdamKeys;

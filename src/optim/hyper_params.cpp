@@ -103,6 +103,39 @@ std::vector<std::string> check_group_hyper_params(const nlohmann::json& json, Al
   return problems;
 }
 
+void check_saved_groups(
+    const nlohmann::json& groups, const std::vector<torch::optim::OptimizerParamGroup>& current,
+    Algorithm algo,
+    const std::function<std::string(size_t, size_t, size_t, const nlohmann::json&)>& entry_problem,
+    std::vector<std::string>& problems) {
+  if (!groups.is_array() || groups.size() != current.size()) {
+    problems.push_back("the state has " + std::to_string(groups.is_array() ? groups.size() : 0) +
+                       " param groups, the optimizer has " + std::to_string(current.size()));
+    return;
+  }
+  size_t flat = 0;  // the optimizer's flat parameter index (torch's id) of the group's first
+  for (size_t g = 0; g < groups.size(); ++g) {
+    const auto& listed = groups[g].contains("params") ? groups[g]["params"] : nlohmann::json();
+    const size_t want = current[g].params().size();
+    if (!listed.is_array() || listed.size() != want) {
+      problems.push_back("param group " + std::to_string(g) + " has " +
+                         std::to_string(listed.is_array() ? listed.size() : 0) +
+                         " params in the state, " + std::to_string(want) + " in the optimizer");
+    } else {
+      for (size_t i = 0; i < want; ++i) {
+        std::string problem = entry_problem(g, i, flat + i, listed[i]);
+        if (!problem.empty()) {
+          problems.push_back("param group " + std::to_string(g) + " position " +
+                             std::to_string(i) + ": " + problem);
+        }
+      }
+    }
+    flat += want;
+    auto hp = check_group_hyper_params(groups[g], algo, g);
+    problems.insert(problems.end(), hp.begin(), hp.end());
+  }
+}
+
 void set_group_hyper_params(torch::optim::OptimizerOptions& options, const nlohmann::json& json,
                             Algorithm algo) {
   if (algo == Algorithm::kSgd) {

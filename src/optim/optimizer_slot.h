@@ -7,6 +7,8 @@
 #include <torch/optim/adamw.h>
 #include <torch/optim/sgd.h>
 
+#include <functional>
+
 namespace mixprec::optim {
 
 struct Float16Optimizer::Slot {
@@ -49,6 +51,17 @@ nlohmann::json group_hyper_params_json(const torch::optim::OptimizerOptions& opt
 // Checks `json` has every hyper-parameter of `algo` with the right type; returns problems.
 std::vector<std::string> check_group_hyper_params(const nlohmann::json& json, Algorithm algo,
                                                   size_t group);
+// Checks a saved "param_groups" array against the optimizer's groups: the same number of
+// groups, each with a "params" list as long as the optimizer's and valid hyper-parameters.
+// `entry_problem(group, position, flat_index, entry)` judges each listed parameter (an id or
+// a name) and returns "" when it matches. Appends every problem found to `problems`.
+void check_saved_groups(
+    const nlohmann::json& groups, const std::vector<torch::optim::OptimizerParamGroup>& current,
+    Algorithm algo,
+    const std::function<std::string(size_t group, size_t position, size_t flat_index,
+                                    const nlohmann::json& entry)>& entry_problem,
+    std::vector<std::string>& problems);
+
 // Writes checked hyper-parameters into the group's options.
 void set_group_hyper_params(torch::optim::OptimizerOptions& options, const nlohmann::json& json,
                             Algorithm algo);
