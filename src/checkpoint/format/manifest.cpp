@@ -43,10 +43,7 @@ Chunk parse_chunk(const json& value, const std::string& context) {
 KeyEntry parse_key(const json& value, const std::string& context) {
   detail::check_members(value, context, {"dtype", "shape", "chunks"});
   KeyEntry entry;
-  std::string dtype = detail::string_field(value, "dtype", context);
-  auto parsed = parse_dtype(dtype);
-  if (!parsed) fail(context, ": field 'dtype': unknown dtype '", dtype, "'");
-  entry.dtype = *parsed;
+  entry.dtype = detail::dtype_field(value, "dtype", context);
   entry.shape = detail::dims_field(value, "shape", context);
   const json& chunks = value["chunks"];
   if (!chunks.is_array()) fail(context, ": field 'chunks': expected an array");

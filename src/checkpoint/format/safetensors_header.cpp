@@ -33,10 +33,7 @@ TensorEntry parse_entry(const std::string& name, const json& value, const std::s
   detail::check_members(value, context, {"dtype", "shape", "data_offsets"});
   TensorEntry entry;
   entry.name = name;
-  std::string dtype = detail::string_field(value, "dtype", context);
-  auto parsed = parse_dtype(dtype);
-  if (!parsed) fail(context, ": field 'dtype': unknown dtype '", dtype, "'");
-  entry.dtype = *parsed;
+  entry.dtype = detail::dtype_field(value, "dtype", context);
   entry.shape = detail::dims_field(value, "shape", context);
 
   const json& offsets = value["data_offsets"];

@@ -3,6 +3,7 @@
 #include "fail.h"
 
 #include <algorithm>
+#include <optional>
 #include <set>
 
 namespace mixprec::checkpoint::detail {
@@ -143,6 +144,13 @@ std::uint64_t u64_field(const json& obj, std::string_view name, std::string_view
     fail(context, ": field '", name, "': expected an unsigned integer, found ", describe(value));
   }
   return value.get<std::uint64_t>();
+}
+
+Dtype dtype_field(const json& obj, std::string_view name, std::string_view context) {
+  const std::string text = string_field(obj, name, context);
+  const std::optional<Dtype> parsed = parse_dtype(text);
+  if (!parsed) fail(context, ": field '", name, "': unknown dtype '", text, "'");
+  return *parsed;
 }
 
 std::vector<std::int64_t> dims_field(const json& obj, std::string_view name,

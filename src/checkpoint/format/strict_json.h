@@ -4,6 +4,8 @@
 // typed accessor throws FormatError naming the field instead of nlohmann's type_error.
 #pragma once
 
+#include "mixprec/checkpoint/format/dtype.h"
+
 #include <nlohmann/json.hpp>
 
 #include <cstdint>
@@ -32,6 +34,8 @@ const nlohmann::json& field(const nlohmann::json& obj, std::string_view name,
 std::string string_field(const nlohmann::json& obj, std::string_view name,
                          std::string_view context);
 std::uint64_t u64_field(const nlohmann::json& obj, std::string_view name, std::string_view context);
+// A dtype name (dtype.h); throws "<context>: field '<field>': unknown dtype '<name>'" otherwise.
+Dtype dtype_field(const nlohmann::json& obj, std::string_view name, std::string_view context);
 // An array of integers in [0, 2^63) (a shape or an offset).
 std::vector<std::int64_t> dims_field(const nlohmann::json& obj, std::string_view name,
                                      std::string_view context);
