@@ -6,8 +6,8 @@
 // bytes measured in the same run (single-threaded memcpy, std::copy, and memcpy split over
 // LibTorch's threads: the best of them is the "memcpy bound"), and with Module::to(kBFloat16)
 // (which casts everything, integer buffers included). Goal: >= 0.8 of the memcpy bound.
-#include "mixprec/convert.h"
-#include "mixprec/keep_fp32.h"
+#include "mixprec/precision/convert.h"
+#include "mixprec/precision/keep_fp32.h"
 #include "support/ratio_reporter.h"
 
 #include <ATen/Parallel.h>

@@ -5,8 +5,8 @@
 // rest to BF16 through Float16Module; runs a forward pass under an FP8 autocast scope with FP8
 // disabled around the router and the head; prints the conversion report and what each linear
 // actually computed in.
-#include "mixprec/float16_module.h"
-#include "mixprec/keep_fp32.h"
+#include "mixprec/precision/float16_module.h"
+#include "mixprec/precision/keep_fp32.h"
 #include "mixprec/quant/quant_linear.h"
 #include "mixprec/quant/quant_state.h"
 

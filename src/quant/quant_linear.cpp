@@ -1,6 +1,6 @@
 #include "mixprec/quant/quant_linear.h"
 
-#include "mixprec/keep_fp32.h"
+#include "mixprec/precision/keep_fp32.h"
 #include "mixprec/quant/fake_quant.h"
 #include "mixprec/quant/quant_state.h"
 

@@ -3,8 +3,8 @@
 // CPU generator (so the RNG state decides the data order).
 #pragma once
 
-#include "mixprec/convert.h"
-#include "mixprec/keep_fp32.h"
+#include "mixprec/precision/convert.h"
+#include "mixprec/precision/keep_fp32.h"
 #include "mixprec/optim/float16_optimizer.h"
 
 #include <ATen/ATen.h>

@@ -1,8 +1,8 @@
 // Shared pieces of the optimizer tests: the upstream regression model and helpers.
 #pragma once
 
-#include "mixprec/convert.h"
-#include "mixprec/keep_fp32.h"
+#include "mixprec/precision/convert.h"
+#include "mixprec/precision/keep_fp32.h"
 #include "mixprec/optim/float16_optimizer.h"
 
 #include <ATen/ATen.h>

@@ -1,7 +1,7 @@
 #include "mixprec/quant/quant_linear.h"
 
-#include "mixprec/convert.h"
-#include "mixprec/keep_fp32.h"
+#include "mixprec/precision/convert.h"
+#include "mixprec/precision/keep_fp32.h"
 #include "mixprec/quant/fake_quant.h"
 #include "mixprec/quant/quant_state.h"
 

@@ -1,7 +1,7 @@
 // A small module with every kind of tensor the precision plan has to deal with.
 #pragma once
 
-#include "mixprec/keep_fp32.h"
+#include "mixprec/precision/keep_fp32.h"
 
 #include <torch/nn/cloneable.h>
 #include <torch/nn/modules/linear.h>

@@ -1,7 +1,7 @@
-#include "mixprec/keep_fp32.h"
+#include "mixprec/precision/keep_fp32.h"
 
-#include "mixprec/convert.h"
-#include "mixprec/module_clone.h"
+#include "mixprec/precision/convert.h"
+#include "mixprec/precision/module_clone.h"
 #include "support/toy_net.h"
 
 #include <gtest/gtest.h>

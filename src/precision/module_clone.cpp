@@ -1,6 +1,6 @@
-#include "mixprec/module_clone.h"
+#include "mixprec/precision/module_clone.h"
 
-#include "mixprec/keep_fp32.h"
+#include "mixprec/precision/keep_fp32.h"
 
 #include <c10/util/Exception.h>
 #include <torch/nn/module.h>

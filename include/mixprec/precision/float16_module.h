@@ -11,9 +11,9 @@
 // checkpoint of the wrapper loads into the bare module and back.
 #pragma once
 
-#include "mixprec/convert.h"
+#include "mixprec/precision/convert.h"
 #include "mixprec/detail/nested_cast.h"
-#include "mixprec/precision_plan.h"
+#include "mixprec/precision/precision_plan.h"
 
 #include <torch/arg.h>
 #include <torch/nn/module.h>

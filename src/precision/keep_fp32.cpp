@@ -1,4 +1,4 @@
-#include "mixprec/keep_fp32.h"
+#include "mixprec/precision/keep_fp32.h"
 
 #include <c10/util/Exception.h>
 #include <c10/util/intrusive_ptr.h>

@@ -1,6 +1,6 @@
-#include "mixprec/convert.h"
+#include "mixprec/precision/convert.h"
 
-#include "mixprec/keep_fp32.h"
+#include "mixprec/precision/keep_fp32.h"
 #include "support/toy_net.h"
 
 #include <gtest/gtest.h>

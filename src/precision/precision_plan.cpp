@@ -1,7 +1,7 @@
-#include "mixprec/precision_plan.h"
+#include "mixprec/precision/precision_plan.h"
 
 #include "detail/name_match.h"
-#include "mixprec/keep_fp32.h"
+#include "mixprec/precision/keep_fp32.h"
 
 #include <c10/util/Exception.h>
 #include <torch/nn/module.h>

@@ -1,4 +1,4 @@
-#include "mixprec/convert.h"
+#include "mixprec/precision/convert.h"
 
 #include <ATen/ATen.h>
 #include <c10/util/Exception.h>

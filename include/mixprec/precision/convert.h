@@ -1,7 +1,7 @@
 // Selective conversion: cast a module to BF16/FP16 except what the precision plan keeps FP32.
 #pragma once
 
-#include "mixprec/precision_plan.h"
+#include "mixprec/precision/precision_plan.h"
 
 #include <c10/core/ScalarType.h>
 

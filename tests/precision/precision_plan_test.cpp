@@ -1,4 +1,4 @@
-#include "mixprec/precision_plan.h"
+#include "mixprec/precision/precision_plan.h"
 
 #include "support/toy_net.h"
 

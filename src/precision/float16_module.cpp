@@ -1,4 +1,4 @@
-#include "mixprec/float16_module.h"
+#include "mixprec/precision/float16_module.h"
 
 #include <c10/util/Exception.h>
 
