@@ -134,8 +134,8 @@ LoadReport load_model_sharded_state_dict(torch::nn::Module& model, const Sharded
                          (near.empty() ? "" : " (model has: " + detail::join(near) + ")"));
     }
   }
-  TORCH_CHECK(problems.empty(), "[mixprec::load_model_sharded_state_dict] cannot load into ",
-              model.name(), ":\n  - ", detail::join(problems, "\n  - "));
+  detail::check_no_problems(
+      problems, "[mixprec::load_model_sharded_state_dict] cannot load into " + model.name());
 
   if (options.dry_run) return report;
   at::NoGradGuard no_grad;

@@ -1,5 +1,7 @@
 #include "mixprec/checkpoint/save.h"
 
+#include "detail/name_match.h"
+
 #include "checkpoint/save_pipeline.h"
 
 #include "mixprec/checkpoint/format/checksum.h"
@@ -90,12 +92,7 @@ std::map<std::string, KeyPlan> plan_keys(const std::vector<const ShardedStateDic
       problems.push_back("key '" + key + "': " + what);
     }
   }
-  TORCH_CHECK(problems.empty(), "[mixprec::checkpoint::save] cannot save:\n  - ",
-              [&] {
-                std::string s;
-                for (size_t i = 0; i < problems.size(); ++i) s += (i ? "\n  - " : "") + problems[i];
-                return s;
-              }());
+  mixprec::detail::check_no_problems(problems, "[mixprec::checkpoint::save] cannot save");
   return plan;
 }
 

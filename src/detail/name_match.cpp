@@ -1,5 +1,6 @@
 #include "detail/name_match.h"
 
+#include <c10/util/Exception.h>
 #include <fnmatch.h>
 
 #include <algorithm>
@@ -66,6 +67,15 @@ std::string join(const std::vector<std::string>& items, std::string_view sep) {
     out += items[i];
   }
   return out;
+}
+
+}  // namespace mixprec::detail
+
+namespace mixprec::detail {
+
+void check_no_problems(const std::vector<std::string>& problems, std::string_view what) {
+  if (problems.empty()) return;
+  TORCH_CHECK(false, what, ":\n  - ", join(problems, "\n  - "));
 }
 
 }  // namespace mixprec::detail

@@ -21,4 +21,9 @@ std::vector<std::string> close_matches(std::string_view name,
 // "a, b, c" — for error messages.
 std::string join(const std::vector<std::string>& items, std::string_view sep = ", ");
 
+// The "collect every problem, then one error" pattern: throws c10::Error
+// "<what>:\n  - <problem>\n  - ..." when `problems` is not empty. `what` names the op and
+// the object at fault ("[mixprec::Float16Optimizer] cannot load the state").
+void check_no_problems(const std::vector<std::string>& problems, std::string_view what);
+
 }  // namespace mixprec::detail

@@ -115,8 +115,8 @@ void Float16Optimizer::build_slots(const torch::nn::Module& model) {
       info_.push_back(std::move(info));
     }
   }
-  TORCH_CHECK(problems.empty(), "[mixprec::Float16Optimizer] cannot optimize these parameters:\n  - ",
-              mixprec::detail::join(problems, "\n  - "));
+  mixprec::detail::check_no_problems(problems,
+                                     "[mixprec::Float16Optimizer] cannot optimize these parameters");
 
   at::NoGradGuard no_grad;
   for (const auto& group : param_groups()) {

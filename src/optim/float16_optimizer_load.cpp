@@ -106,8 +106,7 @@ LoadReport Float16Optimizer::apply_loaded(Loaded&& saved, const LoadOptions& opt
     for (const auto& key : saved.report.missing_keys) problems.push_back("missing " + key);
     for (const auto& key : saved.report.unexpected_keys) problems.push_back("unexpected " + key);
   }
-  TORCH_CHECK(problems.empty(), "[mixprec::Float16Optimizer] cannot load the state:\n  - ",
-              mixprec::detail::join(problems, "\n  - "));
+  mixprec::detail::check_no_problems(problems, "[mixprec::Float16Optimizer] cannot load the state");
 
   if (options.dry_run) return std::move(saved.report);
   // Everything checked: apply.

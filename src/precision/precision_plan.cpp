@@ -134,8 +134,8 @@ PrecisionPlan::Resolved PrecisionPlan::resolve(const torch::nn::Module& module) 
     }
   }
 
-  TORCH_CHECK(problems.empty(), "[mixprec::PrecisionPlan::resolve] cannot apply the plan to ",
-              module.name(), ":\n  - ", detail::join(problems, "\n  - "));
+  detail::check_no_problems(
+      problems, "[mixprec::PrecisionPlan::resolve] cannot apply the plan to " + module.name());
 
   // Tied tensors: if any name of a tensor is kept, every name of it is.
   std::unordered_map<const c10::TensorImpl*, const PlannedTensor*> kept;
