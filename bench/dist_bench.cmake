@@ -1,0 +1,11 @@
+# bench_dist launches itself under torchrun (bench/dist_bench.cpp): it needs torchrun's path,
+# beside the python that has torch (tests/dist/dist.cmake caches the same path).
+if(TARGET bench_dist)
+  if(NOT MIXPREC_TORCHRUN AND MIXPREC_PYTHON)
+    get_filename_component(_mixprec_python_bin "${MIXPREC_PYTHON}" DIRECTORY)
+    set(MIXPREC_TORCHRUN "${_mixprec_python_bin}/torchrun")
+  endif()
+  if(MIXPREC_TORCHRUN AND EXISTS "${MIXPREC_TORCHRUN}")
+    target_compile_definitions(bench_dist PRIVATE MIXPREC_TORCHRUN="${MIXPREC_TORCHRUN}")
+  endif()
+endif()
