@@ -4,6 +4,8 @@
 
 #include <ATen/ATen.h>
 #include <gtest/gtest.h>
+#include <torch/csrc/distributed/c10d/HashStore.hpp>
+#include <torch/csrc/distributed/c10d/ProcessGroup.hpp>
 
 #include <map>
 
@@ -135,6 +137,27 @@ TEST(SingleProcess, BadArgumentsFailBeforeSending) {
   EXPECT_NE(error_of([&] { comm->all_gather(bf16, bf16).wait(); }).find("aliases"),
             std::string::npos);
   EXPECT_EQ(comm->traffic(Collective::kAllReduce).calls, 0);
+}
+
+// A caller's own backend or process group plugs in unchanged.
+TEST(SingleProcess, CallersBackendOrProcessGroup) {
+  auto own = init_single_process();
+  auto wrapped = from_backend(own->backend(), std::chrono::seconds(5));
+  at::Tensor t = at::full({3}, 2.0);
+  wrapped->all_reduce_sum(t).wait();
+  EXPECT_TRUE(at::equal(t, at::full({3}, 2.0)));
+  auto group =
+      c10::make_intrusive<c10d::ProcessGroup>(c10::make_intrusive<c10d::HashStore>(), 0, 1);
+  group->setBackend(c10::DeviceType::CPU, c10d::ProcessGroup::BackendType::GLOO, own->backend());
+  auto through_group = from_process_group(group, c10::DeviceType::CPU, std::chrono::seconds(5));
+  EXPECT_EQ(through_group->backend().get(), own->backend().get());
+  EXPECT_EQ(through_group->size(), 1);
+  EXPECT_NE(error_of([] { from_backend({}, std::chrono::seconds(1)); }).find("backend is null"),
+            std::string::npos);
+  EXPECT_NE(error_of([&] {
+              from_backend(own->backend(), std::chrono::milliseconds(0));
+            }).find("timeout must be > 0"),
+            std::string::npos);
 }
 
 TEST(SingleProcess, NcclIsRefusedClearlyWithoutCuda) {

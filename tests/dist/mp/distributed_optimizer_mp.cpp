@@ -83,14 +83,17 @@ struct Trainer {
     return kind == kZero ? static_cast<DistributedOptimizer&>(*optimizer).loss_scale()
                          : static_cast<Float16Optimizer&>(*optimizer).loss_scale();
   }
-  // Backward of the (scaled) loss, times `poison` (1, or Inf/NaN to force an overflow).
-  void backward(const at::Tensor& x, double poison = 1.0) {
+  // Backward of the (scaled) loss. `poison` (optional, 5x7): added to head.weight's gradient
+  // (Inf/NaN entries force an overflow in that one element only).
+  void backward(const at::Tensor& x, const at::Tensor& poison = {}) {
     if (reducer) {
       reducer->zero_grad();
     } else {
       optimizer->zero_grad();
     }
-    (model->loss(x) * (loss_scale() * poison)).backward();
+    at::Tensor loss = model->loss(x);
+    if (poison.defined()) loss = loss + (model->head->weight.to(at::kFloat) * poison).sum();
+    (loss * loss_scale()).backward();
   }
   optim::StepResult update() {
     if (kind == kZero) return static_cast<DistributedOptimizer&>(*optimizer).update();
@@ -150,7 +153,8 @@ TEST(DistributedOptimizer, DifferentDataPerRankMatchesPlainDp) {
   }
 }
 
-// FP16 with a dynamic scaler; the last rank's gradients overflow at step 1 only.
+// FP16 with a dynamic scaler; at step 1 one gradient element overflows on the last rank only,
+// so after the reduce-scatter only the rank that owns that element sees it.
 TEST(DistributedOptimizer, OverflowOnOneRankSkipsEveryRankAndBacksOffTogether) {
   const int n = world().size(), rank = world().rank();
   optim::LossScalerOptions scaling = optim::LossScalerOptions::fp16_dynamic();
@@ -162,7 +166,8 @@ TEST(DistributedOptimizer, OverflowOnOneRankSkipsEveryRankAndBacksOffTogether) {
       zero(Trainer::kZero, adamw, mixed, at::kHalf);
   optim::LossScaler expected_scaler(scaling);
   for (int64_t step = 0; step < 3; ++step) {
-    const double poison = step == 1 && rank == n - 1 ? INFINITY : 1.0;
+    at::Tensor poison = at::zeros({5, 7});
+    if (step == 1 && rank == n - 1) poison[4][6] = INFINITY;
     std::vector<at::Tensor> before;
     for (const auto& p : zero.model->parameters()) before.push_back(p.clone());
     const at::Tensor x = batch(step, rank);
@@ -198,9 +203,7 @@ TEST(DistributedOptimizer, NonFiniteGradientErrorNamesTheParameterOnEveryRank) {
   // backward, so writing into .grad afterwards would not reach the reduction.
   at::Tensor poison = at::zeros({5, 7});
   if (world().rank() == n - 1) poison[2][3] = NAN;
-  zero.reducer->zero_grad();
-  MixedNet& model = zero.model;
-  (model->loss(batch(0)) + (model->head->weight.to(at::kFloat) * poison).sum()).backward();
+  zero.backward(batch(0), poison);
   const std::string message = error_of([&] { zero.update(); });
   EXPECT_NE(message.find("non-finite gradient in parameter 'head.weight'"), std::string::npos)
       << message;
