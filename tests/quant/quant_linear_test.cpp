@@ -12,8 +12,8 @@
 namespace mixprec::quant {
 namespace {
 
-const QuantConfig kFp8{Fp8Recipe::kHybrid, Fp4Recipe::kOff, false, false};
-const QuantConfig kFp8Param{Fp8Recipe::kE4M3, Fp4Recipe::kOff, true, false};
+const QuantConfig kFp8 = QuantConfig().fp8(Fp8Recipe::kHybrid);
+const QuantConfig kFp8Param = QuantConfig().fp8(Fp8Recipe::kE4M3).fp8_param(true);
 
 double relative_error(const at::Tensor& y, const at::Tensor& ref) {
   return ((y.to(at::kFloat) - ref.to(at::kFloat)).norm() / ref.to(at::kFloat).norm()).item<double>();
@@ -59,7 +59,7 @@ TEST(QuantLinear, Fp4AutocastUsesNvFp4) {
   QuantLinear layer(64, 16);
   at::Tensor x = torch::randn({4, 64});
   const at::Tensor ref = at::linear(x, layer->weight, layer->bias);
-  QuantAutocastGuard autocast(QuantConfig{Fp8Recipe::kOff, Fp4Recipe::kNvFp4, false, false});
+  QuantAutocastGuard autocast(QuantConfig().fp4(Fp4Recipe::kNvFp4));
   const double err = relative_error(layer(x), ref);
   EXPECT_GT(err, 0.01);
   EXPECT_LT(err, 0.4);
