@@ -1,5 +1,7 @@
 #include "mixprec/precision/convert.h"
 
+#include "precision/keep_record.h"
+
 #include <ATen/ATen.h>
 #include <c10/util/Exception.h>
 #include <torch/nn/module.h>
@@ -47,6 +49,8 @@ std::string keep_description(const PlannedTensor& p) {
 }
 
 }  // namespace
+
+KeptFp32 kept_fp32_reason(const at::Tensor& tensor) { return detail::conversion_keep(tensor); }
 
 int64_t ConversionReport::count(ConversionAction action) const {
   int64_t n = 0;
@@ -124,6 +128,11 @@ ConversionReport convert_module_to_dtype_except_fp32_marked(torch::nn::Module& m
       entry.why = "not in plan";
       cast_in_place(p.tensor, dtype);
     }
+    // Kept tensors remember why; every other tensor loses a reason an earlier conversion gave.
+    const bool kept = entry.action == ConversionAction::kKeptFp32 ||
+                      entry.action == ConversionAction::kUpcastFp32;
+    detail::record_conversion_keep(p.tensor, kept ? p.reason : KeepReason::kNone,
+                                   kept ? p.rule : std::string());
     entry.after = p.tensor.scalar_type();
     report.bytes_after += static_cast<int64_t>(p.tensor.nbytes());
     report.entries.push_back(std::move(entry));
