@@ -11,9 +11,11 @@ log() { printf '[mixprec setup] %s\n' "$*" >&2; }
 
 # Debian packages the build needs: compiler, CMake, Ninja, GoogleTest, Google Benchmark,
 # and the libraries later layers use (JSON, SIMD dispatch, checksums).
-# clang and its libFuzzer runtime build the format layer's fuzz targets (fuzz/run-fuzz.sh).
+# clang and its libFuzzer runtime build the format layer's fuzz targets (fuzz/run-fuzz.sh);
+# clang-format checks the style (scripts/check-format, ctest style.clang_format).
 MIXPREC_DEBIAN_PACKAGES=(g++ cmake ninja-build python3-venv libgtest-dev libgmock-dev
-  libbenchmark-dev nlohmann-json3-dev libhwy-dev libxxhash-dev clang libclang-rt-14-dev)
+  libbenchmark-dev nlohmann-json3-dev libhwy-dev libxxhash-dev clang libclang-rt-14-dev
+  clang-format)
 
 ensure_debian_packages() {
   local missing=()
