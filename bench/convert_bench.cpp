@@ -84,8 +84,16 @@ void BM_ModuleToBFloat16(benchmark::State& state) {
 }
 
 // Five repetitions each; the ratios use the fastest (see ratio_reporter.h).
-BENCHMARK(BM_SelectiveConvert)->Unit(benchmark::kMillisecond)->UseRealTime()->MinTime(0.5)->Repetitions(5);
-BENCHMARK(BM_ModuleToBFloat16)->Unit(benchmark::kMillisecond)->UseRealTime()->MinTime(0.5)->Repetitions(5);
+BENCHMARK(BM_SelectiveConvert)
+    ->Unit(benchmark::kMillisecond)
+    ->UseRealTime()
+    ->MinTime(0.5)
+    ->Repetitions(5);
+BENCHMARK(BM_ModuleToBFloat16)
+    ->Unit(benchmark::kMillisecond)
+    ->UseRealTime()
+    ->MinTime(0.5)
+    ->Repetitions(5);
 
 }  // namespace
 
@@ -105,11 +113,15 @@ int main(int argc, char** argv) {
   const double bound = mixprec::bench::copy_bandwidth(reporter).copy_gbs;
   const double ours = rate("BM_SelectiveConvert");
   const double torch_to = rate("BM_ModuleToBFloat16");
-  std::printf("\nfastest of 5 repetitions each\nconversion of %.1fM cast elements (%.2f GB read+written), %d threads\n",
-              f.cast_elements / 1e6, moved / 1e9, at::get_num_threads());
+  std::printf(
+      "\nfastest of 5 repetitions each\nconversion of %.1fM cast elements (%.2f GB read+written), "
+      "%d threads\n",
+      f.cast_elements / 1e6, moved / 1e9, at::get_num_threads());
   std::printf("  memcpy bound (best of memcpy/parallel memcpy):     %6.2f GB/s\n", bound);
-  std::printf("  selective conversion:                             %6.2f GB/s  ratio to bound %.2f"
-              "  (goal >= 0.80)\n", ours, bound > 0 ? ours / bound : 0.0);
+  std::printf(
+      "  selective conversion:                             %6.2f GB/s  ratio to bound %.2f"
+      "  (goal >= 0.80)\n",
+      ours, bound > 0 ? ours / bound : 0.0);
   std::printf("  Module::to(kBFloat16):                            %6.2f GB/s  ours / to() %.2f\n",
               torch_to, torch_to > 0 ? ours / torch_to : 0.0);
   return 0;

@@ -135,12 +135,11 @@ LoadReport load_model_sharded_state_dict(torch::nn::Module& model, const Sharded
       problems.push_back("'" + key + "': shape " + c10::str(saved.local.sizes()) +
                          " in the state, " + c10::str(target.sizes()) + " in the model");
     }
-    const bool both_floating = at::isFloatingType(saved.local.scalar_type()) &&
-                               at::isFloatingType(target.scalar_type());
+    const bool both_floating =
+        at::isFloatingType(saved.local.scalar_type()) && at::isFloatingType(target.scalar_type());
     if (!both_floating && saved.local.scalar_type() != target.scalar_type()) {
       problems.push_back("'" + key + "': dtype " + c10::toString(saved.local.scalar_type()) +
-                         " in the state, " + c10::toString(target.scalar_type()) +
-                         " in the model");
+                         " in the state, " + c10::toString(target.scalar_type()) + " in the model");
     }
   }
   for (const auto& [key, value] : state.tensors) {

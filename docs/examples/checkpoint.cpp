@@ -34,8 +34,8 @@ int main(int argc, char** argv) {
   mixprec::optim::Float16Optimizer optimizer(*net, adamw);
   train(net, optimizer, 10);
   // Written to a staging directory, fsynced, renamed into place; then root/latest names it.
-  const auto saved = mixprec::checkpoint::save_training_state(root, "step-000010", *net,
-                                                              optimizer, {{"epoch", 1}});
+  const auto saved = mixprec::checkpoint::save_training_state(root, "step-000010", *net, optimizer,
+                                                              {{"epoch", 1}});
   std::cout << "saved " << saved.dir << "\n";
 
   // In a new process, or here: a fresh model and optimizer take the state of `latest`.
@@ -48,7 +48,7 @@ int main(int argc, char** argv) {
   train(net, optimizer, 5);
   mixprec::checkpoint::load_training_state(root, *resumed, resumed_optimizer);
   train(resumed, resumed_optimizer, 5);
-  return at::equal(net->fc->weight, resumed->fc->weight) && at::equal(net->gate, resumed->gate)
-             ? 0
-             : 1;
+  const bool same =
+      at::equal(net->fc->weight, resumed->fc->weight) && at::equal(net->gate, resumed->gate);
+  return same ? 0 : 1;
 }

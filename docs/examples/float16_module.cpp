@@ -20,14 +20,15 @@ struct NetImpl : torch::nn::Module {
 TORCH_MODULE(Net);
 
 int main() {
-  mixprec::Float16Module model(
-      Net(), mixprec::Float16ModuleOptions().dtype(at::kBFloat16).plan(
-                 mixprec::PrecisionPlan().keep_fp32_pattern("norm.*")));
+  mixprec::Float16Module model(Net(),
+                               mixprec::Float16ModuleOptions()
+                                   .dtype(at::kBFloat16)
+                                   .plan(mixprec::PrecisionPlan().keep_fp32_pattern("norm.*")));
   std::cout << model->conversion_report().to_string();
 
   // The holder's operator() cannot deduce Float16Module's template forward: call forward().
   const at::Tensor y = model->forward(torch::randn({4, 32}));  // FP32 input cast to BF16
-  std::cout << "output " << y.scalar_type() << "\n";             // cast back to FP32
+  std::cout << "output " << y.scalar_type() << "\n";           // cast back to FP32
   // Its state has no wrapper prefix: "fc.weight", not "module.fc.weight".
   return y.scalar_type() == at::kFloat && model->named_parameters().contains("fc.weight") ? 0 : 1;
 }

@@ -83,7 +83,8 @@ bool is_kept_in_fp32(const at::Tensor& tensor) {
 }
 
 void clear_keep_in_fp32(const at::Tensor& tensor) {
-  if (tensor.defined()) registry().update(tensor, [](MarkRegistry::Record& r) { r.marked = false; });
+  if (tensor.defined())
+    registry().update(tensor, [](MarkRegistry::Record& r) { r.marked = false; });
 }
 
 namespace detail {

@@ -152,7 +152,8 @@ TEST_F(CkptTool, InspectListsRolesDtypesAndTotals) {
 // Every plan rule reaches the checkpoint and inspect names it.
 TEST_F(CkptTool, InspectShowsWhichPlanRuleKeptEachTensor) {
   convert_module_to_dtype_except_fp32_marked(
-      *model_, at::kBFloat16, PrecisionPlan().keep_fp32_name("post.weight").keep_fp32_pattern("pre.*"));
+      *model_, at::kBFloat16,
+      PrecisionPlan().keep_fp32_name("post.weight").keep_fp32_pattern("pre.*"));
   optimizer_ = mixprec::testing::make_optimizer(model_, torch::optim::AdamWOptions(1e-2));
   const ToolRun run = tool({"inspect", save("plan").string()});
   ASSERT_EQ(run.status, 0) << run.err;

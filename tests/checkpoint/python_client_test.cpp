@@ -26,8 +26,7 @@ namespace fs = std::filesystem;
 using optim::ParamRole;
 using testing::TempDir;
 
-const fs::path kClient =
-    fs::path(MIXPREC_SOURCE_DIR) / "tests" / "checkpoint" / "python_client.py";
+const fs::path kClient = fs::path(MIXPREC_SOURCE_DIR) / "tests" / "checkpoint" / "python_client.py";
 
 std::string quote(const std::string& s) {
   std::string out = "'";

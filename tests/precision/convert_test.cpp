@@ -145,8 +145,8 @@ TEST(Convert, TiedTensorsConvertOnceAndReportBoth) {
 
 TEST(Convert, KeepingOneNameOfATiedTensorKeepsBoth) {
   auto tied = std::make_shared<TiedImpl>();
-  auto report = convert_module_to_dtype_except_fp32_marked(
-      *tied, at::kBFloat16, PrecisionPlan().keep_fp32_name("head"));
+  auto report = convert_module_to_dtype_except_fp32_marked(*tied, at::kBFloat16,
+                                                           PrecisionPlan().keep_fp32_name("head"));
   EXPECT_EQ(tied->named_parameters()["embed"].scalar_type(), at::kFloat);
   EXPECT_EQ(report.entries[0].action, ConversionAction::kKeptFp32);
 }

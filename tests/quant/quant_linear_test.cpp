@@ -16,7 +16,8 @@ const QuantConfig kFp8 = QuantConfig().fp8(Fp8Recipe::kHybrid);
 const QuantConfig kFp8Param = QuantConfig().fp8(Fp8Recipe::kE4M3).fp8_param(true);
 
 double relative_error(const at::Tensor& y, const at::Tensor& ref) {
-  return ((y.to(at::kFloat) - ref.to(at::kFloat)).norm() / ref.to(at::kFloat).norm()).item<double>();
+  return ((y.to(at::kFloat) - ref.to(at::kFloat)).norm() / ref.to(at::kFloat).norm())
+      .item<double>();
 }
 
 TEST(QuantLinear, PlainForwardIsExactlyLinear) {
@@ -42,9 +43,9 @@ TEST(QuantLinear, AutocastQuantizesDisabledScopeIsExact) {
   EXPECT_LT(err, 0.08);
   EXPECT_EQ(layer->last_compute().operands, QuantFormat::kFp8Hybrid);
   // The result is exactly the GEMM of the FP8-rounded operands.
-  at::Tensor expected = at::linear(fake_quantize_fp8(x, at::kFloat8_e4m3fn),
-                                   fake_quantize_fp8(layer->weight.detach(), at::kFloat8_e4m3fn),
-                                   layer->bias);
+  at::Tensor expected =
+      at::linear(fake_quantize_fp8(x, at::kFloat8_e4m3fn),
+                 fake_quantize_fp8(layer->weight.detach(), at::kFloat8_e4m3fn), layer->bias);
   EXPECT_TRUE(at::allclose(y, expected, 1e-6, 1e-6));
   {
     auto off = fp8_disabled_context(kFp8, /*is_init=*/false);
@@ -76,7 +77,8 @@ TEST(QuantLinear, Fp32MarkedWeightIsNeverQuantized) {
   QuantAutocastGuard autocast(kFp8);
   at::Tensor y = router(x);
   EXPECT_EQ(y.scalar_type(), at::kFloat);
-  EXPECT_TRUE(at::equal(y, at::linear(x.to(at::kFloat), router->weight, router->bias.to(at::kFloat))));
+  EXPECT_TRUE(
+      at::equal(y, at::linear(x.to(at::kFloat), router->weight, router->bias.to(at::kFloat))));
   EXPECT_TRUE(router->last_compute().kept_fp32);
   EXPECT_EQ(router->last_compute().operands, QuantFormat::kNone);
 }

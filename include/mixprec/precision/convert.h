@@ -32,15 +32,15 @@ struct ConversionEntry {
   c10::ScalarType before;
   c10::ScalarType after;
   ConversionAction action;
-  KeepReason reason;   // why it stays FP32 (kNone unless kKeptFp32/kUpcastFp32)
-  std::string why;     // human-readable reason, e.g. "pattern '*norm*'" or "int64 buffer"
+  KeepReason reason;  // why it stays FP32 (kNone unless kKeptFp32/kUpcastFp32)
+  std::string why;    // human-readable reason, e.g. "pattern '*norm*'" or "int64 buffer"
   int64_t numel = 0;
   bool shared = false;  // tied to an earlier entry: converted once, counted once
 };
 
 struct ConversionReport {
   c10::ScalarType target;
-  std::vector<ConversionEntry> entries;  // parameters first, then buffers, module order
+  std::vector<ConversionEntry> entries;         // parameters first, then buffers, module order
   std::vector<std::string> unmatched_patterns;  // non-strict plans only
   int64_t bytes_before = 0;  // all defined parameters and buffers, tied tensors once
   int64_t bytes_after = 0;

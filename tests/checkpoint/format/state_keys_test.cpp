@@ -58,7 +58,8 @@ nlohmann::json header_names() {
   for (std::sregex_iterator it(header.begin(), header.end(), scalar), end; it != end; ++it) {
     out[python_name((*it)[1])] = (*it)[2].str();
   }
-  const std::regex array(R"re(constexpr std::array<std::string_view, \d+> (k\w+) = \{([^}]*)\};)re");
+  const std::regex array(
+      R"re(constexpr std::array<std::string_view, \d+> (k\w+) = \{([^}]*)\};)re");
   for (std::sregex_iterator it(header.begin(), header.end(), array), end; it != end; ++it) {
     nlohmann::json values = nlohmann::json::array();
     const std::string members = (*it)[2];
@@ -96,8 +97,8 @@ TEST(StateKeys, PythonReaderUsesTheSameNames) {
       "import sys, json; sys.path.insert(0, sys.argv[1]); import mixprec_reader as m; "
       "print(json.dumps({\"names\": m.names(), "
       "\"state_key\": m.optimizer_state_key(\"exp_avg\", \"blocks.0.w\")}))";
-  const auto out = run(quote(python) + " -c " + quote(script) + " " +
-                       quote((kSource / "python").string()));
+  const auto out =
+      run(quote(python) + " -c " + quote(script) + " " + quote((kSource / "python").string()));
   ASSERT_TRUE(out) << "the python module failed to load";
   const nlohmann::json python_side = nlohmann::json::parse(*out);
   const nlohmann::json header = header_names();

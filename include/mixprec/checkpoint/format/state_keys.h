@@ -48,8 +48,8 @@ inline constexpr std::string_view kExpAvg = "exp_avg";
 inline constexpr std::string_view kExpAvgSq = "exp_avg_sq";
 inline constexpr std::string_view kMaxExpAvgSq = "max_exp_avg_sq";
 inline constexpr std::string_view kMomentumBuffer = "momentum_buffer";
-inline constexpr std::array<std::string_view, 5> kStateKinds = {
-    kFp32Param, kExpAvg, kExpAvgSq, kMaxExpAvgSq, kMomentumBuffer};
+inline constexpr std::array<std::string_view, 5> kStateKinds = {kFp32Param, kExpAvg, kExpAvgSq,
+                                                                kMaxExpAvgSq, kMomentumBuffer};
 
 // RNG tensors.
 inline constexpr std::string_view kRngCpu = "rng.cpu";
