@@ -12,7 +12,9 @@
 //   ours    save_checkpoint (data file, checksums, manifest, fsyncs, atomic rename, `latest`);
 //           read_checkpoint (every chunk's checksum verified); verify_checkpoint.
 //   async   AsyncCheckpointSaver (default 1 GiB staging budget): time until save() returns
-//           (training may continue) and until the commit.
+//           (training may continue) and until the commit. Staging is a host-memory copy, so
+//           its bound is the state's bytes at copy bandwidth (support/copy_bandwidth.h,
+//           measured in the same run over 256 MiB buffers).
 //
 // Every read starts cold: the files were fsynced, so posix_fadvise(POSIX_FADV_DONTNEED) drops
 // their pages from the page cache before the timed read (no root needed for one's own files).
@@ -30,6 +32,9 @@
 #include "mixprec/checkpoint/format/verify.h"
 #include "mixprec/checkpoint/load.h"
 #include "mixprec/checkpoint/training_state.h"
+
+#include "support/copy_bandwidth.h"
+#include "support/ratio_reporter.h"
 
 #include <ATen/ATen.h>
 #include <benchmark/benchmark.h>
@@ -329,9 +334,11 @@ int main(int argc, char** argv) {
   s.dir = templ;
   std::printf("state: %zu tensors, %.1f MiB, scratch %s\n", s.tensors.size(), s.bytes / 1048576.0,
               s.dir.c_str());
+  mixprec::bench::register_copy_bandwidth_probes({std::size_t{256} << 20, 0.2, kRounds});
+  mixprec::bench::RatioReporter reporter;  // the probes' fastest repetitions
   int status = 0;
   try {
-    benchmark::RunSpecifiedBenchmarks();
+    benchmark::RunSpecifiedBenchmarks(&reporter);
   } catch (const std::exception& e) {
     std::fprintf(stderr, "checkpoint_bench: %s\n", e.what());
     status = 1;
@@ -368,5 +375,8 @@ int main(int argc, char** argv) {
       "  async save          returns after %.2f s, committed after %.2f s (sync %.2f s); "
       "peak staged %.1f MiB\n",
       async_return_seconds, t("BM_OursAsyncSave"), t("BM_OursSave"), async_peak_staged / 1048576.0);
+  const double copy_gbs = mixprec::bench::copy_bandwidth(reporter).copy_gbs;
+  std::printf("  staging bound       the state copied once at %.2f GB/s (read+written): %.2f s\n",
+              copy_gbs, ratio(2.0 * s.bytes / 1e9, copy_gbs));
   return 0;
 }

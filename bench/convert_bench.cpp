@@ -3,11 +3,13 @@
 // A module of ~200M floating elements (FP32) is converted to BF16 with a precision plan that
 // keeps a few small tensors FP32. The conversion reads 4 and writes 2 bytes per cast element;
 // its rate (bytes read + written per second) is compared with memcpy of the same number of
-// bytes measured in the same run (single-threaded memcpy, std::copy, and memcpy split over
-// LibTorch's threads: the best of them is the "memcpy bound"), and with Module::to(kBFloat16)
+// bytes measured in the same run (single-threaded memcpy and memcpy split over LibTorch's
+// threads, support/copy_bandwidth.h: the better is the "memcpy bound"), and with
+// Module::to(kBFloat16)
 // (which casts everything, integer buffers included). Goal: >= 0.8 of the memcpy bound.
 #include "mixprec/precision/convert.h"
 #include "mixprec/precision/keep_fp32.h"
+#include "support/copy_bandwidth.h"
 #include "support/ratio_reporter.h"
 
 #include <ATen/Parallel.h>
@@ -17,8 +19,6 @@
 
 #include <algorithm>
 #include <cstdio>
-#include <cstring>
-#include <thread>
 #include <vector>
 
 namespace {
@@ -60,17 +60,6 @@ Fixture& fixture() {
   return f;
 }
 
-// Half of bytes_moved in each direction: memcpy reads and writes the same amount.
-struct CopyBuffers {
-  std::vector<char> src, dst;
-  CopyBuffers() : src(fixture().bytes_moved() / 2, 1), dst(fixture().bytes_moved() / 2, 0) {}
-};
-
-CopyBuffers& buffers() {
-  static CopyBuffers b;
-  return b;
-}
-
 void BM_SelectiveConvert(benchmark::State& state) {
   auto& f = fixture();
   for (auto _ : state) {
@@ -94,55 +83,25 @@ void BM_ModuleToBFloat16(benchmark::State& state) {
   state.SetBytesProcessed(state.iterations() * f.bytes_moved());
 }
 
-void BM_Memcpy(benchmark::State& state) {
-  auto& b = buffers();
-  for (auto _ : state) {
-    std::memcpy(b.dst.data(), b.src.data(), b.src.size());
-    benchmark::ClobberMemory();
-  }
-  state.SetBytesProcessed(state.iterations() * 2 * b.src.size());
-}
-
-void BM_StdCopy(benchmark::State& state) {
-  auto& b = buffers();
-  for (auto _ : state) {
-    std::copy(b.src.begin(), b.src.end(), b.dst.begin());
-    benchmark::ClobberMemory();
-  }
-  state.SetBytesProcessed(state.iterations() * 2 * b.src.size());
-}
-
-// One std::thread per LibTorch thread (at::parallel_for would run serially here: this file
-// is not compiled with OpenMP).
-void BM_ParallelMemcpy(benchmark::State& state) {
-  auto& b = buffers();
-  const size_t n = b.src.size();
-  const size_t workers = static_cast<size_t>(std::max(1, at::get_num_threads()));
-  for (auto _ : state) {
-    std::vector<std::thread> threads;
-    for (size_t w = 0; w < workers; ++w) {
-      const size_t begin = n * w / workers, end = n * (w + 1) / workers;
-      threads.emplace_back([&, begin, end] {
-        std::memcpy(b.dst.data() + begin, b.src.data() + begin, end - begin);
-      });
-    }
-    for (auto& t : threads) t.join();
-    benchmark::ClobberMemory();
-  }
-  state.SetBytesProcessed(state.iterations() * 2 * static_cast<int64_t>(n));
-}
-
 // Five repetitions each; the ratios use the fastest (see ratio_reporter.h).
-BENCHMARK(BM_Memcpy)->Unit(benchmark::kMillisecond)->UseRealTime()->MinTime(0.3)->Repetitions(5);
-BENCHMARK(BM_StdCopy)->Unit(benchmark::kMillisecond)->UseRealTime()->MinTime(0.3)->Repetitions(5);
-BENCHMARK(BM_ParallelMemcpy)->Unit(benchmark::kMillisecond)->UseRealTime()->MinTime(0.3)->Repetitions(5);
-BENCHMARK(BM_SelectiveConvert)->Unit(benchmark::kMillisecond)->UseRealTime()->MinTime(0.5)->Repetitions(5);
-BENCHMARK(BM_ModuleToBFloat16)->Unit(benchmark::kMillisecond)->UseRealTime()->MinTime(0.5)->Repetitions(5);
+BENCHMARK(BM_SelectiveConvert)
+    ->Unit(benchmark::kMillisecond)
+    ->UseRealTime()
+    ->MinTime(0.5)
+    ->Repetitions(5);
+BENCHMARK(BM_ModuleToBFloat16)
+    ->Unit(benchmark::kMillisecond)
+    ->UseRealTime()
+    ->MinTime(0.5)
+    ->Repetitions(5);
 
 }  // namespace
 
 int main(int argc, char** argv) {
   benchmark::Initialize(&argc, argv);
+  // The bound: copy bandwidth over buffers as large as the conversion's reads (copy_bandwidth.h).
+  mixprec::bench::register_copy_bandwidth_probes(
+      {static_cast<std::size_t>(fixture().bytes_moved() / 2), 0.3, 5});
   mixprec::bench::RatioReporter reporter;
   benchmark::RunSpecifiedBenchmarks(&reporter);
   auto& f = fixture();
@@ -151,14 +110,18 @@ int main(int argc, char** argv) {
     const double s = reporter.seconds(name);
     return s > 0 ? moved / s / 1e9 : 0.0;
   };
-  const double bound = std::max({rate("BM_Memcpy"), rate("BM_StdCopy"), rate("BM_ParallelMemcpy")});
+  const double bound = mixprec::bench::copy_bandwidth(reporter).copy_gbs;
   const double ours = rate("BM_SelectiveConvert");
   const double torch_to = rate("BM_ModuleToBFloat16");
-  std::printf("\nfastest of 5 repetitions each\nconversion of %.1fM cast elements (%.2f GB read+written), %d threads\n",
-              f.cast_elements / 1e6, moved / 1e9, at::get_num_threads());
-  std::printf("  memcpy bound (best of memcpy/std::copy/parallel): %6.2f GB/s\n", bound);
-  std::printf("  selective conversion:                             %6.2f GB/s  ratio to bound %.2f"
-              "  (goal >= 0.80)\n", ours, bound > 0 ? ours / bound : 0.0);
+  std::printf(
+      "\nfastest of 5 repetitions each\nconversion of %.1fM cast elements (%.2f GB read+written), "
+      "%d threads\n",
+      f.cast_elements / 1e6, moved / 1e9, at::get_num_threads());
+  std::printf("  memcpy bound (best of memcpy/parallel memcpy):     %6.2f GB/s\n", bound);
+  std::printf(
+      "  selective conversion:                             %6.2f GB/s  ratio to bound %.2f"
+      "  (goal >= 0.80)\n",
+      ours, bound > 0 ? ours / bound : 0.0);
   std::printf("  Module::to(kBFloat16):                            %6.2f GB/s  ours / to() %.2f\n",
               torch_to, torch_to > 0 ? ours / torch_to : 0.0);
   return 0;

@@ -12,10 +12,8 @@
 //                   bandwidth = (bytes read + written) / s of the best large memcpy measured in
 //                   this same run (single thread, or split over LibTorch's threads).
 //   (d') the same bytes at the bandwidth of an in-place read-modify-write stream (x *= a), also
-//                   counted read + written. The optimizer updates master and moments in place, so
-//                   its stores hit lines it has just read; a memcpy's stores go to other lines
-//                   and pay a read-for-ownership (or slow non-temporal stores) that is not
-//                   counted, so on some machines memcpy understates the usable bandwidth.
+//                   counted read + written: the optimizer updates master and moments in place.
+//                   Both probes are support/copy_bandwidth.h, shared by every bench.
 //
 // Each benchmark runs a few repetitions, interleaved at random with the others; the summary
 // uses the fastest of each (least disturbed by other tenants of a shared machine). Goals: >= 1.5x
@@ -26,17 +24,15 @@
 #include <ATen/Parallel.h>  // at::get_num_threads
 #include <benchmark/benchmark.h>
 
+#include "support/copy_bandwidth.h"
 #include "support/ratio_reporter.h"
 #include <torch/optim/adamw.h>
 
 #include <algorithm>
 #include <cstdio>
-#include <cstring>
 #include <limits>
 #include <map>
-#include <memory>
 #include <string>
-#include <thread>
 #include <vector>
 
 namespace {
@@ -116,71 +112,6 @@ void BM_ThreePassMixed(benchmark::State& state) {
   }
 }
 
-// Copy bandwidth probes: 1 GiB each way, well beyond any cache.
-struct CopyBuffers {
-  static constexpr size_t kBytes = size_t{1} << 30;
-  std::unique_ptr<char[]> src{new char[kBytes]}, dst{new char[kBytes]};
-  CopyBuffers() {
-    std::memset(src.get(), 1, kBytes);
-    std::memset(dst.get(), 0, kBytes);
-  }
-};
-
-CopyBuffers& copy_buffers() {
-  static CopyBuffers b;
-  return b;
-}
-
-void BM_Memcpy(benchmark::State& state) {
-  auto& b = copy_buffers();
-  for (auto _ : state) {
-    std::memcpy(b.dst.get(), b.src.get(), CopyBuffers::kBytes);
-    benchmark::ClobberMemory();
-  }
-  state.SetBytesProcessed(state.iterations() * 2 * static_cast<int64_t>(CopyBuffers::kBytes));
-}
-
-// Splits [0, n) into one contiguous share per LibTorch thread. std::thread rather than
-// at::parallel_for: that template only runs in parallel in files compiled with -fopenmp.
-template <class Fn>
-void on_all_threads(int64_t n, const Fn& fn) {
-  const int64_t threads = std::max(1, at::get_num_threads());
-  const int64_t share = (n + threads - 1) / threads;
-  std::vector<std::thread> pool;
-  for (int64_t t = 1; t < threads; ++t) {
-    pool.emplace_back([&, t] { fn(std::min(n, t * share), std::min(n, (t + 1) * share)); });
-  }
-  fn(0, std::min(n, share));
-  for (auto& thread : pool) thread.join();
-}
-
-void BM_ParallelMemcpy(benchmark::State& state) {
-  auto& b = copy_buffers();
-  const auto n = static_cast<int64_t>(CopyBuffers::kBytes);
-  for (auto _ : state) {
-    on_all_threads(n, [&](int64_t begin, int64_t end) {
-      std::memcpy(b.dst.get() + begin, b.src.get() + begin, end - begin);
-    });
-    benchmark::ClobberMemory();
-  }
-  state.SetBytesProcessed(state.iterations() * 2 * n);
-}
-
-void BM_InPlaceScale(benchmark::State& state) {
-  auto& b = copy_buffers();
-  auto* data = reinterpret_cast<float*>(b.dst.get());
-  const auto n = static_cast<int64_t>(CopyBuffers::kBytes / sizeof(float));
-  float factor = 1.0f;
-  benchmark::DoNotOptimize(factor);  // opaque: the compiler may not drop the multiply
-  for (auto _ : state) {
-    on_all_threads(n, [&](int64_t begin, int64_t end) {
-      for (int64_t i = begin; i < end; ++i) data[i] *= factor;
-    });
-    benchmark::ClobberMemory();
-  }
-  state.SetBytesProcessed(state.iterations() * 2 * static_cast<int64_t>(CopyBuffers::kBytes));
-}
-
 #define MIXPREC_BENCH(fn)             \
   BENCHMARK(fn)                       \
       ->Unit(benchmark::kMillisecond) \
@@ -188,9 +119,6 @@ void BM_InPlaceScale(benchmark::State& state) {
       ->MinTime(kMinSeconds)          \
       ->Repetitions(kRepetitions)
 
-MIXPREC_BENCH(BM_Memcpy);
-MIXPREC_BENCH(BM_ParallelMemcpy);
-MIXPREC_BENCH(BM_InPlaceScale);
 MIXPREC_BENCH(BM_OursFusedMixed);
 MIXPREC_BENCH(BM_ThreePassMixed);
 MIXPREC_BENCH(BM_AtenFusedAdamW);
@@ -207,17 +135,17 @@ int main(int argc, char** argv) {
   args.insert(args.begin() + 1, interleave);
   int args_count = static_cast<int>(args.size());
   benchmark::Initialize(&args_count, args.data());
+  // The bandwidth bound: copy and in-place stream probes over 1 GiB buffers (copy_bandwidth.h).
+  mixprec::bench::register_copy_bandwidth_probes({size_t{1} << 30, kMinSeconds, kRepetitions});
   mixprec::bench::RatioReporter reporter;  // fastest repetition of each
   benchmark::RunSpecifiedBenchmarks(&reporter);
   benchmark::Shutdown();
 
   auto ms = [&](const char* name) { return reporter.seconds(name) * 1e3; };
-  const double copy_bytes = 2.0 * CopyBuffers::kBytes;
-  const double copy_gbs = std::max(copy_bytes / reporter.seconds("BM_Memcpy"),
-                                   copy_bytes / reporter.seconds("BM_ParallelMemcpy")) /
-                          1e9;
+  const mixprec::bench::CopyBandwidth bandwidth = mixprec::bench::copy_bandwidth(reporter);
+  const double copy_gbs = bandwidth.copy_gbs;
   const double roofline_ms = kOursBytesPerParam * kParams / (copy_gbs * 1e9) * 1e3;
-  const double rmw_gbs = copy_bytes / reporter.seconds("BM_InPlaceScale") / 1e9;
+  const double rmw_gbs = bandwidth.in_place_gbs;
   const double rmw_roofline_ms = kOursBytesPerParam * kParams / (rmw_gbs * 1e9) * 1e3;
   const double ours = ms("BM_OursFusedMixed");
   auto ratio = [&](double other) { return ours > 0 ? other / ours : 0.0; };

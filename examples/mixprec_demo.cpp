@@ -69,8 +69,7 @@ TORCH_MODULE(ToyMoE);
 
 int main() {
   at::manual_seed(0);
-  const QuantConfig quant{mixprec::quant::Fp8Recipe::kHybrid, mixprec::quant::Fp4Recipe::kOff,
-                          false, false};
+  const QuantConfig quant = QuantConfig().fp8(mixprec::quant::Fp8Recipe::kHybrid);
   ToyMoE model(64, 4, 32, quant);
 
   auto plan = mixprec::PrecisionPlan().keep_fp32_name("expert_bias").keep_fp32_pattern("*norm*");

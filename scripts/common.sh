@@ -12,10 +12,11 @@ log() { printf '[mixprec setup] %s\n' "$*" >&2; }
 # Debian packages the build needs: compiler, CMake, Ninja, GoogleTest, Google Benchmark,
 # and the libraries later layers use (JSON, SIMD dispatch, checksums, the gloo headers that
 # LibTorch's ProcessGroupGloo.hpp includes but the wheel does not ship).
-# clang and its libFuzzer runtime build the format layer's fuzz targets (fuzz/run-fuzz.sh).
+# clang and its libFuzzer runtime build the format layer's fuzz targets (fuzz/run-fuzz.sh);
+# clang-format checks the style (scripts/check-format, ctest style.clang_format).
 MIXPREC_DEBIAN_PACKAGES=(g++ cmake ninja-build python3-venv libgtest-dev libgmock-dev
   libbenchmark-dev nlohmann-json3-dev libhwy-dev libxxhash-dev clang libclang-rt-14-dev
-  libgloo-dev)
+  libgloo-dev clang-format)
 
 ensure_debian_packages() {
   local missing=()

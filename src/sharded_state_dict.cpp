@@ -1,5 +1,8 @@
 #include "mixprec/sharded_state_dict.h"
 
+#include "mixprec/checkpoint/format/state_keys.h"
+#include "mixprec/precision/convert.h"
+
 #include "detail/name_match.h"
 
 #include <ATen/ATen.h>
@@ -79,17 +82,40 @@ std::map<std::string, at::Tensor> own_tensors(const torch::nn::Module& model) {
 
 }  // namespace
 
-ShardedStateDict model_sharded_state_dict(const torch::nn::Module& model) {
-  ShardedStateDict out;
-  for (const auto& [key, t] : own_tensors(model)) {
-    out.tensors.emplace(key, ShardedTensor::whole(t.detach()));
+namespace {
+
+// common["precision"][fqn] in the words of state_keys.h.
+std::string precision_reason(const KeptFp32& kept) {
+  namespace keys = checkpoint::keys;
+  switch (kept.reason) {
+    case KeepReason::kTensorMark:
+      return std::string(keys::kKeptByMark);
+    case KeepReason::kName:
+      return std::string(keys::kKeptByName) + " " + kept.rule;
+    case KeepReason::kPattern:
+      return std::string(keys::kKeptByPattern) + " " + kept.rule;
+    case KeepReason::kNone:
+      break;
   }
-  return out;
+  TORCH_INTERNAL_ASSERT(false, "no reason to describe");
 }
 
-namespace {
-bool is_optimizer_key(const std::string& key) { return key.rfind("optimizer.", 0) == 0; }
 }  // namespace
+
+ShardedStateDict model_sharded_state_dict(const torch::nn::Module& model) {
+  ShardedStateDict out;
+  nlohmann::json precision = nlohmann::json::object();
+  for (const auto& [key, t] : own_tensors(model)) {
+    out.tensors.emplace(key, ShardedTensor::whole(t.detach()));
+    // A tensor cast back to half after its conversion (Module::to) is no longer kept.
+    const KeptFp32 kept = kept_fp32_reason(t);
+    if (kept.reason != KeepReason::kNone && t.scalar_type() == at::kFloat) {
+      precision[key] = precision_reason(kept);
+    }
+  }
+  if (!precision.empty()) out.common[std::string(checkpoint::keys::kCommonPrecision)] = precision;
+  return out;
+}
 
 LoadReport load_model_sharded_state_dict(torch::nn::Module& model, const ShardedStateDict& state,
                                          const LoadOptions& options) {
@@ -109,16 +135,15 @@ LoadReport load_model_sharded_state_dict(torch::nn::Module& model, const Sharded
       problems.push_back("'" + key + "': shape " + c10::str(saved.local.sizes()) +
                          " in the state, " + c10::str(target.sizes()) + " in the model");
     }
-    const bool both_floating = at::isFloatingType(saved.local.scalar_type()) &&
-                               at::isFloatingType(target.scalar_type());
+    const bool both_floating =
+        at::isFloatingType(saved.local.scalar_type()) && at::isFloatingType(target.scalar_type());
     if (!both_floating && saved.local.scalar_type() != target.scalar_type()) {
       problems.push_back("'" + key + "': dtype " + c10::toString(saved.local.scalar_type()) +
-                         " in the state, " + c10::toString(target.scalar_type()) +
-                         " in the model");
+                         " in the state, " + c10::toString(target.scalar_type()) + " in the model");
     }
   }
   for (const auto& [key, value] : state.tensors) {
-    if (!is_optimizer_key(key) && !own.count(key)) {
+    if (!checkpoint::keys::is_optimizer_key(key) && !own.count(key)) {
       report.unexpected_keys.push_back(key);
     }
   }

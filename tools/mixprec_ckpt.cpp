@@ -27,7 +27,8 @@ Inspect, verify and compare mixprec checkpoints.
 commands:
   inspect DIR   format, sequence, step, loss scaler; every key with dtype, shape, bytes and
                 chunks; every optimizer parameter with its role (fp32 master, native fp32,
-                frozen) and model dtype, with totals per role. Reads metadata only.
+                frozen) and model dtype, with totals per role; which tensors the precision
+                plan kept FP32 and by which rule. Reads metadata only.
   verify DIR    reads every byte and checks all checksums against the manifest.
   diff A B      per-key max |A - B| for keys in both, keys only in A or B, dtype/shape
                 mismatches, and common-state (step, hyper-parameters...) differences.

@@ -67,6 +67,9 @@ struct LoadOptions {
 
 // The model's parameters and buffers under their fully qualified names (tied tensors once,
 // under the first name), as whole tensors. Tensors are the module's own (not copies).
+// common["precision"] = {fqn: reason} for every FP32 tensor a conversion kept FP32
+// (kept_fp32_reason, precision/convert.h), the reason as checkpoint/format/state_keys.h
+// spells it: "mark", "name <fqn>", "pattern <glob>"; absent when there is none.
 ShardedStateDict model_sharded_state_dict(const torch::nn::Module& model);
 
 // Copies model tensors from `state` (keys = FQNs; keys under "optimizer." belong to the

@@ -29,6 +29,10 @@ list(REMOVE_ITEM _mixprec_hwy_includes ${CMAKE_CXX_IMPLICIT_INCLUDE_DIRECTORIES}
 # library, or they would be baked into the precompiled LibTorch header that tests and tools
 # reuse (REUSE_FROM mixprec), which GCC then rejects for lacking the same definition.
 target_link_libraries(mixprec PRIVATE $<LINK_ONLY:${_mixprec_hwy_library}>)
+# For the installed package (cmake/install.cmake): find_dependency(hwy) when it came as one.
+if(TARGET hwy::hwy)
+  set_target_properties(mixprec PROPERTIES MIXPREC_HWY_FROM_PACKAGE ON)
+endif()
 
 file(GLOB _mixprec_hwy_sources CONFIGURE_DEPENDS
      ${CMAKE_CURRENT_LIST_DIR}/kernels/*_simd.cpp
@@ -56,10 +60,17 @@ if(OpenMP_CXX_FOUND)
     COMPILE_OPTIONS "${OpenMP_CXX_FLAGS}"
     SKIP_PRECOMPILE_HEADERS ON)
   if(MIXPREC_TORCH_GOMP)
-    target_link_libraries(mixprec PRIVATE $<LINK_ONLY:${MIXPREC_TORCH_GOMP}>)
+    set(_mixprec_openmp_runtime ${MIXPREC_TORCH_GOMP})
   else()
-    target_link_libraries(mixprec PRIVATE $<LINK_ONLY:OpenMP::OpenMP_CXX>)
+    set(_mixprec_openmp_runtime OpenMP::OpenMP_CXX)
   endif()
+  # Installed, a static libmixprec names the runtime mixprec::openmp_runtime, which
+  # mixprecConfig.cmake finds again the same way on the consumer's machine (never a path
+  # into this machine's LibTorch).
+  target_link_libraries(mixprec PRIVATE
+    $<LINK_ONLY:$<BUILD_INTERFACE:${_mixprec_openmp_runtime}>>
+    $<LINK_ONLY:$<INSTALL_INTERFACE:mixprec::openmp_runtime>>)
+  set_target_properties(mixprec PROPERTIES MIXPREC_USES_OPENMP ON)
 else()
   message(WARNING "mixprec: OpenMP not found; the fused optimizer kernels will use one thread")
 endif()

@@ -1,5 +1,7 @@
 #include "mixprec/precision/convert.h"
 
+#include "precision/keep_record.h"
+
 #include <ATen/ATen.h>
 #include <c10/util/Exception.h>
 #include <torch/nn/module.h>
@@ -12,10 +14,14 @@ namespace mixprec {
 
 const char* to_string(ConversionAction action) {
   switch (action) {
-    case ConversionAction::kCast: return "cast";
-    case ConversionAction::kKeptFp32: return "kept fp32";
-    case ConversionAction::kUpcastFp32: return "made fp32";
-    case ConversionAction::kLeftAlone: return "left alone";
+    case ConversionAction::kCast:
+      return "cast";
+    case ConversionAction::kKeptFp32:
+      return "kept fp32";
+    case ConversionAction::kUpcastFp32:
+      return "made fp32";
+    case ConversionAction::kLeftAlone:
+      return "left alone";
   }
   return "?";
 }
@@ -38,15 +44,21 @@ void cast_in_place(at::Tensor& tensor, c10::ScalarType dtype) {
 
 std::string keep_description(const PlannedTensor& p) {
   switch (p.reason) {
-    case KeepReason::kTensorMark: return "keep_in_fp32 mark";
-    case KeepReason::kName: return "name '" + p.rule + "'";
-    case KeepReason::kPattern: return "pattern '" + p.rule + "'";
-    case KeepReason::kNone: break;
+    case KeepReason::kTensorMark:
+      return "keep_in_fp32 mark";
+    case KeepReason::kName:
+      return "name '" + p.rule + "'";
+    case KeepReason::kPattern:
+      return "pattern '" + p.rule + "'";
+    case KeepReason::kNone:
+      break;
   }
   return {};
 }
 
 }  // namespace
+
+KeptFp32 kept_fp32_reason(const at::Tensor& tensor) { return detail::conversion_keep(tensor); }
 
 int64_t ConversionReport::count(ConversionAction action) const {
   int64_t n = 0;
@@ -58,8 +70,10 @@ std::string ConversionReport::to_string() const {
   size_t width = 4;
   for (const auto& e : entries) width = std::max(width, e.name.size());
   std::ostringstream out;
-  out << std::left << std::setw(static_cast<int>(width)) << "name" << "  " << std::setw(9)
-      << "kind" << "  " << std::setw(22) << "dtype" << "  " << std::setw(13) << "action"
+  out << std::left << std::setw(static_cast<int>(width)) << "name"
+      << "  " << std::setw(9) << "kind"
+      << "  " << std::setw(22) << "dtype"
+      << "  " << std::setw(13) << "action"
       << "  why\n";
   for (const auto& e : entries) {
     std::string dtypes = std::string(c10::toString(e.before)) + " -> " + c10::toString(e.after);
@@ -100,8 +114,15 @@ ConversionReport convert_module_to_dtype_except_fp32_marked(torch::nn::Module& m
       continue;
     }
     first_entry.emplace(p.tensor.unsafeGetTensorImpl(), report.entries.size());
-    ConversionEntry entry{p.name, p.kind, p.tensor.scalar_type(), p.tensor.scalar_type(),
-                          ConversionAction::kLeftAlone, p.reason, {}, p.tensor.numel(), p.shared};
+    ConversionEntry entry{p.name,
+                          p.kind,
+                          p.tensor.scalar_type(),
+                          p.tensor.scalar_type(),
+                          ConversionAction::kLeftAlone,
+                          p.reason,
+                          {},
+                          p.tensor.numel(),
+                          p.shared};
     const c10::ScalarType before = p.tensor.scalar_type();
     report.bytes_before += static_cast<int64_t>(p.tensor.nbytes());
 
@@ -124,6 +145,11 @@ ConversionReport convert_module_to_dtype_except_fp32_marked(torch::nn::Module& m
       entry.why = "not in plan";
       cast_in_place(p.tensor, dtype);
     }
+    // Kept tensors remember why; every other tensor loses a reason an earlier conversion gave.
+    const bool kept = entry.action == ConversionAction::kKeptFp32 ||
+                      entry.action == ConversionAction::kUpcastFp32;
+    detail::record_conversion_keep(p.tensor, kept ? p.reason : KeepReason::kNone,
+                                   kept ? p.rule : std::string());
     entry.after = p.tensor.scalar_type();
     report.bytes_after += static_cast<int64_t>(p.tensor.nbytes());
     report.entries.push_back(std::move(entry));

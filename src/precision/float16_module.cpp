@@ -10,8 +10,8 @@ Float16ModuleImpl::Float16ModuleImpl(torch::nn::AnyModule inner, Float16ModuleOp
       inner_(std::move(inner)) {
   TORCH_CHECK(!inner_.is_empty(), "[mixprec::Float16Module] the wrapped module is empty");
   inner_ptr_ = inner_.ptr();
-  report_ = convert_module_to_dtype_except_fp32_marked(*inner_ptr_, options_.dtype(),
-                                                       options_.plan());
+  report_ =
+      convert_module_to_dtype_except_fp32_marked(*inner_ptr_, options_.dtype(), options_.plan());
   // Adopt the inner module's tensors and children under their own names: no "module." prefix
   // in parameters(), state or archives, and Module::to/zero_grad reach every tensor.
   for (auto& p : inner_ptr_->named_parameters(/*recurse=*/false)) {

@@ -1,46 +1,64 @@
 #include "mixprec/precision/keep_fp32.h"
 
+#include "precision/keep_record.h"
+
 #include <c10/util/Exception.h>
 #include <c10/util/intrusive_ptr.h>
 
+#include <functional>
 #include <mutex>
 #include <unordered_map>
 
 namespace mixprec {
 namespace {
 
-// Registry of marked TensorImpls. Each entry holds a weak reference: the mark must not keep a
-// tensor alive, and a weak reference also keeps the TensorImpl's memory from being reused by
-// another tensor while the entry exists, so an address can never be mistaken for a new tensor.
+// Registry of TensorImpls the precision layer knows something about: a keep_in_fp32 mark, or
+// the reason the last conversion kept it FP32. Each entry holds a weak reference: the registry
+// must not keep a tensor alive, and a weak reference also keeps the TensorImpl's memory from
+// being reused by another tensor while the entry exists, so an address can never be mistaken
+// for a new tensor.
 class MarkRegistry {
  public:
-  void add(const at::Tensor& t) {
+  struct Record {
+    bool marked = false;
+    KeptFp32 kept;
+  };
+
+  void update(const at::Tensor& t, const std::function<void(Record&)>& change) {
     std::lock_guard<std::mutex> lock(mutex_);
-    marks_.insert_or_assign(t.unsafeGetTensorImpl(),
-                            c10::weak_intrusive_ptr<c10::TensorImpl>(t.getIntrusivePtr()));
-    if (marks_.size() >= 2 * live_after_sweep_ + 64) sweep_locked();
+    auto it = entries_.find(t.unsafeGetTensorImpl());
+    if (it == entries_.end() || it->second.tensor.expired()) {
+      Entry fresh{c10::weak_intrusive_ptr<c10::TensorImpl>(t.getIntrusivePtr()), {}};
+      it = entries_.insert_or_assign(t.unsafeGetTensorImpl(), std::move(fresh)).first;
+    }
+    change(it->second.record);
+    if (!it->second.record.marked && it->second.record.kept.reason == KeepReason::kNone) {
+      entries_.erase(it);
+    }
+    if (entries_.size() >= 2 * live_after_sweep_ + 64) sweep_locked();
   }
 
-  bool contains(const at::Tensor& t) const {
+  // The record of `t`; a default (unmarked, nothing kept) one if there is none.
+  Record find(const at::Tensor& t) const {
     std::lock_guard<std::mutex> lock(mutex_);
-    auto it = marks_.find(t.unsafeGetTensorImpl());
-    return it != marks_.end() && !it->second.expired();
-  }
-
-  void remove(const at::Tensor& t) {
-    std::lock_guard<std::mutex> lock(mutex_);
-    marks_.erase(t.unsafeGetTensorImpl());
+    auto it = entries_.find(t.unsafeGetTensorImpl());
+    return it != entries_.end() && !it->second.tensor.expired() ? it->second.record : Record{};
   }
 
  private:
+  struct Entry {
+    c10::weak_intrusive_ptr<c10::TensorImpl> tensor;
+    Record record;
+  };
+
   // Drops entries of destroyed tensors; amortized over insertions.
   void sweep_locked() {
-    std::erase_if(marks_, [](const auto& kv) { return kv.second.expired(); });
-    live_after_sweep_ = marks_.size();
+    std::erase_if(entries_, [](const auto& kv) { return kv.second.tensor.expired(); });
+    live_after_sweep_ = entries_.size();
   }
 
   mutable std::mutex mutex_;
-  std::unordered_map<const c10::TensorImpl*, c10::weak_intrusive_ptr<c10::TensorImpl>> marks_;
+  std::unordered_map<const c10::TensorImpl*, Entry> entries_;
   size_t live_after_sweep_ = 0;
 };
 
@@ -56,16 +74,31 @@ at::Tensor keep_in_fp32(at::Tensor tensor) {
   TORCH_CHECK(at::isFloatingType(tensor.scalar_type()),
               "[mixprec::keep_in_fp32] only floating-point tensors can be kept in FP32; got a ",
               tensor.scalar_type(), " tensor of shape ", tensor.sizes());
-  registry().add(tensor);
+  registry().update(tensor, [](MarkRegistry::Record& r) { r.marked = true; });
   return tensor;
 }
 
 bool is_kept_in_fp32(const at::Tensor& tensor) {
-  return tensor.defined() && registry().contains(tensor);
+  return tensor.defined() && registry().find(tensor).marked;
 }
 
 void clear_keep_in_fp32(const at::Tensor& tensor) {
-  if (tensor.defined()) registry().remove(tensor);
+  if (tensor.defined())
+    registry().update(tensor, [](MarkRegistry::Record& r) { r.marked = false; });
 }
 
+namespace detail {
+
+void record_conversion_keep(const at::Tensor& tensor, KeepReason reason, std::string rule) {
+  TORCH_INTERNAL_ASSERT(tensor.defined());
+  registry().update(tensor, [&](MarkRegistry::Record& r) {
+    r.kept = reason == KeepReason::kNone ? KeptFp32{} : KeptFp32{reason, std::move(rule)};
+  });
+}
+
+KeptFp32 conversion_keep(const at::Tensor& tensor) {
+  return tensor.defined() ? registry().find(tensor).kept : KeptFp32{};
+}
+
+}  // namespace detail
 }  // namespace mixprec

@@ -27,10 +27,14 @@ const char* to_string(TensorKind kind) {
 
 const char* to_string(KeepReason reason) {
   switch (reason) {
-    case KeepReason::kNone: return "-";
-    case KeepReason::kTensorMark: return "marked on tensor";
-    case KeepReason::kName: return "by name";
-    case KeepReason::kPattern: return "by pattern";
+    case KeepReason::kNone:
+      return "-";
+    case KeepReason::kTensorMark:
+      return "marked on tensor";
+    case KeepReason::kName:
+      return "by name";
+    case KeepReason::kPattern:
+      return "by pattern";
   }
   return "?";
 }

@@ -8,9 +8,12 @@ namespace mixprec::quant {
 
 double fp8_max(c10::ScalarType fp8_dtype) {
   switch (fp8_dtype) {
-    case at::kFloat8_e4m3fn: return 448.0;
-    case at::kFloat8_e5m2: return 57344.0;
-    default: break;
+    case at::kFloat8_e4m3fn:
+      return 448.0;
+    case at::kFloat8_e5m2:
+      return 57344.0;
+    default:
+      break;
   }
   TORCH_CHECK(false, "[mixprec::quant::fp8_max] expected Float8_e4m3fn or Float8_e5m2, got ",
               fp8_dtype);
@@ -68,8 +71,8 @@ at::Tensor fake_quantize_nvfp4(const at::Tensor& x) {
 
   const at::Tensor tensor_amax = xf.abs().amax();
   // Global scale maps the largest block scale (amax / 6) onto E4M3's top of range.
-  const at::Tensor global = at::where(tensor_amax > 0, kE4M3Max * kE2M1Max / tensor_amax,
-                                      at::ones_like(tensor_amax));
+  const at::Tensor global =
+      at::where(tensor_amax > 0, kE4M3Max * kE2M1Max / tensor_amax, at::ones_like(tensor_amax));
   const at::Tensor block_amax = blocks.abs().amax(-1, /*keepdim=*/true);
   const at::Tensor block_scale_q =
       (block_amax / kE2M1Max * global).clamp_max(kE4M3Max).to(at::kFloat8_e4m3fn).to(at::kFloat);
@@ -83,11 +86,14 @@ namespace {
 
 at::Tensor fake_quantize_for(const at::Tensor& x, QuantFormat format, bool gradient) {
   switch (format) {
-    case QuantFormat::kNone: return x;
-    case QuantFormat::kFp8E4M3: return fake_quantize_fp8(x, at::kFloat8_e4m3fn);
+    case QuantFormat::kNone:
+      return x;
+    case QuantFormat::kFp8E4M3:
+      return fake_quantize_fp8(x, at::kFloat8_e4m3fn);
     case QuantFormat::kFp8Hybrid:
       return fake_quantize_fp8(x, gradient ? at::kFloat8_e5m2 : at::kFloat8_e4m3fn);
-    case QuantFormat::kNvFp4: return fake_quantize_nvfp4(x);
+    case QuantFormat::kNvFp4:
+      return fake_quantize_nvfp4(x);
   }
   TORCH_INTERNAL_ASSERT(false, "unknown QuantFormat");
 }

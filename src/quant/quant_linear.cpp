@@ -15,11 +15,16 @@ namespace mixprec::quant {
 namespace {
 std::string short_name(c10::ScalarType t) {
   switch (t) {
-    case at::kFloat: return "fp32";
-    case at::kBFloat16: return "bf16";
-    case at::kHalf: return "fp16";
-    case at::kDouble: return "fp64";
-    default: return c10::toString(t);
+    case at::kFloat:
+      return "fp32";
+    case at::kBFloat16:
+      return "bf16";
+    case at::kHalf:
+      return "fp16";
+    case at::kDouble:
+      return "fp64";
+    default:
+      return c10::toString(t);
   }
 }
 }  // namespace

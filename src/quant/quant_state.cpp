@@ -13,9 +13,9 @@ void write(QuantScopeState& slot, QuantScopeState value) {
 }
 
 QuantFormat param_format(const QuantConfig& config) {
-  if (config.fp8_param) return config.fp8 == Fp8Recipe::kHybrid ? QuantFormat::kFp8Hybrid
-                                                                 : QuantFormat::kFp8E4M3;
-  if (config.fp4_param) return QuantFormat::kNvFp4;
+  if (config.fp8_param())
+    return config.fp8() == Fp8Recipe::kHybrid ? QuantFormat::kFp8Hybrid : QuantFormat::kFp8E4M3;
+  if (config.fp4_param()) return QuantFormat::kNvFp4;
   return QuantFormat::kNone;
 }
 

@@ -143,6 +143,24 @@ TEST_F(CkptTool, InspectListsRolesDtypesAndTotals) {
   EXPECT_TRUE(run.has_line("^  fp32 master +2 +128 +256 +1536$")) << run.out;
   EXPECT_TRUE(run.has_line("^  native fp32 +1 +24 +96 +192$")) << run.out;
   EXPECT_TRUE(run.has_line("^  frozen +1 +64 +128 +0$")) << run.out;
+  // Why gate is FP32: the model's conversion kept it for its keep_in_fp32 mark.
+  EXPECT_TRUE(run.has_line("^kept fp32 by the precision plan: 1 tensor$")) << run.out;
+  EXPECT_TRUE(run.has_line("^  gate +F32 +mark$")) << run.out;
+  EXPECT_FALSE(run.has_line("^warning:")) << run.out;
+}
+
+// Every plan rule reaches the checkpoint and inspect names it.
+TEST_F(CkptTool, InspectShowsWhichPlanRuleKeptEachTensor) {
+  convert_module_to_dtype_except_fp32_marked(
+      *model_, at::kBFloat16,
+      PrecisionPlan().keep_fp32_name("post.weight").keep_fp32_pattern("pre.*"));
+  optimizer_ = mixprec::testing::make_optimizer(model_, torch::optim::AdamWOptions(1e-2));
+  const ToolRun run = tool({"inspect", save("plan").string()});
+  ASSERT_EQ(run.status, 0) << run.err;
+  EXPECT_TRUE(run.has_line("^kept fp32 by the precision plan: 3 tensors$")) << run.out;
+  EXPECT_TRUE(run.has_line("^  gate +F32 +mark$")) << run.out;
+  EXPECT_TRUE(run.has_line("^  post\\.weight +F32 +name post\\.weight$")) << run.out;
+  EXPECT_TRUE(run.has_line("^  pre\\.weight +F32 +pattern pre\\.\\*$")) << run.out;
   EXPECT_FALSE(run.has_line("^warning:")) << run.out;
 }
 

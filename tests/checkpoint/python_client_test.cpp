@@ -1,5 +1,6 @@
-// A checkpoint written by the C++ library, read by Python (scripts/python_client.py: the
-// `safetensors` package and torch.optim.AdamW only), must let PyTorch take the same next step
+// A checkpoint written by the C++ library, read by Python (tests/checkpoint/python_client.py
+// over the reader python/mixprec_reader.py: the `safetensors` package and torch.optim.AdamW
+// only), must let PyTorch take the same next step
 // as Float16Optimizer: same FP32 masters, native FP32 parameters and moments; BF16 model
 // parameters equal to the rounded masters. Skipped when MIXPREC_PYTHON cannot import torch
 // and safetensors.
@@ -25,7 +26,7 @@ namespace fs = std::filesystem;
 using optim::ParamRole;
 using testing::TempDir;
 
-const fs::path kClient = fs::path(MIXPREC_SOURCE_DIR) / "scripts" / "python_client.py";
+const fs::path kClient = fs::path(MIXPREC_SOURCE_DIR) / "tests" / "checkpoint" / "python_client.py";
 
 std::string quote(const std::string& s) {
   std::string out = "'";

@@ -1,6 +1,8 @@
 #include "mixprec/precision/convert.h"
 
 #include "mixprec/precision/keep_fp32.h"
+#include "mixprec/precision/module_clone.h"
+#include "mixprec/sharded_state_dict.h"
 #include "support/toy_net.h"
 
 #include <gtest/gtest.h>
@@ -143,8 +145,8 @@ TEST(Convert, TiedTensorsConvertOnceAndReportBoth) {
 
 TEST(Convert, KeepingOneNameOfATiedTensorKeepsBoth) {
   auto tied = std::make_shared<TiedImpl>();
-  auto report = convert_module_to_dtype_except_fp32_marked(
-      *tied, at::kBFloat16, PrecisionPlan().keep_fp32_name("head"));
+  auto report = convert_module_to_dtype_except_fp32_marked(*tied, at::kBFloat16,
+                                                           PrecisionPlan().keep_fp32_name("head"));
   EXPECT_EQ(tied->named_parameters()["embed"].scalar_type(), at::kFloat);
   EXPECT_EQ(report.entries[0].action, ConversionAction::kKeptFp32);
 }
@@ -185,6 +187,63 @@ TEST(Convert, NonStrictPlanReportsUnmatchedPatterns) {
       *net, at::kBFloat16, PrecisionPlan().keep_fp32_pattern("*A_log*").strict(false));
   ASSERT_EQ(report.unmatched_patterns.size(), 1u);
   EXPECT_NE(report.to_string().find("pattern '*A_log*' matched nothing"), std::string::npos);
+}
+
+// Each kept tensor remembers which rule kept it; the record follows the tensor object (as a
+// mark does) and the next conversion replaces it.
+TEST(Convert, RecordsWhichRuleKeptEachTensor) {
+  ToyNet net;
+  EXPECT_EQ(kept_fp32_reason(net->router_weight).reason, KeepReason::kNone);  // not converted
+  convert_module_to_dtype_except_fp32_marked(
+      *net, at::kBFloat16,
+      PrecisionPlan().keep_fp32_name("running_scale").keep_fp32_pattern("norm.*"));
+  auto expect = [](const at::Tensor& t, KeepReason reason, const std::string& rule) {
+    const KeptFp32 kept = kept_fp32_reason(t);
+    EXPECT_EQ(kept.reason, reason) << to_string(kept.reason);
+    EXPECT_EQ(kept.rule, rule);
+  };
+  expect(net->router_weight, KeepReason::kTensorMark, "");
+  expect(net->expert_bias, KeepReason::kTensorMark, "");
+  expect(net->running_scale, KeepReason::kName, "running_scale");
+  expect(net->norm->weight, KeepReason::kPattern, "norm.*");
+  expect(net->fc->weight, KeepReason::kNone, "");
+  expect(net->tokens_per_expert, KeepReason::kNone, "");
+
+  // Survives Module::to(device) and clone_module, like the mark.
+  net->to(at::kCPU);
+  expect(net->running_scale, KeepReason::kName, "running_scale");
+  auto copy = std::dynamic_pointer_cast<testing::ToyNetImpl>(clone_module(*net));
+  ASSERT_TRUE(copy);
+  expect(copy->norm->weight, KeepReason::kPattern, "norm.*");
+  expect(copy->running_scale, KeepReason::kName, "running_scale");
+
+  // A conversion with another plan casts the norm and forgets why it was kept.
+  convert_module_to_dtype_except_fp32_marked(*net, at::kBFloat16);
+  expect(net->norm->weight, KeepReason::kNone, "");
+  expect(net->running_scale, KeepReason::kNone, "");
+  expect(net->router_weight, KeepReason::kTensorMark, "");
+  expect(copy->norm->weight, KeepReason::kPattern, "norm.*");  // the clone is its own
+}
+
+// The model's state dict carries the reasons (common "precision"), as the checkpoint stores
+// them: only tensors a conversion kept and that are still FP32.
+TEST(Convert, ModelStateDictSavesWhyTensorsAreFp32) {
+  ToyNet net;
+  EXPECT_FALSE(model_sharded_state_dict(*net).common.contains("precision"));
+  convert_module_to_dtype_except_fp32_marked(
+      *net, at::kHalf, PrecisionPlan().keep_fp32_name("running_scale").keep_fp32_pattern("norm.*"));
+  const nlohmann::json expected = {{"router_weight", "mark"},
+                                   {"expert_bias", "mark"},
+                                   {"running_scale", "name running_scale"},
+                                   {"norm.weight", "pattern norm.*"},
+                                   {"norm.bias", "pattern norm.*"}};
+  EXPECT_EQ(model_sharded_state_dict(*net).common.at("precision"), expected);
+  // Cast to half behind the plan's back: no longer FP32, so no longer listed.
+  net->norm->to(at::kHalf);
+  nlohmann::json without_norm = expected;
+  without_norm.erase("norm.weight");
+  without_norm.erase("norm.bias");
+  EXPECT_EQ(model_sharded_state_dict(*net).common.at("precision"), without_norm);
 }
 
 }  // namespace

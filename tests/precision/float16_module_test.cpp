@@ -42,7 +42,8 @@ struct NestedImpl : torch::nn::Module {
 
 TEST(Float16Module, ConvertsWithPlanAndCastsInputsAndOutputs) {
   ToyNet net;
-  Float16Module wrapped(net, Float16ModuleOptions().plan(PrecisionPlan().keep_fp32_pattern("*norm*")));
+  Float16Module wrapped(net,
+                        Float16ModuleOptions().plan(PrecisionPlan().keep_fp32_pattern("*norm*")));
   EXPECT_EQ(net->fc->weight.scalar_type(), at::kBFloat16);
   EXPECT_EQ(net->norm->weight.scalar_type(), at::kFloat);
   EXPECT_EQ(net->router_weight.scalar_type(), at::kFloat);
@@ -83,8 +84,8 @@ TEST(Float16Module, NestedContainersAndNonFloatingInputs) {
   Pair in{torch::randn({2}), {torch::randn({2}), torch::randn({2})}};
   at::Tensor ids = torch::arange(2);
   Pair out = wrapped->forward<Pair>(in, ids);
-  EXPECT_EQ(nested->seen, (std::vector<c10::ScalarType>{at::kBFloat16, at::kBFloat16,
-                                                         at::kBFloat16, at::kLong}));
+  EXPECT_EQ(nested->seen,
+            (std::vector<c10::ScalarType>{at::kBFloat16, at::kBFloat16, at::kBFloat16, at::kLong}));
   EXPECT_EQ(std::get<0>(out).scalar_type(), at::kFloat);
   ASSERT_EQ(std::get<1>(out).size(), 2u);
   EXPECT_EQ(std::get<1>(out)[1].scalar_type(), at::kFloat);

@@ -27,7 +27,8 @@ TEST(FakeQuantFp8, ValuesAreExactlyRepresentableAndAmaxMapsToMax) {
 TEST(FakeQuantFp8, ErrorIsFp8Sized) {
   at::manual_seed(1);
   at::Tensor x = torch::randn({4096});
-  for (auto [fp8, rel] : {std::pair{at::kFloat8_e4m3fn, 1.0 / 16}, std::pair{at::kFloat8_e5m2, 1.0 / 8}}) {
+  for (auto [fp8, rel] :
+       {std::pair{at::kFloat8_e4m3fn, 1.0 / 16}, std::pair{at::kFloat8_e5m2, 1.0 / 8}}) {
     ScaledFp8 q = quantize_fp8(x, fp8);
     at::Tensor y = dequantize_fp8(q, at::kFloat);
     at::Tensor err = (y - x).abs();

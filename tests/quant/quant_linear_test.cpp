@@ -12,11 +12,12 @@
 namespace mixprec::quant {
 namespace {
 
-const QuantConfig kFp8{Fp8Recipe::kHybrid, Fp4Recipe::kOff, false, false};
-const QuantConfig kFp8Param{Fp8Recipe::kE4M3, Fp4Recipe::kOff, true, false};
+const QuantConfig kFp8 = QuantConfig().fp8(Fp8Recipe::kHybrid);
+const QuantConfig kFp8Param = QuantConfig().fp8(Fp8Recipe::kE4M3).fp8_param(true);
 
 double relative_error(const at::Tensor& y, const at::Tensor& ref) {
-  return ((y.to(at::kFloat) - ref.to(at::kFloat)).norm() / ref.to(at::kFloat).norm()).item<double>();
+  return ((y.to(at::kFloat) - ref.to(at::kFloat)).norm() / ref.to(at::kFloat).norm())
+      .item<double>();
 }
 
 TEST(QuantLinear, PlainForwardIsExactlyLinear) {
@@ -42,9 +43,9 @@ TEST(QuantLinear, AutocastQuantizesDisabledScopeIsExact) {
   EXPECT_LT(err, 0.08);
   EXPECT_EQ(layer->last_compute().operands, QuantFormat::kFp8Hybrid);
   // The result is exactly the GEMM of the FP8-rounded operands.
-  at::Tensor expected = at::linear(fake_quantize_fp8(x, at::kFloat8_e4m3fn),
-                                   fake_quantize_fp8(layer->weight.detach(), at::kFloat8_e4m3fn),
-                                   layer->bias);
+  at::Tensor expected =
+      at::linear(fake_quantize_fp8(x, at::kFloat8_e4m3fn),
+                 fake_quantize_fp8(layer->weight.detach(), at::kFloat8_e4m3fn), layer->bias);
   EXPECT_TRUE(at::allclose(y, expected, 1e-6, 1e-6));
   {
     auto off = fp8_disabled_context(kFp8, /*is_init=*/false);
@@ -59,7 +60,7 @@ TEST(QuantLinear, Fp4AutocastUsesNvFp4) {
   QuantLinear layer(64, 16);
   at::Tensor x = torch::randn({4, 64});
   const at::Tensor ref = at::linear(x, layer->weight, layer->bias);
-  QuantAutocastGuard autocast(QuantConfig{Fp8Recipe::kOff, Fp4Recipe::kNvFp4, false, false});
+  QuantAutocastGuard autocast(QuantConfig().fp4(Fp4Recipe::kNvFp4));
   const double err = relative_error(layer(x), ref);
   EXPECT_GT(err, 0.01);
   EXPECT_LT(err, 0.4);
@@ -76,7 +77,8 @@ TEST(QuantLinear, Fp32MarkedWeightIsNeverQuantized) {
   QuantAutocastGuard autocast(kFp8);
   at::Tensor y = router(x);
   EXPECT_EQ(y.scalar_type(), at::kFloat);
-  EXPECT_TRUE(at::equal(y, at::linear(x.to(at::kFloat), router->weight, router->bias.to(at::kFloat))));
+  EXPECT_TRUE(
+      at::equal(y, at::linear(x.to(at::kFloat), router->weight, router->bias.to(at::kFloat))));
   EXPECT_TRUE(router->last_compute().kept_fp32);
   EXPECT_EQ(router->last_compute().operands, QuantFormat::kNone);
 }

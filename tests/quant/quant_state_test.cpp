@@ -9,10 +9,10 @@
 namespace mixprec::quant {
 namespace {
 
-QuantConfig fp8_only() { return {Fp8Recipe::kHybrid, Fp4Recipe::kOff, false, false}; }
-QuantConfig fp4_only() { return {Fp8Recipe::kOff, Fp4Recipe::kNvFp4, false, false}; }
-QuantConfig fp8_param() { return {Fp8Recipe::kE4M3, Fp4Recipe::kOff, true, false}; }
-QuantConfig fp4_param() { return {Fp8Recipe::kOff, Fp4Recipe::kNvFp4, false, true}; }
+QuantConfig fp8_only() { return QuantConfig().fp8(Fp8Recipe::kHybrid); }
+QuantConfig fp4_only() { return QuantConfig().fp4(Fp4Recipe::kNvFp4); }
+QuantConfig fp8_param() { return QuantConfig().fp8(Fp8Recipe::kE4M3).fp8_param(true); }
+QuantConfig fp4_param() { return QuantConfig().fp4(Fp4Recipe::kNvFp4).fp4_param(true); }
 
 const QuantScopeState kOn8{true, QuantFormat::kFp8Hybrid};
 
@@ -26,9 +26,10 @@ TEST(QuantConfig, ConflictsAreErrorsNamingTheFields) {
           << e.what_without_backtrace();
     }
   };
-  expect_error({Fp8Recipe::kE4M3, Fp4Recipe::kNvFp4, false, false}, "fp8=e4m3 and fp4=nvfp4");
-  expect_error({Fp8Recipe::kOff, Fp4Recipe::kOff, true, false}, "fp8_param=true needs fp8");
-  expect_error({Fp8Recipe::kOff, Fp4Recipe::kOff, false, true}, "fp4_param=true needs fp4");
+  expect_error(QuantConfig().fp8(Fp8Recipe::kE4M3).fp4(Fp4Recipe::kNvFp4),
+               "fp8=e4m3 and fp4=nvfp4");
+  expect_error(QuantConfig().fp8_param(true), "fp8_param=true needs fp8");
+  expect_error(QuantConfig().fp4_param(true), "fp4_param=true needs fp4");
   EXPECT_NO_THROW(fp8_param().validate());
 }
 
@@ -154,7 +155,7 @@ TEST(Fp8DisabledContext, OtherThreadsAreUnaffected) {
 
 TEST(Fp8DisabledContext, InvalidConfigThrowsBeforeTouchingState) {
   const uint64_t writes = detail::scope_state_writes();
-  const QuantConfig bad{Fp8Recipe::kE4M3, Fp4Recipe::kNvFp4, false, false};
+  const QuantConfig bad = QuantConfig().fp8(Fp8Recipe::kE4M3).fp4(Fp4Recipe::kNvFp4);
   EXPECT_THROW((void)fp8_disabled_context(bad, false), c10::Error);
   EXPECT_THROW(QuantAutocastGuard{bad}, c10::Error);
   EXPECT_EQ(detail::scope_state_writes(), writes);

@@ -25,7 +25,8 @@ struct ToyNetImpl : torch::nn::Cloneable<ToyNetImpl> {
   void reset() override {
     fc = register_module("fc", torch::nn::Linear(width, width));
     norm = register_module("norm", torch::nn::LayerNorm(torch::nn::LayerNormOptions({width})));
-    router_weight = register_parameter("router_weight", keep_in_fp32(torch::randn({experts, width})));
+    router_weight =
+        register_parameter("router_weight", keep_in_fp32(torch::randn({experts, width})));
     expert_bias = register_buffer("expert_bias", keep_in_fp32(torch::zeros({experts})));
     running_scale = register_buffer("running_scale", torch::ones({width}));
     tokens_per_expert = register_buffer("tokens_per_expert", torch::zeros({experts}, torch::kLong));

@@ -5,6 +5,7 @@
 #include "ckpt/text_table.h"
 
 #include "mixprec/checkpoint/format/manifest.h"
+#include "mixprec/checkpoint/format/state_keys.h"
 
 #include <map>
 #include <set>
@@ -14,6 +15,7 @@ namespace mixprec::tools {
 namespace {
 
 namespace fs = std::filesystem;
+namespace keys = checkpoint::keys;
 using checkpoint::KeyEntry;
 using checkpoint::Manifest;
 
@@ -76,8 +78,9 @@ void print_header(const fs::path& dir, const std::string& shown_as, const Manife
   } else {
     out << "optimizer    none (common state has no \"optimizer\" object)\n";
   }
-  if (common.is_object() && common.contains("user"))
-    out << "user         " << short_json(common.at("user")) << "\n";
+  const std::string user(keys::kCommonUser);
+  if (common.is_object() && common.contains(user))
+    out << "user         " << short_json(common.at(user)) << "\n";
 }
 
 void print_tensors(const Manifest& manifest, std::ostream& out) {
@@ -100,7 +103,6 @@ struct RoleTotals {
 };
 
 void print_parameters(const Manifest& manifest, const SavedOptimizer& opt, std::ostream& out) {
-  constexpr std::string_view kPrefix = "optimizer.state.";
   std::map<SavedRole, RoleTotals> totals;
   std::vector<std::string> warnings;
   TextTable table({"PARAMETER", "ROLE", "MODEL DTYPE", "SHAPE", "GROUP", "STEP", "OPTIMIZER STATE"},
@@ -123,10 +125,10 @@ void print_parameters(const Manifest& manifest, const SavedOptimizer& opt, std::
     for (const std::string& key : p.state_keys) {
       const KeyEntry& entry = manifest.keys.at(key);
       t.optimizer_bytes += key_bytes(entry);
-      const std::string name =
-          key.substr(kPrefix.size(), key.size() - kPrefix.size() - p.fqn.size() - 1);
-      names.insert(name == "fp32_param" ? names.begin() : names.end(), name);
-      if (name == "fp32_param" && entry.dtype != checkpoint::Dtype::F32) {
+      const std::size_t prefix = keys::kOptimizerStatePrefix.size();
+      const std::string name = key.substr(prefix, key.size() - prefix - p.fqn.size() - 1);
+      names.insert(name == keys::kFp32Param ? names.begin() : names.end(), name);
+      if (name == keys::kFp32Param && entry.dtype != checkpoint::Dtype::F32) {
         warnings.push_back(p.fqn + ": master is " +
                            std::string(checkpoint::dtype_name(entry.dtype)) + ", not F32");
       }
@@ -170,6 +172,44 @@ void print_parameters(const Manifest& manifest, const SavedOptimizer& opt, std::
   for (const std::string& w : warnings) out << "warning: " << w << "\n";
 }
 
+// common["precision"]: which plan rule kept each FP32 tensor. Checked before printing; a
+// malformed object is an error naming the field.
+std::map<std::string, std::string> read_precision(const nlohmann::json& common,
+                                                  const std::string& source) {
+  std::map<std::string, std::string> out;
+  const std::string field(keys::kCommonPrecision);
+  if (!common.is_object() || !common.contains(field)) return out;
+  const nlohmann::json& precision = common.at(field);
+  if (!precision.is_object())
+    throw ToolError(kExitUsage, source + ": " + field + ": expected an object");
+  for (const auto& [fqn, reason] : precision.items()) {
+    if (!reason.is_string())
+      throw ToolError(kExitUsage, source + ": " + field + "." + fqn + ": expected a string");
+    out.emplace(fqn, reason.get<std::string>());
+  }
+  return out;
+}
+
+void print_precision(const Manifest& manifest, const std::map<std::string, std::string>& kept,
+                     std::ostream& out) {
+  out << "\nkept fp32 by the precision plan: " << kept.size() << " tensor"
+      << (kept.size() == 1 ? "" : "s") << "\n";
+  TextTable table({"TENSOR", "DTYPE", "KEPT BY"}, {});
+  std::vector<std::string> warnings;
+  for (const auto& [fqn, reason] : kept) {
+    auto entry = manifest.keys.find(fqn);
+    table.add_row({fqn,
+                   entry == manifest.keys.end()
+                       ? std::string("-")
+                       : std::string(checkpoint::dtype_name(entry->second.dtype)),
+                   reason});
+    if (entry == manifest.keys.end())
+      warnings.push_back(fqn + ": kept fp32 but not in the checkpoint");
+  }
+  table.print(out);
+  for (const std::string& w : warnings) out << "warning: " << w << "\n";
+}
+
 }  // namespace
 
 int run_inspect(const fs::path& dir, const std::string& shown_as, std::ostream& out) {
@@ -180,12 +220,14 @@ int run_inspect(const fs::path& dir, const std::string& shown_as, std::ostream& 
                                    : std::string(checkpoint::kManifestFileName)))
           .string();
   const std::optional<SavedOptimizer> opt = read_saved_optimizer(common, manifest, common_source);
+  const std::map<std::string, std::string> kept = read_precision(common, common_source);
 
   // Everything is parsed before anything is printed: a failure leaves stdout empty.
   std::ostringstream text;
   print_header(dir, shown_as, manifest, common, opt, text);
   print_tensors(manifest, text);
   if (opt) print_parameters(manifest, *opt, text);
+  if (!kept.empty()) print_precision(manifest, kept, text);
   out << text.str();
   return kExitOk;
 }

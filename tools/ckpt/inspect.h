@@ -9,7 +9,10 @@
 //   parameters one row per parameter of the optimizer's param groups: role (saved_optimizer.h),
 //              model dtype, shape, group, step, the optimizer state it has; then totals per
 //              role (count, elements, model bytes, optimizer bytes) and warnings for
-//              combinations the optimizer never writes (e.g. a BF16 parameter without master).
+//              combinations the optimizer never writes (e.g. a BF16 parameter without master);
+//   kept fp32  when common["precision"] is there (state_keys.h): each tensor a conversion kept
+//              FP32, its dtype and the plan rule that kept it ("mark", "name <fqn>",
+//              "pattern <glob>").
 // Reads manifest.json and common.json only: no tensor bytes, so it is fast on any size and
 // does not verify checksums (that is `verify`).
 #pragma once

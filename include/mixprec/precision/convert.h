@@ -32,15 +32,15 @@ struct ConversionEntry {
   c10::ScalarType before;
   c10::ScalarType after;
   ConversionAction action;
-  KeepReason reason;   // why it stays FP32 (kNone unless kKeptFp32/kUpcastFp32)
-  std::string why;     // human-readable reason, e.g. "pattern '*norm*'" or "int64 buffer"
+  KeepReason reason;  // why it stays FP32 (kNone unless kKeptFp32/kUpcastFp32)
+  std::string why;    // human-readable reason, e.g. "pattern '*norm*'" or "int64 buffer"
   int64_t numel = 0;
   bool shared = false;  // tied to an earlier entry: converted once, counted once
 };
 
 struct ConversionReport {
   c10::ScalarType target;
-  std::vector<ConversionEntry> entries;  // parameters first, then buffers, module order
+  std::vector<ConversionEntry> entries;         // parameters first, then buffers, module order
   std::vector<std::string> unmatched_patterns;  // non-strict plans only
   int64_t bytes_before = 0;  // all defined parameters and buffers, tied tensors once
   int64_t bytes_after = 0;
@@ -64,5 +64,19 @@ struct ConversionReport {
 ConversionReport convert_module_to_dtype_except_fp32_marked(torch::nn::Module& module,
                                                             c10::ScalarType dtype,
                                                             const PrecisionPlan& plan = {});
+
+// Why a conversion kept a tensor FP32: the plan rule (a keep_in_fp32 mark, a name, a pattern)
+// and, for a name or pattern, its text.
+struct KeptFp32 {
+  KeepReason reason = KeepReason::kNone;
+  std::string rule;  // the name or pattern that matched; empty for a mark
+};
+
+// What the most recent conversion of `tensor` (this function or Float16Module) recorded:
+// why it kept the tensor FP32, or {kNone, ""} if it cast it, left it alone (integer, FP8), or
+// no conversion has seen it. The record belongs to the tensor object, like a keep_in_fp32
+// mark: it survives Module::to, torch::load into the module and clone_module, and a later
+// conversion replaces it. model_sharded_state_dict saves it (common "precision").
+KeptFp32 kept_fp32_reason(const at::Tensor& tensor);
 
 }  // namespace mixprec

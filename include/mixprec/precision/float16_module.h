@@ -11,8 +11,8 @@
 // checkpoint of the wrapper loads into the bare module and back.
 #pragma once
 
-#include "mixprec/precision/convert.h"
 #include "mixprec/detail/nested_cast.h"
+#include "mixprec/precision/convert.h"
 #include "mixprec/precision/precision_plan.h"
 
 #include <torch/arg.h>
@@ -45,20 +45,19 @@ class Float16ModuleImpl : public torch::nn::Module {
   explicit Float16ModuleImpl(torch::nn::AnyModule inner, Float16ModuleOptions options = {});
 
   template <typename M>
-    requires(!std::same_as<std::decay_t<M>, torch::nn::AnyModule>)
-  explicit Float16ModuleImpl(M inner, Float16ModuleOptions options = {})
+  requires(!std::same_as<std::decay_t<M>, torch::nn::AnyModule>) explicit Float16ModuleImpl(
+      M inner, Float16ModuleOptions options = {})
       : Float16ModuleImpl(torch::nn::AnyModule(std::move(inner)), std::move(options)) {}
 
   // Calls the wrapped module's forward (call it as `wrapped->forward(x)`: the holder's
-  // operator() cannot deduce a template forward). `Return` is what that forward returns (a tensor by
-  // default); arguments must have the exact types it takes, as with AnyModule.
+  // operator() cannot deduce a template forward). `Return` is what that forward returns (a tensor
+  // by default); arguments must have the exact types it takes, as with AnyModule.
   template <typename Return = at::Tensor, typename... Args>
   Return forward(Args&&... args) {
     const c10::ScalarType half = options_.dtype();
     auto to_half = [&](const at::Tensor& t) {
-      return options_.is_first_stage() && t.defined() && t.scalar_type() == at::kFloat
-                 ? t.to(half)
-                 : t;
+      return options_.is_first_stage() && t.defined() && t.scalar_type() == at::kFloat ? t.to(half)
+                                                                                       : t;
     };
     Return out = inner_.forward<Return>(
         detail::map_tensors(std::decay_t<Args>(std::forward<Args>(args)), to_half)...);

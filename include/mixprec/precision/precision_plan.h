@@ -31,12 +31,12 @@ const char* to_string(KeepReason reason);
 
 // One tensor of a module as the plan sees it.
 struct PlannedTensor {
-  std::string name;      // fully qualified name, e.g. "blocks.0.norm.weight"
-  TensorKind kind;       // parameter or buffer
-  at::Tensor tensor;     // the module's own tensor (same TensorImpl)
-  KeepReason reason;     // why it stays FP32, kNone for tensors the plan may cast
-  std::string rule;      // the name or pattern that matched, empty otherwise
-  bool shared = false;   // true if an earlier entry holds the same tensor (tied weights)
+  std::string name;     // fully qualified name, e.g. "blocks.0.norm.weight"
+  TensorKind kind;      // parameter or buffer
+  at::Tensor tensor;    // the module's own tensor (same TensorImpl)
+  KeepReason reason;    // why it stays FP32, kNone for tensors the plan may cast
+  std::string rule;     // the name or pattern that matched, empty otherwise
+  bool shared = false;  // true if an earlier entry holds the same tensor (tied weights)
 };
 
 class PrecisionPlan {
@@ -57,7 +57,7 @@ class PrecisionPlan {
   bool is_strict() const { return strict_; }
 
   struct Resolved {
-    std::vector<PlannedTensor> tensors;          // parameters first, then buffers, in order
+    std::vector<PlannedTensor> tensors;           // parameters first, then buffers, in order
     std::vector<std::string> unmatched_patterns;  // only ever non-empty when not strict
   };
 

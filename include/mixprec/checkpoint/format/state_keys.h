@@ -2,7 +2,7 @@
 //
 // This header is the one home of these names. The library (optimizer, training state), the
 // `mixprec-ckpt` tool and the Python reader (python/mixprec_reader.py, checked against this
-// file by tests/checkpoint/state_keys_test.cpp) all take them from here.
+// file by tests/checkpoint/format/state_keys_test.cpp) all take them from here.
 // It is LibTorch-free, like the rest of checkpoint/format/.
 //
 // Tensor keys (manifest "keys", data files):
@@ -25,7 +25,10 @@
 //                param_groups: [{hyper-parameters as torch names them, params: [fqn, ...]}],
 //                frozen: [fqn, ...], without_state: [fqn, ...] (trainable, never stepped),
 //                scaler: the loss scaler's state}
-//   precision   {fqn: why the tensor is FP32 ("mark", "name <rule>", "pattern <rule>", ...)}
+//   precision   {fqn: why a conversion kept the tensor FP32: "mark" (keep_in_fp32 on the
+//                tensor), "name <fqn>" (PrecisionPlan::keep_fp32_name), "pattern <glob>"
+//                (PrecisionPlan::keep_fp32_pattern)}; only tensors a conversion kept and
+//                still FP32; absent when there are none
 //   user        whatever the caller passed to save_training_state
 #pragma once
 
@@ -45,8 +48,8 @@ inline constexpr std::string_view kExpAvg = "exp_avg";
 inline constexpr std::string_view kExpAvgSq = "exp_avg_sq";
 inline constexpr std::string_view kMaxExpAvgSq = "max_exp_avg_sq";
 inline constexpr std::string_view kMomentumBuffer = "momentum_buffer";
-inline constexpr std::array<std::string_view, 5> kStateKinds = {
-    kFp32Param, kExpAvg, kExpAvgSq, kMaxExpAvgSq, kMomentumBuffer};
+inline constexpr std::array<std::string_view, 5> kStateKinds = {kFp32Param, kExpAvg, kExpAvgSq,
+                                                                kMaxExpAvgSq, kMomentumBuffer};
 
 // RNG tensors.
 inline constexpr std::string_view kRngCpu = "rng.cpu";
@@ -56,6 +59,12 @@ inline constexpr std::string_view kRngCudaPrefix = "rng.cuda.";
 inline constexpr std::string_view kCommonOptimizer = "optimizer";
 inline constexpr std::string_view kCommonPrecision = "precision";
 inline constexpr std::string_view kCommonUser = "user";
+
+// Values of common["precision"][fqn]: the plan rule that kept the tensor FP32. "mark" alone;
+// "name <fqn>" and "pattern <glob>" carry the rule after one space.
+inline constexpr std::string_view kKeptByMark = "mark";
+inline constexpr std::string_view kKeptByName = "name";
+inline constexpr std::string_view kKeptByPattern = "pattern";
 
 // Fields of common["optimizer"].
 inline constexpr std::string_view kAlgorithm = "algorithm";
