@@ -158,7 +158,7 @@ TEST(Float16Optimizer, Fp16DynamicScalerSkipsOverflowAndBacksOff) {
   auto model = std::make_shared<Fp32OnlyImpl>();
   model->w.set_data(model->w.to(at::kHalf));
   LossScalerOptions scaler = LossScalerOptions::fp16_dynamic();
-  scaler.hysteresis = 1;
+  scaler.hysteresis(1);
   Float16Optimizer opt(*model, torch::optim::AdamWOptions(1e-3), Float16OptimizerOptions().loss_scaler(scaler));
   EXPECT_EQ(opt.params_info()[0].role, ParamRole::kMaster);
   const at::Tensor before = model->w.clone();
