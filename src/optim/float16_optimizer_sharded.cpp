@@ -171,7 +171,8 @@ CheckedOptimizerState Float16Optimizer::check_sharded_state_dict(const ShardedSt
         report.notes.push_back("'" + info.fqn +
                                "' had no main copy in the state (saved as "
                                "native FP32): main copy seeded from its FP32 model value");
-      } else {
+      } else if (!frozen_then.count(info.fqn)) {
+        // (Frozen when saved, its model value is all there was: re-deriving loses nothing.)
         report.missing_keys.push_back(master_key);
       }
     }

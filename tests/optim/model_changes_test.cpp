@@ -146,6 +146,27 @@ TEST(ModelChanges, ParamFrozenAtConstructionAndUnfrozenLaterIsStepped) {
   EXPECT_TRUE(opt->sharded_state_dict().contains("optimizer.state.fp32_param.frozen.weight"));
 }
 
+// Unfrozen between save and resume: the checkpoint has no master for it (it had none), and
+// its model value is all there was, so a strict load takes the master from it.
+TEST(ModelChanges, ParamFrozenWhenSavedLoadsStrictlyWhereItIsTrainable) {
+  Interleaved ma;
+  auto a = mixprec::testing::make_optimizer(ma, torch::optim::AdamWOptions(1e-2));
+  for (int s = 0; s < 2; ++s) {
+    set_grads(*ma, s);
+    ASSERT_TRUE(a->update().success);
+  }
+  const ShardedStateDict saved = a->sharded_state_dict();
+  Interleaved mb;
+  mb->frozen->weight.set_requires_grad(true);
+  auto b = mixprec::testing::make_optimizer(mb, torch::optim::AdamWOptions(1e-2));
+  load_model_sharded_state_dict(*mb, model_sharded_state_dict(*ma));
+  const LoadReport report = b->load_sharded_state_dict(saved);
+  EXPECT_TRUE(report.clean()) << report.to_string();
+  EXPECT_TRUE(bitwise_equal(b->main_param("frozen.weight"), ma->frozen->weight.to(at::kFloat)));
+  set_grads(*mb, 2);
+  EXPECT_TRUE(b->update().success);
+}
+
 // Two FP32 params; `late` is converted to BF16 after the optimizer exists (conversion run late).
 struct TwoFp32Impl : torch::nn::Module {
   TwoFp32Impl() {

@@ -215,8 +215,9 @@ class Float16Optimizer : private detail::GroupOptionsCheck, public torch::optim:
   // a parameter saved with a main copy that is now native FP32 takes the saved main copy's
   // value; one saved as native FP32 that now needs a main copy seeds it from the model tensor
   // under its FQN in `state` (an FP32 value; a checkpoint holds both), else from the model
-  // parameter as it is when applied. Keys that do not start with "optimizer." are the model's
-  // and are not reported as unexpected.
+  // parameter as it is when applied; one frozen when saved and trainable now takes its main copy
+  // from the model parameter (no key is missing: it had none). Keys that do not start with
+  // "optimizer." are the model's and are not reported as unexpected.
   CheckedOptimizerState check_sharded_state_dict(const ShardedStateDict& state,
                                                  const LoadOptions& options = {}) const;
 
