@@ -117,10 +117,12 @@ ShardedStateDict model_sharded_state_dict(const torch::nn::Module& model) {
   return out;
 }
 
-LoadReport load_model_sharded_state_dict(torch::nn::Module& model, const ShardedStateDict& state,
-                                         const LoadOptions& options) {
+CheckedModelState check_model_sharded_state_dict(const torch::nn::Module& model,
+                                                 const ShardedStateDict& state,
+                                                 const LoadOptions& options) {
   const std::map<std::string, at::Tensor> own = own_tensors(model);
-  LoadReport report;
+  CheckedModelState checked;
+  LoadReport& report = checked.report_;
   std::vector<std::string> problems;
   for (const auto& [key, target] : own) {
     auto it = state.tensors.find(key);
@@ -129,8 +131,12 @@ LoadReport load_model_sharded_state_dict(torch::nn::Module& model, const Sharded
       continue;
     }
     const ShardedTensor& saved = it->second;
-    TORCH_CHECK(saved.is_whole(), "[mixprec::load_model_sharded_state_dict] '", key,
-                "' is a shard; reshard it before loading (checkpoint loader does this)");
+    if (!saved.is_whole()) {
+      problems.push_back("'" + key +
+                         "' is a shard; reshard it before loading (the checkpoint "
+                         "loader does this)");
+      continue;
+    }
     if (saved.local.sizes() != target.sizes()) {
       problems.push_back("'" + key + "': shape " + c10::str(saved.local.sizes()) +
                          " in the state, " + c10::str(target.sizes()) + " in the model");
@@ -141,34 +147,48 @@ LoadReport load_model_sharded_state_dict(torch::nn::Module& model, const Sharded
       problems.push_back("'" + key + "': dtype " + c10::toString(saved.local.scalar_type()) +
                          " in the state, " + c10::toString(target.scalar_type()) + " in the model");
     }
+    checked.copies_.push_back({target, saved.local});
   }
   for (const auto& [key, value] : state.tensors) {
-    if (!checkpoint::keys::is_optimizer_key(key) && !own.count(key)) {
-      report.unexpected_keys.push_back(key);
-    }
+    if (!own.count(key)) report.unexpected_keys.push_back(key);
   }
   if (options.strict) {
     for (const auto& key : report.missing_keys) problems.push_back("missing key '" + key + "'");
+    std::vector<std::string> names;
+    for (const auto& [k, v] : own) names.push_back(k);
     for (const auto& key : report.unexpected_keys) {
-      auto near = detail::close_matches(key, [&] {
-        std::vector<std::string> names;
-        for (const auto& [k, v] : own) names.push_back(k);
-        return names;
-      }());
+      auto near = detail::close_matches(key, names);
       problems.push_back("unexpected key '" + key + "'" +
                          (near.empty() ? "" : " (model has: " + detail::join(near) + ")"));
     }
   }
   detail::check_no_problems(
       problems, "[mixprec::load_model_sharded_state_dict] cannot load into " + model.name());
+  checked.model_ = &model;
+  return checked;
+}
 
-  if (options.dry_run) return report;
-  at::NoGradGuard no_grad;
-  for (const auto& [key, target] : own) {
-    auto it = state.tensors.find(key);
-    if (it != state.tensors.end()) at::Tensor(target).copy_(it->second.local);
+LoadReport apply_model_state(torch::nn::Module& model, CheckedModelState&& checked) {
+  TORCH_CHECK(checked.model_ == &model,
+              "[mixprec::apply_model_state] the state was checked "
+              "against another module, or was applied already");
+  for (const auto& copy : checked.copies_) {
+    TORCH_CHECK(copy.target.sizes() == copy.value.sizes(),
+                "[mixprec::apply_model_state] a "
+                "tensor of ",
+                model.name(), " changed shape to ", copy.target.sizes(),
+                " since the state was checked; check it again");
   }
-  return report;
+  at::NoGradGuard no_grad;
+  for (const auto& copy : checked.copies_) at::Tensor(copy.target).copy_(copy.value);
+  checked.model_ = nullptr;
+  checked.copies_.clear();
+  return std::move(checked.report_);
+}
+
+LoadReport load_model_sharded_state_dict(torch::nn::Module& model, const ShardedStateDict& state,
+                                         const LoadOptions& options) {
+  return apply_model_state(model, check_model_sharded_state_dict(model, state, options));
 }
 
 }  // namespace mixprec

@@ -56,13 +56,11 @@ struct LoadReport {
   std::string to_string() const;
 };
 
+// How a load treats keys that do not fit. A plain struct for now.
 struct LoadOptions {
   // Strict: any missing or unexpected key is an error listing all of them. Non-strict: what
   // matches is loaded and the rest is reported. Shape and dtype errors are errors either way.
   bool strict = true;
-  // Validate and report exactly as a real load would, but change nothing. Lets a caller that
-  // loads several objects (model, optimizer) check all of them before applying any.
-  bool dry_run = false;
 };
 
 // The model's parameters and buffers under their fully qualified names (tied tensors once,
@@ -72,13 +70,48 @@ struct LoadOptions {
 // spells it: "mark", "name <fqn>", "pattern <glob>"; absent when there is none.
 ShardedStateDict model_sharded_state_dict(const torch::nn::Module& model);
 
-// Copies model tensors from `state` (keys = FQNs; keys under "optimizer." belong to the
-// optimizer and are ignored here). Validates every key, shape and dtype before copying
-// anything: on any error the model is unchanged. Floating values are cast to the parameter's
-// current dtype (a precision plan may have changed since the save; the optimizer's own load
-// then restores FP32 values from masters), non-floating tensors must match dtype exactly.
-// Strict: throws c10::Error listing every missing/unexpected key; non-strict: reports them.
+class CheckedModelState;
+
+// Checks `state` (keys = the model's FQNs; nothing else: a caller holding a training state
+// passes only its model part, see checkpoint/training_state.h) against every parameter and
+// buffer of `model`: keys, shapes, dtypes. Floating values may have another floating dtype
+// (a precision plan may have changed since the save; they are cast on apply, and the
+// optimizer's own load then restores FP32 values from masters); non-floating tensors must
+// match dtype exactly. Strict: throws c10::Error listing every missing/unexpected key (with
+// close matches) and every mismatch; non-strict: mismatches throw, keys are reported. Changes
+// nothing. The checked value holds handles to the model's tensors and to `state`'s.
+CheckedModelState check_model_sharded_state_dict(const torch::nn::Module& model,
+                                                 const ShardedStateDict& state,
+                                                 const LoadOptions& options = {});
+
+// Copies a checked state into the model it was checked against. Cannot fail on the state's
+// content; throws c10::Error, changing nothing, if `checked` belongs to another module, was
+// applied already, or a tensor of the model changed shape since the check.
+LoadReport apply_model_state(torch::nn::Module& model, CheckedModelState&& checked);
+
+// apply_model_state(model, check_model_sharded_state_dict(model, state, options)).
 LoadReport load_model_sharded_state_dict(torch::nn::Module& model, const ShardedStateDict& state,
                                          const LoadOptions& options = {});
+
+class CheckedModelState {
+ public:
+  // What apply_model_state will report: keys missing or unexpected (non-strict).
+  const LoadReport& report() const { return report_; }
+
+ private:
+  friend CheckedModelState check_model_sharded_state_dict(const torch::nn::Module&,
+                                                          const ShardedStateDict&,
+                                                          const LoadOptions&);
+  friend LoadReport apply_model_state(torch::nn::Module&, CheckedModelState&&);
+  CheckedModelState() = default;
+
+  const torch::nn::Module* model_ = nullptr;  // null once applied
+  struct Copy {
+    at::Tensor target;  // the model's own tensor
+    at::Tensor value;   // checked against it
+  };
+  std::vector<Copy> copies_;
+  LoadReport report_;
+};
 
 }  // namespace mixprec

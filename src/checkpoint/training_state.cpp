@@ -1,77 +1,82 @@
 #include "mixprec/checkpoint/training_state.h"
 
-#include <ATen/CPUGeneratorImpl.h>
-#include <ATen/core/Generator.h>
-#include <ATen/Utils.h>
+#include "checkpoint/rng_state.h"
+#include "mixprec/checkpoint/format/state_keys.h"
+
 #include <c10/util/Exception.h>
 #include <torch/nn/module.h>
 
-#include <mutex>
-
 namespace mixprec::checkpoint {
-namespace {
-
-constexpr const char* kRngKey = "rng.cpu";
-
-at::Tensor cpu_rng_state() {
-  at::Generator gen = at::detail::getDefaultCPUGenerator();
-  std::lock_guard<std::mutex> lock(gen.mutex());
-  return gen.get_state();
-}
-
-}  // namespace
 
 ShardedStateDict training_state_dict(const torch::nn::Module& model,
                                      const optim::Float16Optimizer& optimizer,
                                      const nlohmann::json& user) {
   ShardedStateDict state = model_sharded_state_dict(model);
+  for (const auto& [key, value] : state.tensors) {
+    TORCH_CHECK(!keys::is_optimizer_key(key) && !keys::is_rng_key(key),
+                "[mixprec::checkpoint] the model has a tensor named '", key,
+                "', a name the checkpoint reserves for the optimizer or the RNG state");
+  }
   state.merge(optimizer.sharded_state_dict());
-  TORCH_CHECK(!state.contains(kRngKey), "[mixprec::checkpoint] the model has a tensor named '",
-              kRngKey, "', which the checkpoint uses for the RNG state");
-  state.tensors.emplace(kRngKey, ShardedTensor::whole(cpu_rng_state()));
-  state.common["user"] = user;
+  for (auto& [key, rng] : detail::rng_states())
+    state.tensors.emplace(key, ShardedTensor::whole(rng));
+  state.common[std::string(keys::kCommonUser)] = user;
   return state;
 }
 
 SaveResult save_training_state(const std::filesystem::path& root, const std::string& name,
                                const torch::nn::Module& model,
-                               const optim::Float16Optimizer& optimizer,
-                               const nlohmann::json& user, const SaveOptions& options) {
+                               const optim::Float16Optimizer& optimizer, const nlohmann::json& user,
+                               const SaveOptions& options) {
   return save_checkpoint(root, name, training_state_dict(model, optimizer, user), options);
+}
+
+TrainingStateParts split_training_state(ShardedStateDict state) {
+  TrainingStateParts parts;
+  for (auto& [key, tensor] : state.tensors) {
+    if (keys::is_rng_key(key)) {
+      parts.rng.emplace(key, tensor.local);
+    } else if (keys::is_optimizer_key(key)) {
+      parts.optimizer.tensors.emplace(key, std::move(tensor));
+    } else {
+      parts.model.tensors.emplace(key, std::move(tensor));
+    }
+  }
+  for (auto& [field, value] : state.common.items()) {
+    if (field == keys::kCommonOptimizer) {
+      parts.optimizer.common[field] = std::move(value);
+    } else if (field == keys::kCommonUser) {
+      parts.user = std::move(value);
+    } else {
+      parts.model.common[field] = std::move(value);
+    }
+  }
+  return parts;
 }
 
 ResumeResult load_training_state(const std::filesystem::path& path, torch::nn::Module& model,
                                  optim::Float16Optimizer& optimizer, const LoadOptions& options) {
   ResumeResult result;
   result.dir = resolve_checkpoint(path);
-  ShardedStateDict state = read_checkpoint(result.dir);  // verifies every chunk's checksum
-  TORCH_CHECK(state.contains(kRngKey), "[mixprec::checkpoint] ", result.dir.string(),
-              ": no '", kRngKey, "' tensor (not a training-state checkpoint?)");
-  const at::Tensor rng = state.at(kRngKey).local;
-  state.tensors.erase(kRngKey);
+  // Reading verifies every chunk's checksum.
+  TrainingStateParts parts = split_training_state(read_checkpoint(result.dir));
 
-  // Validate everything first: model and optimizer both, in dry-run mode.
-  LoadOptions check = options;
-  check.dry_run = true;
-  load_model_sharded_state_dict(model, state, check);
-  optimizer.load_sharded_state_dict(state, check);
-  {
-    // The RNG state's validity is checked by setting it on a scratch generator.
-    at::Generator scratch = at::detail::createCPUGenerator();
-    scratch.set_state(rng);
-  }
-  // Apply: the model first (the optimizer may seed masters from its FP32 tensors and then
-  // rewrites half-precision parameters from masters).
-  LoadOptions apply = options;
-  apply.dry_run = false;
-  result.model = load_model_sharded_state_dict(model, state, apply);
-  result.optimizer = optimizer.load_sharded_state_dict(state, apply);
-  at::Generator gen = at::detail::getDefaultCPUGenerator();
-  {
-    std::lock_guard<std::mutex> lock(gen.mutex());
-    gen.set_state(rng);
-  }
-  result.user = state.common.contains("user") ? state.common["user"] : nlohmann::json::object();
+  // Check everything first: model, optimizer, RNG. The optimizer also sees the model's
+  // tensors: across a changed precision plan a saved FP32 value seeds a new main copy.
+  CheckedModelState checked_model = check_model_sharded_state_dict(model, parts.model, options);
+  ShardedStateDict optimizer_view = parts.optimizer;
+  for (const auto& [key, tensor] : parts.model.tensors) optimizer_view.tensors.emplace(key, tensor);
+  optim::CheckedOptimizerState checked_optimizer =
+      optimizer.check_sharded_state_dict(optimizer_view, options);
+  const detail::CheckedRng checked_rng = detail::check_rng(parts.rng, result.dir);
+
+  // Apply: the model first (the optimizer may seed masters from its values and then rewrites
+  // half-precision parameters from masters).
+  result.model = apply_model_state(model, std::move(checked_model));
+  result.optimizer = optimizer.apply(std::move(checked_optimizer));
+  detail::apply_rng(checked_rng);
+  result.rng = checked_rng.report;
+  result.user = std::move(parts.user);
   return result;
 }
 

@@ -1,3 +1,4 @@
+// Float16Optimizer: construction, parameter roles, adding groups, and the step.
 #include "mixprec/optim/float16_optimizer.h"
 
 #include "detail/name_match.h"
@@ -5,55 +6,82 @@
 
 #include <ATen/ATen.h>
 #include <c10/util/Exception.h>
+#include <c10/util/TypeIndex.h>
 #include <torch/nn/module.h>
 
 #include <cmath>
 #include <limits>
-#include <typeinfo>
 #include <unordered_map>
+#include <unordered_set>
 
 namespace mixprec::optim {
 
 const char* to_string(ParamRole role) {
   switch (role) {
-    case ParamRole::kMaster: return "fp32 main copy";
-    case ParamRole::kNativeFp32: return "native fp32";
-    case ParamRole::kFrozen: return "frozen";
+    case ParamRole::kMaster:
+      return "fp32 main copy";
+    case ParamRole::kNativeFp32:
+      return "native fp32";
+    case ParamRole::kFrozen:
+      return "frozen";
   }
   return "?";
 }
 
 namespace {
 
-Algorithm algorithm_of(const torch::optim::OptimizerOptions& options) {
-  if (dynamic_cast<const torch::optim::AdamWOptions*>(&options)) return Algorithm::kAdamW;
-  if (dynamic_cast<const torch::optim::AdamOptions*>(&options)) return Algorithm::kAdam;
-  if (dynamic_cast<const torch::optim::SGDOptions*>(&options)) return Algorithm::kSgd;
-  TORCH_CHECK(false, "[mixprec::Float16Optimizer] options must be AdamWOptions, AdamOptions or "
-              "SGDOptions, got ", typeid(options).name());
+// Every parameter of `model` once (tied ones under their first name), in named order.
+std::vector<std::pair<std::string, at::Tensor>> unique_parameters(const torch::nn::Module& model) {
+  std::vector<std::pair<std::string, at::Tensor>> out;
+  std::unordered_set<const c10::TensorImpl*> seen;
+  for (const auto& item : model.named_parameters()) {
+    const at::Tensor& t = item.value();
+    if (t.defined() && seen.insert(t.unsafeGetTensorImpl()).second) out.emplace_back(item.key(), t);
+  }
+  return out;
 }
 
 std::vector<torch::optim::OptimizerParamGroup> all_parameters(const torch::nn::Module& model) {
+  std::vector<at::Tensor> params;
+  for (auto& [fqn, t] : unique_parameters(model)) params.push_back(t);
   std::vector<torch::optim::OptimizerParamGroup> groups;
-  groups.emplace_back(model.parameters());
+  groups.emplace_back(std::move(params));
   return groups;
+}
+
+std::string type_name(const torch::optim::OptimizerOptions& options) {
+  return c10::demangle(typeid(options).name());
 }
 
 }  // namespace
 
-detail::GroupOptionsCheck::GroupOptionsCheck(
-    const std::vector<torch::optim::OptimizerParamGroup>& groups,
-    const torch::optim::OptimizerOptions* defaults) {
-  TORCH_CHECK(defaults != nullptr, "[mixprec::Float16Optimizer] defaults are null");
-  const Algorithm expected = algorithm_of(*defaults);
-  for (size_t g = 0; g < groups.size(); ++g) {
-    if (!groups[g].has_options()) continue;
-    TORCH_CHECK(typeid(groups[g].options()) == typeid(*defaults),
-                "[mixprec::Float16Optimizer] param group ", g, " has ",
-                algorithm_name(algorithm_of(groups[g].options())), " options but the defaults are ",
-                algorithm_name(expected), "; all groups must use one algorithm");
+namespace detail {
+
+std::optional<ParamRole> trainable_role(const at::Tensor& param) {
+  switch (param.scalar_type()) {
+    case at::kFloat:
+      return ParamRole::kNativeFp32;
+    case at::kBFloat16:
+    case at::kHalf:
+      return ParamRole::kMaster;
+    default:
+      return std::nullopt;
   }
 }
+
+GroupOptionsCheck::GroupOptionsCheck(const std::vector<torch::optim::OptimizerParamGroup>& groups,
+                                     const torch::optim::OptimizerOptions* defaults) {
+  TORCH_CHECK(defaults != nullptr, "[mixprec::Float16Optimizer] defaults are null");
+  const AlgorithmTraits& expected = traits_for(*defaults);
+  for (size_t g = 0; g < groups.size(); ++g) {
+    TORCH_CHECK(!groups[g].has_options() || expected.owns(groups[g].options()),
+                "[mixprec::Float16Optimizer] param group ", g, " has ",
+                type_name(groups[g].options()), " but the defaults are ", expected.options_name(),
+                "; all groups must use one algorithm");
+  }
+}
+
+}  // namespace detail
 
 Float16Optimizer::Float16Optimizer(const torch::nn::Module& model,
                                    std::vector<torch::optim::OptimizerParamGroup> groups,
@@ -62,12 +90,14 @@ Float16Optimizer::Float16Optimizer(const torch::nn::Module& model,
     : detail::GroupOptionsCheck(groups, defaults.get()),
       torch::optim::Optimizer(groups, std::move(defaults)),
       options_(std::move(options)),
-      algorithm_(algorithm_of(this->defaults())),
-      scaler_(options_.loss_scaler()) {
+      traits_(&detail::traits_for(this->defaults())),
+      scaler_(options_.loss_scaler()),
+      model_params_(unique_parameters(model)) {
   TORCH_CHECK(options_.clip_grad() >= 0 && std::isfinite(options_.clip_grad()),
               "[mixprec::Float16Optimizer] clip_grad must be a finite value >= 0, got ",
               options_.clip_grad());
-  build_slots(model);
+  for (size_t g = 0; g < param_groups().size(); ++g) check_group_options(g);
+  build_slots(0);
 }
 
 Float16Optimizer::Float16Optimizer(const torch::nn::Module& model,
@@ -75,15 +105,27 @@ Float16Optimizer::Float16Optimizer(const torch::nn::Module& model,
                                    Float16OptimizerOptions options)
     : Float16Optimizer(model, all_parameters(model), defaults.clone(), std::move(options)) {}
 
-void Float16Optimizer::build_slots(const torch::nn::Module& model) {
-  std::unordered_map<const c10::TensorImpl*, std::string> fqn_of;
-  for (const auto& item : model.named_parameters()) {
-    if (item.value().defined()) fqn_of.emplace(item.value().unsafeGetTensorImpl(), item.key());
-  }
-  std::vector<std::string> problems;
+Float16Optimizer::~Float16Optimizer() = default;
+
+Algorithm Float16Optimizer::algorithm() const { return traits_->algorithm(); }
+
+void Float16Optimizer::check_group_options(size_t group) const {
+  const auto& options = param_groups()[group].options();
+  TORCH_CHECK(traits_->owns(options), "[mixprec::Float16Optimizer] param group ", group, " has ",
+              type_name(options), "; the optimizer runs ", traits_->options_name());
+  const std::string problem = traits_->range_problem(options);
+  TORCH_CHECK(problem.empty(), "[mixprec::Float16Optimizer] param group ", group, ": ", problem);
+}
+
+std::vector<std::string> Float16Optimizer::new_param_problems(size_t first_group) const {
+  std::unordered_map<const c10::TensorImpl*, const std::string*> fqn_of;
+  for (const auto& [fqn, t] : model_params_) fqn_of.emplace(t.unsafeGetTensorImpl(), &fqn);
   std::unordered_map<const c10::TensorImpl*, int64_t> first_id;  // a parameter listed twice
-  int64_t id = 0;
-  for (size_t g = 0; g < param_groups().size(); ++g) {
+  for (const auto& info : info_)
+    first_id.emplace(slots_[info.id]->param.unsafeGetTensorImpl(), info.id);
+  std::vector<std::string> problems;
+  int64_t id = static_cast<int64_t>(info_.size());
+  for (size_t g = first_group; g < param_groups().size(); ++g) {
     const auto& params = param_groups()[g].params();
     for (size_t i = 0; i < params.size(); ++i, ++id) {
       const at::Tensor& p = params[i];
@@ -93,48 +135,78 @@ void Float16Optimizer::build_slots(const torch::nn::Module& model) {
                            " (id " + std::to_string(id) + ") is not a parameter of the model");
         continue;
       }
+      const std::string& fqn = *it->second;
       if (auto [seen, fresh] = first_id.emplace(p.unsafeGetTensorImpl(), id); !fresh) {
-        problems.push_back("'" + it->second + "' appears twice (ids " +
-                           std::to_string(seen->second) + " and " + std::to_string(id) + ")");
+        problems.push_back("'" + fqn + "' appears twice (ids " + std::to_string(seen->second) +
+                           " and " + std::to_string(id) + ")");
       }
-      ParamInfo info{it->second, g, id, ParamRole::kFrozen};
-      if (p.requires_grad()) {
-        const auto dtype = p.scalar_type();
-        if (dtype == at::kFloat) {
-          info.role = ParamRole::kNativeFp32;
-        } else if (dtype == at::kBFloat16 || dtype == at::kHalf) {
-          info.role = ParamRole::kMaster;
-        } else {
-          problems.push_back("'" + info.fqn + "' is a trainable " + c10::toString(dtype) +
-                             " parameter; only Float, BFloat16 and Half can be optimized");
-        }
-        if (p.is_sparse() || !p.is_contiguous()) {
-          problems.push_back("'" + info.fqn + "' must be dense and contiguous");
-        }
+      if (!p.requires_grad()) continue;
+      if (!detail::trainable_role(p)) {
+        problems.push_back("'" + fqn + "' is a trainable " + c10::toString(p.scalar_type()) +
+                           " parameter; only Float, BFloat16 and Half can be optimized");
       }
-      info_.push_back(std::move(info));
+      if (p.is_sparse() || !p.is_contiguous()) {
+        problems.push_back("'" + fqn + "' must be dense and contiguous");
+      }
     }
   }
-  mixprec::detail::check_no_problems(problems,
-                                     "[mixprec::Float16Optimizer] cannot optimize these parameters");
+  return problems;
+}
 
+void Float16Optimizer::build_slots(size_t first_group) {
+  mixprec::detail::check_no_problems(
+      new_param_problems(first_group),
+      "[mixprec::Float16Optimizer] cannot optimize these parameters");
+  std::unordered_map<const c10::TensorImpl*, const std::string*> fqn_of;
+  for (const auto& [fqn, t] : model_params_) fqn_of.emplace(t.unsafeGetTensorImpl(), &fqn);
   at::NoGradGuard no_grad;
-  for (const auto& group : param_groups()) {
-    for (const at::Tensor& p : group.params()) {
+  for (size_t g = first_group; g < param_groups().size(); ++g) {
+    for (const at::Tensor& p : param_groups()[g].params()) {
+      ParamInfo info{*fqn_of.at(p.unsafeGetTensorImpl()), g, static_cast<int64_t>(info_.size()),
+                     p.requires_grad() ? *detail::trainable_role(p) : ParamRole::kFrozen};
       auto slot = std::make_shared<Slot>();
       slot->param = p;
-      if (info_[slots_.size()].role == ParamRole::kMaster) {
+      slot->state.resize(traits_->state_kinds().size());
+      if (info.role == ParamRole::kMaster) {
         slot->master = p.detach().to(at::kFloat, /*non_blocking=*/false, /*copy=*/true);
       }
+      slot->record();
+      info_.push_back(std::move(info));
       slots_.push_back(std::move(slot));
     }
+    group_sizes_.push_back(param_groups()[g].params().size());
   }
 }
 
-const at::Tensor& Float16Optimizer::main_param(int64_t id) const {
-  TORCH_CHECK(id >= 0 && id < static_cast<int64_t>(slots_.size()),
-              "[mixprec::Float16Optimizer::main_param] no parameter id ", id);
-  return slots_[id]->master;
+void Float16Optimizer::add_param_group(const torch::optim::OptimizerParamGroup& group) {
+  // The groups as they are must be the ones the optimizer knows before one is added.
+  (void)plan_sync(detail::SyncPurpose::kLoad);
+  TORCH_CHECK(!group.has_options() || traits_->owns(group.options()),
+              "[mixprec::Float16Optimizer::add_param_group] the group has ",
+              type_name(group.options()), "; the optimizer runs ", traits_->options_name());
+  const size_t g = param_groups().size();
+  torch::optim::Optimizer::add_param_group(group);  // checks leaves; merges options
+  std::vector<std::string> problems = new_param_problems(g);
+  if (const std::string bad = traits_->range_problem(param_groups()[g].options()); !bad.empty()) {
+    problems.push_back("the group's options: " + bad);
+  }
+  if (!problems.empty()) {
+    param_groups().pop_back();  // as it was
+    mixprec::detail::check_no_problems(
+        problems, "[mixprec::Float16Optimizer::add_param_group] cannot add the group");
+  }
+  build_slots(g);
+}
+
+const at::Tensor& Float16Optimizer::main_param(const std::string& fqn) const {
+  std::vector<std::string> names;
+  for (size_t k = 0; k < info_.size(); ++k) {
+    if (info_[k].fqn == fqn) return slots_[k]->master;
+    names.push_back(info_[k].fqn);
+  }
+  const auto near = mixprec::detail::close_matches(fqn, names);
+  TORCH_CHECK(false, "[mixprec::Float16Optimizer::main_param] the optimizer holds no parameter '",
+              fqn, "'", near.empty() ? "" : " (close: " + mixprec::detail::join(near) + ")");
 }
 
 int64_t Float16Optimizer::state_bytes(ParamRole role) const {
@@ -142,9 +214,9 @@ int64_t Float16Optimizer::state_bytes(ParamRole role) const {
   for (size_t k = 0; k < slots_.size(); ++k) {
     if (info_[k].role != role) continue;
     const Slot& s = *slots_[k];
-    for (const at::Tensor* t :
-         {&s.master, &s.exp_avg, &s.exp_avg_sq, &s.max_exp_avg_sq, &s.momentum_buffer}) {
-      if (t->defined()) bytes += static_cast<int64_t>(t->nbytes());
+    if (s.master.defined()) bytes += static_cast<int64_t>(s.master.nbytes());
+    for (const at::Tensor& t : s.state) {
+      if (t.defined()) bytes += static_cast<int64_t>(t.nbytes());
     }
   }
   return bytes;
@@ -161,58 +233,56 @@ at::Tensor Float16Optimizer::step(LossClosure closure) {
 }
 
 StepResult Float16Optimizer::update() {
+  // Everything is checked before anything changes: the model's parameters (the roles they ask
+  // for), every group's hyper-parameters (a scheduler may have driven lr negative), every
+  // gradient's shape and device.
+  const detail::SyncPlan plan = plan_sync(detail::SyncPurpose::kUse);
+  for (size_t g = 0; g < param_groups().size(); ++g) check_group_options(g);
+
   StepResult result;
   result.loss_scale = scaler_.scale();
   const double inv_scale = scaler_.inv_scale();
-
   // One read-only pass over every gradient: global norm and overflow check.
   std::vector<size_t> active;
   double sum_of_squares = 0.0;
-  const ParamInfo* first_non_finite = nullptr;
+  const std::string* first_non_finite = nullptr;
   for (size_t k = 0; k < slots_.size(); ++k) {
-    if (info_[k].role == ParamRole::kFrozen) continue;
-    const at::Tensor& grad = slots_[k]->param.grad();
+    if (plan.slots[k].role == ParamRole::kFrozen) continue;
+    const at::Tensor& param = slots_[k]->param;
+    const at::Tensor& grad = param.grad();
     if (!grad.defined()) continue;
-    TORCH_CHECK(!grad.is_sparse() && grad.sizes() == slots_[k]->param.sizes(),
+    TORCH_CHECK(!grad.is_sparse() && grad.sizes() == param.sizes(),
                 "[mixprec::Float16Optimizer::update] gradient of '", info_[k].fqn,
-                "' must be dense with the parameter's shape ", slots_[k]->param.sizes(), ", got ",
+                "' must be dense with the parameter's shape ", param.sizes(), ", got ",
                 grad.sizes());
-    TORCH_CHECK(grad.device() == slots_[k]->param.device(),
+    TORCH_CHECK(grad.device() == param.device(),
                 "[mixprec::Float16Optimizer::update] gradient of '", info_[k].fqn, "' is on ",
-                grad.device(), ", the parameter on ", slots_[k]->param.device());
+                grad.device(), ", the parameter on ", param.device());
     const GradStats stats = grad_stats(grad.contiguous(), inv_scale);
     sum_of_squares += stats.sum_of_squares;
-    if (!stats.all_finite && !first_non_finite) first_non_finite = &info_[k];
+    if (!stats.all_finite && !first_non_finite) first_non_finite = &info_[k].fqn;
     active.push_back(k);
   }
-  result.grad_norm = std::sqrt(sum_of_squares);
+  TORCH_CHECK(!first_non_finite || scaler_.is_dynamic() ||
+                  options_.non_finite_grads() != NonFiniteGrads::kError,
+              "[mixprec::Float16Optimizer::update] non-finite gradient in parameter '",
+              first_non_finite ? *first_non_finite : "",
+              "' (no dynamic loss scaler); the step was not taken");
 
+  apply_sync(plan);
+  result.grad_norm = std::sqrt(sum_of_squares);
   if (first_non_finite) {
-    TORCH_CHECK(scaler_.is_dynamic() || options_.non_finite_grads() != NonFiniteGrads::kError,
-                "[mixprec::Float16Optimizer::update] non-finite gradient in parameter '",
-                first_non_finite->fqn, "' (no dynamic loss scaler); the step was not taken");
     result.grad_norm = std::numeric_limits<double>::infinity();
     scaler_.update(/*found_inf=*/true);
     last_result_ = result;
     return result;
   }
-
-  // Hyper-parameters are checked for every group before any parameter is stepped, so a bad
-  // value (e.g. a scheduler that drove lr negative) fails the whole step, not half of it.
-  for (size_t k : active) {
-    const auto& options = param_groups()[info_[k].group].options();
-    if (algorithm_ == Algorithm::kSgd) {
-      check_hyper_params(detail::sgd_hyper_params(options));
-    } else {
-      check_hyper_params(detail::adam_hyper_params(options, algorithm_));
-    }
-  }
-
   double multiplier = inv_scale;
   if (options_.clip_grad() > 0 && result.grad_norm > options_.clip_grad()) {
     multiplier *= options_.clip_grad() / (result.grad_norm + 1e-6);
   }
   for (size_t k : active) step_slot(k, multiplier);
+  record_params();  // the write-back is ours: not an outside change
   scaler_.update(/*found_inf=*/false);
   result.success = true;
   result.params_stepped = static_cast<int64_t>(active.size());
@@ -222,36 +292,11 @@ StepResult Float16Optimizer::update() {
 
 void Float16Optimizer::step_slot(size_t index, double grad_multiplier) {
   Slot& slot = *slots_[index];
-  const auto& options = param_groups()[info_[index].group].options();
   const at::Tensor target = slot.fp32_target();
   const at::Tensor grad = slot.param.grad().contiguous();
   const at::Tensor model_param = slot.master.defined() ? slot.param.detach() : at::Tensor();
-  const auto fp32 = target.options().dtype(at::kFloat);
-
-  // State is committed only after the kernel has run: a throwing kernel leaves none behind.
-  if (algorithm_ == Algorithm::kSgd) {
-    const SgdHyperParams hp = detail::sgd_hyper_params(options);
-    const bool first = !slot.momentum_buffer.defined();
-    at::Tensor buffer = slot.momentum_buffer;
-    if (hp.momentum != 0 && first) buffer = at::empty_like(target, fp32);
-    fused_sgd_step(target, grad, hp.momentum != 0 ? buffer : at::Tensor(), model_param, first, hp,
-                   grad_multiplier);
-    slot.momentum_buffer = hp.momentum != 0 ? buffer : slot.momentum_buffer;
-    ++slot.step;
-    return;
-  }
-  const AdamHyperParams hp = detail::adam_hyper_params(options, algorithm_);
-  at::Tensor exp_avg = slot.exp_avg, exp_avg_sq = slot.exp_avg_sq, max_sq = slot.max_exp_avg_sq;
-  if (!exp_avg.defined()) {
-    exp_avg = at::zeros_like(target, fp32);
-    exp_avg_sq = at::zeros_like(target, fp32);
-  }
-  if (hp.amsgrad && !max_sq.defined()) max_sq = at::zeros_like(target, fp32);
-  fused_adam_step(target, grad, exp_avg, exp_avg_sq, hp.amsgrad ? max_sq : at::Tensor(),
-                  model_param, slot.step + 1, hp, grad_multiplier);
-  slot.exp_avg = exp_avg;
-  slot.exp_avg_sq = exp_avg_sq;
-  slot.max_exp_avg_sq = max_sq;
+  traits_->step(param_groups()[info_[index].group].options(),
+                {target, grad, model_param, slot.step, grad_multiplier}, slot.state);
   ++slot.step;
 }
 

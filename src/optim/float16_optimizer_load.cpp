@@ -1,15 +1,82 @@
-// Applying a loaded state: both state-dict forms parse into one per-parameter picture
-// (Float16Optimizer::Loaded), which is checked completely here before anything is written —
-// so a failed load leaves the optimizer and the model exactly as they were.
+// Loading a state in two typed steps. Both state-dict forms parse into one per-parameter
+// picture (Float16Optimizer::Parsed); check_parsed() checks it completely against the roles
+// the model asks for and turns it into a CheckedOptimizerState, which apply() installs
+// without any further check of its content — so a failed load leaves the optimizer and the
+// model exactly as they were.
 #include "mixprec/optim/float16_optimizer.h"
 
 #include "detail/name_match.h"
+#include "mixprec/checkpoint/format/state_keys.h"
 #include "optim/optimizer_slot.h"
 
 #include <ATen/ATen.h>
 #include <c10/util/Exception.h>
 
+#include <cmath>
+
 namespace mixprec::optim {
+
+namespace keys = mixprec::checkpoint::keys;
+
+CheckedOptimizerState::CheckedOptimizerState(std::unique_ptr<Plan> plan) : plan_(std::move(plan)) {}
+CheckedOptimizerState::CheckedOptimizerState(CheckedOptimizerState&&) noexcept = default;
+CheckedOptimizerState& CheckedOptimizerState::operator=(CheckedOptimizerState&&) noexcept = default;
+CheckedOptimizerState::~CheckedOptimizerState() = default;
+
+const LoadReport& CheckedOptimizerState::report() const {
+  TORCH_CHECK(plan_, "[mixprec::CheckedOptimizerState] the state was already applied");
+  return plan_->report;
+}
+
+namespace detail {
+
+void check_saved_groups(
+    const nlohmann::json& groups, const std::vector<torch::optim::OptimizerParamGroup>& current,
+    const std::function<std::string(size_t, const nlohmann::json&)>& entry_problem,
+    std::vector<std::string>& problems) {
+  if (!groups.is_array() || groups.size() != current.size()) {
+    problems.push_back("the state has " + std::to_string(groups.is_array() ? groups.size() : 0) +
+                       " param groups, the optimizer has " + std::to_string(current.size()));
+    return;
+  }
+  size_t flat = 0;  // the optimizer's flat parameter index (torch's id) of the group's first
+  for (size_t g = 0; g < groups.size(); ++g) {
+    const std::string params(keys::kParams);
+    const auto& listed =
+        groups[g].is_object() && groups[g].contains(params) ? groups[g][params] : nlohmann::json();
+    const size_t want = current[g].params().size();
+    if (!listed.is_array() || listed.size() != want) {
+      problems.push_back("param group " + std::to_string(g) + " has " +
+                         std::to_string(listed.is_array() ? listed.size() : 0) +
+                         " params in the state, " + std::to_string(want) + " in the optimizer");
+    } else {
+      for (size_t i = 0; i < want; ++i) {
+        std::string problem = entry_problem(flat + i, listed[i]);
+        if (!problem.empty()) {
+          problems.push_back("param group " + std::to_string(g) + " position " + std::to_string(i) +
+                             ": " + problem);
+        }
+      }
+    }
+    flat += want;
+  }
+}
+
+std::string step_problem(const nlohmann::json& value) {
+  const bool ok = value.is_number_unsigned()
+                      ? value.get<uint64_t>() <= static_cast<uint64_t>(INT64_MAX)
+                      : value.is_number_integer() && value.get<int64_t>() >= 0;
+  return ok ? "" : value.dump() + " is not a non-negative integer within int64";
+}
+
+std::string step_problem(double value) {
+  // 2^63 is the first double beyond int64; NaN fails every comparison.
+  const bool ok = value >= 0 && value < 9223372036854775808.0 && value == std::floor(value);
+  return ok ? "" : c10::str(value, " is not a non-negative integer within int64");
+}
+
+}  // namespace detail
+
 namespace {
 
 // Checks one saved tensor against the parameter it belongs to.
@@ -32,128 +99,160 @@ void check_tensor(const at::Tensor& t, const at::Tensor& param, const std::strin
 }
 
 }  // namespace
-LoadReport Float16Optimizer::apply_loaded(Loaded&& saved, const LoadOptions& options) {
+
+CheckedOptimizerState Float16Optimizer::check_parsed(Parsed&& saved,
+                                                     const LoadOptions& options) const {
+  auto plan = std::make_unique<CheckedOptimizerState::Plan>();
+  plan->owner = this;
   auto& problems = saved.problems;
-  const bool adam = algorithm_ != Algorithm::kSgd;
+  auto& report = saved.report;
+  const auto kinds = traits_->state_kinds();
+
+  // Hyper-parameters: read into a copy of each group's options, checked as the step checks.
+  if (saved.groups.is_array() && saved.groups.size() == param_groups().size()) {
+    for (size_t g = 0; g < param_groups().size(); ++g) {
+      const std::string where = "param group " + std::to_string(g) + ": ";
+      auto group =
+          traits_->from_json(param_groups()[g].options(), saved.groups[g], where, problems);
+      if (group) {
+        const std::string bad = traits_->range_problem(*group);
+        if (!bad.empty()) problems.push_back(where + bad);
+      }
+      plan->groups.push_back(std::move(group));
+    }
+  }
+
   for (size_t k = 0; k < slots_.size(); ++k) {
     const ParamInfo& info = info_[k];
+    const ParamRole role = saved.sync.slots[k].role;
     auto& p = saved.params[k];
     const at::Tensor& param = slots_[k]->param;
+    auto& out = plan->params.emplace_back();
+    out.state.resize(kinds.size());
     for (const auto& [kind, t] : p.moments) {
       check_tensor(t, param, "'" + info.fqn + "' " + kind, /*must_be_fp32=*/false, problems);
     }
     if (p.fp32.defined()) {
       check_tensor(p.fp32, param, p.fp32_source, /*must_be_fp32=*/true, problems);
     }
-    if (info.role == ParamRole::kFrozen) continue;
-    // The moments this parameter's state needs, by the hyper-parameters being loaded (they
-    // replace the current ones): Adam's two (three with amsgrad), SGD's buffer if momentum.
-    const nlohmann::json* group = saved.groups.is_array() && info.group < saved.groups.size()
-                                      ? &saved.groups[info.group]
-                                      : nullptr;
-    std::vector<std::string> need;
-    if (adam) {
-      need = {"exp_avg", "exp_avg_sq"};
-      const bool amsgrad = group ? group->value("amsgrad", false)
-                                 : detail::adam_hyper_params(
-                                       param_groups()[info.group].options(), algorithm_).amsgrad;
-      if (amsgrad) need.push_back("max_exp_avg_sq");
-    } else {
-      const double momentum = group ? group->value("momentum", 0.0)
-                                    : detail::sgd_hyper_params(
-                                          param_groups()[info.group].options()).momentum;
-      if (momentum != 0) need.push_back("momentum_buffer");
+    if (role == ParamRole::kFrozen) continue;
+    out.fp32 = p.fp32;
+    if (role == ParamRole::kMaster && !p.fp32.defined()) {
+      report.notes.push_back("'" + info.fqn + "': main copy re-derived from the " +
+                             c10::toString(param.scalar_type()) + " model parameter");
+    } else if (role == ParamRole::kNativeFp32 && p.fp32.defined()) {
+      report.notes.push_back("'" + info.fqn + "' is now native FP32: took its value from " +
+                             p.fp32_source);
     }
-    p.needs_moments = !need.empty();
+    // The state this parameter holds under the hyper-parameters being loaded (they replace
+    // the current ones), e.g. max_exp_avg_sq only with amsgrad.
+    const bool loaded_group = info.group < plan->groups.size() && plan->groups[info.group];
+    const std::vector<bool> held = traits_->held_state(
+        loaded_group ? *plan->groups[info.group] : param_groups()[info.group].options());
     const bool has_state = !p.moments.empty() || (p.step > 0 && !p.fresh_ok);
     if (!has_state) continue;
     std::vector<std::string> missing;
-    for (const auto& kind : need) {
-      if (!p.moments.count(kind)) missing.push_back(kind);
+    for (size_t i = 0; i < kinds.size(); ++i) {
+      if (held[i] && !p.moments.count(std::string(kinds[i]))) missing.emplace_back(kinds[i]);
     }
     for (const auto& kind : missing) {
-      saved.report.missing_keys.push_back(std::string(detail::kStatePrefix) + kind + "." + info.fqn);
+      report.missing_keys.push_back(keys::optimizer_state_key(kind, info.fqn));
     }
     if (!missing.empty()) {
       // Non-strict: a partial state is no state; the parameter starts fresh.
-      p.moments.clear();
-      p.step = 0;
-      saved.report.notes.push_back("'" + info.fqn + "': incomplete optimizer state, starts fresh");
+      report.notes.push_back("'" + info.fqn + "': incomplete optimizer state, starts fresh");
       continue;
     }
     if (p.step <= 0) {
       problems.push_back("'" + info.fqn + "' has optimizer state but step " +
                          std::to_string(p.step));
+      continue;
+    }
+    out.install = true;
+    out.step = p.step;
+    for (size_t i = 0; i < kinds.size(); ++i) {
+      auto it = p.moments.find(std::string(kinds[i]));
+      if (it != p.moments.end()) out.state[i] = it->second;
     }
   }
-  if (!saved.scaler.is_object()) problems.push_back("no loss scaler state");
-  LossScaler scaler_copy = scaler_;
-  const bool scaler_mode_differs = saved.scaler.is_object() && saved.scaler.contains("dynamic") &&
-                                   saved.scaler["dynamic"] != scaler_.is_dynamic();
-  if (scaler_mode_differs) {
+
+  if (!saved.scaler.is_object()) {
+    problems.push_back("no loss scaler state");
+  } else if (saved.scaler.contains("dynamic") && saved.scaler["dynamic"] != scaler_.is_dynamic()) {
     // e.g. FP16 with a dynamic scale resumed as BF16: the saved scale means nothing here.
-    saved.report.notes.push_back(std::string("loss scaler: the state is ") +
-                                 (scaler_.is_dynamic() ? "constant" : "dynamic") +
-                                 ", this optimizer's is not; keeping the configured scaler");
-  } else if (saved.scaler.is_object()) {
+    report.notes.push_back(std::string("loss scaler: the state is ") +
+                           (scaler_.is_dynamic() ? "constant" : "dynamic") +
+                           ", this optimizer's is not; keeping the configured scaler");
+  } else {
     try {
-      scaler_copy.load_state(saved.scaler);
+      LossScaler loaded = scaler_;
+      loaded.load_state(saved.scaler);
+      plan->scaler = loaded;
     } catch (const c10::Error& e) {
       problems.push_back(e.what_without_backtrace());
     }
   }
   if (options.strict) {
-    for (const auto& key : saved.report.missing_keys) problems.push_back("missing " + key);
-    for (const auto& key : saved.report.unexpected_keys) problems.push_back("unexpected " + key);
+    for (const auto& key : report.missing_keys) problems.push_back("missing " + key);
+    for (const auto& key : report.unexpected_keys) problems.push_back("unexpected " + key);
   }
   mixprec::detail::check_no_problems(problems, "[mixprec::Float16Optimizer] cannot load the state");
+  plan->sync = std::move(saved.sync);
+  plan->report = std::move(report);
+  return CheckedOptimizerState(std::move(plan));
+}
 
-  if (options.dry_run) return std::move(saved.report);
-  // Everything checked: apply.
+LoadReport Float16Optimizer::apply(CheckedOptimizerState&& checked) {
+  TORCH_CHECK(checked.plan_ && checked.plan_->owner == this,
+              "[mixprec::Float16Optimizer::apply] the state was checked by another optimizer, or "
+              "was applied already");
+  // Only what the check relied on can have moved: the parameters' roles or the groups.
+  TORCH_CHECK(plan_sync(detail::SyncPurpose::kLoad) == checked.plan_->sync,
+              "[mixprec::Float16Optimizer::apply] the model's parameters changed role since the "
+              "state was checked; check it again");
+  const std::unique_ptr<CheckedOptimizerState::Plan> plan = std::move(checked.plan_);
+  apply_sync(plan->sync);
   at::NoGradGuard no_grad;
-  for (size_t g = 0; g < param_groups().size() && saved.groups.is_array(); ++g) {
-    detail::set_group_hyper_params(param_groups()[g].options(), saved.groups[g], algorithm_);
+  for (size_t g = 0; g < plan->groups.size(); ++g) {
+    traits_->assign(param_groups()[g].options(), *plan->groups[g]);
   }
-  scaler_ = scaler_copy;
+  if (plan->scaler) scaler_ = *plan->scaler;
   for (size_t k = 0; k < slots_.size(); ++k) {
     Slot& slot = *slots_[k];
-    auto& p = saved.params[k];
-    const ParamInfo& info = info_[k];
-    if (info.role == ParamRole::kFrozen) continue;
+    const auto& p = plan->params[k];
+    const ParamRole role = info_[k].role;
+    if (role == ParamRole::kFrozen) continue;
     // On the parameter's device: a checkpoint is read to the host.
     auto fp32_copy = [&](const at::Tensor& t) {
-      return t.detach().to(slot.param.device(), at::kFloat, /*non_blocking=*/false, /*copy=*/true)
+      return t.detach()
+          .to(slot.param.device(), at::kFloat, /*non_blocking=*/false, /*copy=*/true)
           .contiguous();
     };
-    slot.exp_avg = slot.exp_avg_sq = slot.max_exp_avg_sq = slot.momentum_buffer = at::Tensor();
-    slot.step = 0;
-    if (!p.moments.empty() || (!p.needs_moments && !p.fresh_ok)) {
-      slot.step = p.step;
-      for (auto& [kind, t] : p.moments) {
-        at::Tensor value = fp32_copy(t);
-        if (kind == "exp_avg") slot.exp_avg = value;
-        if (kind == "exp_avg_sq") slot.exp_avg_sq = value;
-        if (kind == "max_exp_avg_sq") slot.max_exp_avg_sq = value;
-        if (kind == "momentum_buffer") slot.momentum_buffer = value;
-      }
+    slot.state.assign(slot.state.size(), at::Tensor());
+    slot.step = p.install ? p.step : 0;
+    for (size_t i = 0; p.install && i < p.state.size(); ++i) {
+      if (p.state[i].defined()) slot.state[i] = fp32_copy(p.state[i]);
     }
-    if (info.role == ParamRole::kMaster) {
-      if (p.fp32.defined()) {
-        slot.master.copy_(p.fp32);
-      } else {
-        slot.master.copy_(slot.param.detach());
-        saved.report.notes.push_back("'" + info.fqn + "': main copy re-derived from the " +
-                                     c10::toString(slot.param.scalar_type()) + " model parameter");
-      }
+    if (role == ParamRole::kMaster) {
+      slot.master.copy_(p.fp32.defined() ? p.fp32 : slot.param.detach());
     } else if (p.fp32.defined()) {
       // Saved with a main copy, now native FP32: the parameter takes the main copy's value.
       slot.param.detach().copy_(p.fp32);
-      saved.report.notes.push_back("'" + info.fqn + "' is now native FP32: took its value from " +
-                                   p.fp32_source);
     }
   }
   copy_masters_to_model();
-  return std::move(saved.report);
+  record_params();
+  return std::move(plan->report);
+}
+
+LoadReport Float16Optimizer::load_state_dict(const PositionalStateDict& state,
+                                             const LoadOptions& options) {
+  return apply(check_state_dict(state, options));
+}
+
+LoadReport Float16Optimizer::load_sharded_state_dict(const ShardedStateDict& state,
+                                                     const LoadOptions& options) {
+  return apply(check_sharded_state_dict(state, options));
 }
 
 }  // namespace mixprec::optim

@@ -2,7 +2,6 @@
 // torch::serialize archive built on them.
 #include "mixprec/optim/float16_optimizer.h"
 
-#include "detail/name_match.h"
 #include "optim/optimizer_slot.h"
 
 #include <ATen/ATen.h>
@@ -10,17 +9,19 @@
 #include <torch/serialize/input-archive.h>
 #include <torch/serialize/output-archive.h>
 
+#include <algorithm>
+
 namespace mixprec::optim {
 
 using detail::copy_of;
-using detail::kAdamKeys;
-using detail::kSgdKeys;
 
 PositionalStateDict Float16Optimizer::state_dict() const {
+  sync_with_model();
   PositionalStateDict out;
+  const auto kinds = traits_->state_kinds();
   int64_t id = 0;
   for (size_t g = 0; g < param_groups().size(); ++g) {
-    nlohmann::json group = detail::group_hyper_params_json(param_groups()[g].options(), algorithm_);
+    nlohmann::json group = traits_->to_json(param_groups()[g].options());
     group["params"] = nlohmann::json::array();
     for (size_t i = 0; i < param_groups()[g].params().size(); ++i, ++id) {
       group["params"].push_back(id);
@@ -30,10 +31,8 @@ PositionalStateDict Float16Optimizer::state_dict() const {
       auto& entry = out.state[id];
       // torch stores the step as a float32 scalar; a double is exact up to 2^53 steps.
       entry["step"] = at::scalar_tensor(static_cast<double>(s.step), at::kDouble);
-      for (const auto& [key, t] : std::map<std::string, const at::Tensor*>{
-               {"exp_avg", &s.exp_avg}, {"exp_avg_sq", &s.exp_avg_sq},
-               {"max_exp_avg_sq", &s.max_exp_avg_sq}, {"momentum_buffer", &s.momentum_buffer}}) {
-        if (t->defined()) entry[key] = copy_of(*t);
+      for (size_t j = 0; j < kinds.size(); ++j) {
+        if (s.state[j].defined()) entry[std::string(kinds[j])] = copy_of(s.state[j]);
       }
     }
     out.param_groups.push_back(std::move(group));
@@ -42,74 +41,86 @@ PositionalStateDict Float16Optimizer::state_dict() const {
   return out;
 }
 
-LoadReport Float16Optimizer::load_state_dict(const PositionalStateDict& state,
-                                             const LoadOptions& options) {
-  Loaded saved;
+CheckedOptimizerState Float16Optimizer::check_state_dict(const PositionalStateDict& state,
+                                                         const LoadOptions& options) const {
+  Parsed saved;
+  saved.sync = plan_sync(detail::SyncPurpose::kLoad);
   saved.params.resize(slots_.size());
   auto& problems = saved.problems;
-  auto name = [&](int64_t id) { return "id " + std::to_string(id) + " ('" + info_[id].fqn + "')"; };
+  auto& report = saved.report;
+  const int64_t count = static_cast<int64_t>(slots_.size());
+  auto role = [&](int64_t id) { return saved.sync.slots[id].role; };
+  auto entry_name = [](int64_t id) { return "state[" + std::to_string(id) + "]"; };
 
   // Groups must match one to one, in order and size: ids are positions.
-  const auto& groups = state.param_groups;
   detail::check_saved_groups(
-      groups, param_groups(), algorithm_,
-      [](size_t, size_t, size_t id, const nlohmann::json& entry) -> std::string {
-        if (entry.is_number_integer() && entry.get<int64_t>() == static_cast<int64_t>(id)) return {};
+      state.param_groups, param_groups(),
+      [](size_t id, const nlohmann::json& entry) -> std::string {
+        if (entry.is_number_integer() && entry.get<int64_t>() == static_cast<int64_t>(id))
+          return {};
         return "id " + entry.dump() + ", expected " + std::to_string(id);
       },
       problems);
-  if (groups.is_array() && groups.size() == param_groups().size()) saved.groups = groups;
+  if (state.param_groups.is_array() && state.param_groups.size() == param_groups().size()) {
+    saved.groups = state.param_groups;
+  }
   saved.scaler = state.scaler;
 
-  const auto& keys = algorithm_ == Algorithm::kSgd ? kSgdKeys : kAdamKeys;
+  const auto kinds = traits_->state_kinds();
   for (const auto& [id, entry] : state.state) {
-    if (id < 0 || id >= static_cast<int64_t>(slots_.size())) {
-      saved.report.unexpected_keys.push_back("state[" + std::to_string(id) + "]");
+    if (id < 0 || id >= count) {
+      report.unexpected_keys.push_back(entry_name(id));
       continue;
     }
-    if (info_[id].role == ParamRole::kFrozen) {
-      saved.report.unexpected_keys.push_back("state[" + std::to_string(id) + "] (" +
-                                             info_[id].fqn + " is frozen)");
+    if (role(id) == ParamRole::kFrozen) {
+      report.unexpected_keys.push_back(entry_name(id) + " (" + info_[id].fqn + " is frozen)");
       continue;
     }
     auto& p = saved.params[id];
     for (const auto& [key, t] : entry) {
       if (key == "step") {
-        if (!t.defined() || t.numel() != 1) {
-          problems.push_back("state[" + std::to_string(id) + "].step is not a scalar");
+        std::string bad;
+        if (!t.defined() || t.numel() != 1 || t.scalar_type() == at::kBool) {
+          bad = "is not a numeric scalar";
+        } else if (at::isIntegralType(t.scalar_type(), /*includeBool=*/false)) {
+          const int64_t v = t.item<int64_t>();
+          bad = v < 0 ? std::to_string(v) + " is negative" : "";
+          if (bad.empty()) p.step = v;
         } else {
-          p.step = static_cast<int64_t>(t.item<double>());
+          const double v = t.item<double>();
+          bad = detail::step_problem(v);
+          if (bad.empty()) p.step = static_cast<int64_t>(v);
         }
-      } else if (std::find(keys.begin(), keys.end(), key) != keys.end()) {
+        if (!bad.empty()) problems.push_back(entry_name(id) + ".step " + bad);
+      } else if (std::find(kinds.begin(), kinds.end(), key) != kinds.end()) {
         p.moments[key] = t;
       } else {
-        saved.report.unexpected_keys.push_back("state[" + std::to_string(id) + "]." + key);
+        report.unexpected_keys.push_back(entry_name(id) + "." + key);
       }
     }
   }
   for (const auto& [id, t] : state.fp32_params) {
-    if (id < 0 || id >= static_cast<int64_t>(slots_.size()) ||
-        info_[id].role == ParamRole::kFrozen) {
-      saved.report.unexpected_keys.push_back("fp32_params[" + std::to_string(id) + "]");
+    if (id < 0 || id >= count || role(id) == ParamRole::kFrozen) {
+      report.unexpected_keys.push_back("fp32_params[" + std::to_string(id) + "]");
       continue;
     }
     saved.params[id].fp32 = t;
     saved.params[id].fp32_source = "fp32_params[" + std::to_string(id) + "]";
   }
   // Trainable params that the state never stepped may start fresh.
-  for (size_t id = 0; id < slots_.size(); ++id) {
+  for (int64_t id = 0; id < count; ++id) {
     auto& p = saved.params[id];
-    p.fresh_ok = !state.state.count(static_cast<int64_t>(id));
-    if (info_[id].role == ParamRole::kMaster && !p.fp32.defined()) {
-      saved.report.missing_keys.push_back("fp32_params[" + std::to_string(id) + "] for " +
-                                          name(static_cast<int64_t>(id)));
+    p.fresh_ok = !state.state.count(id);
+    if (role(id) == ParamRole::kMaster && !p.fp32.defined()) {
+      report.missing_keys.push_back("fp32_params[" + std::to_string(id) + "] for id " +
+                                    std::to_string(id) + " ('" + info_[id].fqn + "')");
     }
   }
-  return apply_loaded(std::move(saved), options);
+  return check_parsed(std::move(saved), options);
 }
 
 void Float16Optimizer::save(torch::serialize::OutputArchive& archive) const {
-  const PositionalStateDict sd = state_dict();
+  const PositionalStateDict sd = state_dict();  // follows the model first
   for (const auto& [id, entry] : sd.state) {
     for (const auto& [key, t] : entry) {
       archive.write("state/" + std::to_string(id) + "/" + key, t);
@@ -137,8 +148,11 @@ void Float16Optimizer::load(torch::serialize::InputArchive& archive) {
               "(was it written by another optimizer?)");
   TORCH_CHECK(archive.try_read("scaler", scaler) && scaler.isString(),
               "[mixprec::Float16Optimizer::load] the archive has no loss scaler state");
-  sd.param_groups = nlohmann::json::parse(groups.toStringRef());
-  sd.scaler = nlohmann::json::parse(scaler.toStringRef());
+  sd.param_groups =
+      nlohmann::json::parse(groups.toStringRef(), nullptr, /*allow_exceptions=*/false);
+  sd.scaler = nlohmann::json::parse(scaler.toStringRef(), nullptr, /*allow_exceptions=*/false);
+  TORCH_CHECK(!sd.param_groups.is_discarded() && !sd.scaler.is_discarded(),
+              "[mixprec::Float16Optimizer::load] the archive's param_groups or scaler is not JSON");
   for (const std::string& key : archive.keys()) {
     if (key.rfind("state/", 0) == 0) {
       const auto slash = key.find('/', 6);

@@ -1,81 +1,118 @@
-// Private: what Float16Optimizer keeps per parameter.
+// Private: what Float16Optimizer keeps per parameter, and the values its checks hand on.
 #pragma once
 
 #include "mixprec/optim/float16_optimizer.h"
+#include "optim/algorithm_traits.h"
 
-#include <torch/optim/adam.h>
-#include <torch/optim/adamw.h>
-#include <torch/optim/sgd.h>
+#include <c10/core/Device.h>
 
 #include <functional>
+#include <map>
+#include <optional>
+#include <string>
+#include <vector>
 
 namespace mixprec::optim {
 
 struct Float16Optimizer::Slot {
-  at::Tensor param;   // the model's parameter (same TensorImpl)
-  at::Tensor master;  // FP32 main copy (kMaster only)
-  int64_t step = 0;   // updates applied so far (torch's per-parameter "step")
-  at::Tensor exp_avg, exp_avg_sq, max_exp_avg_sq, momentum_buffer;
+  at::Tensor param;               // the model's parameter (same TensorImpl)
+  at::Tensor master;              // FP32 main copy (kMaster only)
+  int64_t step = 0;               // updates applied so far (torch's per-parameter "step")
+  std::vector<at::Tensor> state;  // parallel to the traits' state_kinds(); undefined if not held
+
+  // The parameter as the optimizer last wrote or adopted it: what tells an outside change.
+  struct Seen {
+    c10::ScalarType dtype = at::kFloat;
+    std::vector<int64_t> sizes;
+    c10::Device device = c10::kCPU;
+    int64_t version = 0;         // the version counter (bumped by in-place writes)
+    const void* data = nullptr;  // set_data swaps the storage without a bump
+  } seen;
+  void record();
+  // True if something other than the optimizer may have written the parameter since record().
+  bool maybe_written() const;
 
   bool has_state() const { return step > 0; }
   // The FP32 tensor the inner algorithm updates: the main copy or the parameter itself.
   at::Tensor fp32_target() const { return master.defined() ? master : param.detach(); }
 };
 
-// A state dict parsed against the optimizer's current parameters, before anything is applied.
-struct Float16Optimizer::Loaded {
+namespace detail {
+
+enum class SyncPurpose {
+  kUse,   // a step or a state dict: outside writes re-seed masters or throw, by the option
+  kLoad,  // a load replaces masters: outside writes are no change; role changes always follow
+};
+
+// What plan_sync found the model asks for, per slot (see float16_optimizer.h).
+struct SyncPlan {
+  struct Change {
+    ParamRole role;                  // the role from now on
+    bool master_from_param = false;  // (re)seed the main copy from the parameter's value
+    bool param_from_master = false;  // rewrite the parameter from the main copy (before a drop)
+  };
+  std::vector<Change> slots;  // parallel to slots_
+  bool operator==(const SyncPlan& other) const;
+};
+
+}  // namespace detail
+
+// A state dict parsed against the optimizer's parameters (either form), before any check of
+// tensors against parameters.
+struct Float16Optimizer::Parsed {
   struct Param {
     int64_t step = 0;
-    std::map<std::string, at::Tensor> moments;  // exp_avg, exp_avg_sq, max_exp_avg_sq, ...
+    std::map<std::string, at::Tensor> moments;  // by state kind, the algorithm's kinds only
     at::Tensor fp32;          // FP32 value for the parameter: a saved main copy, or the model's
     std::string fp32_source;  // FP32 tensor across a plan change; and the key it came from
     bool fresh_ok = false;    // saved without state (frozen or never stepped): may start fresh
-    bool needs_moments = true;  // set while checking: SGD without momentum keeps only a step
   };
-  std::vector<Param> params;  // parallel to the optimizer's slots
-  nlohmann::json groups;      // per group: hyper-parameters
+  detail::SyncPlan sync;      // the roles the model asks for: the state is checked against them
+  std::vector<Param> params;  // parallel to slots_
+  nlohmann::json groups;      // the saved param groups, if their number matched
   nlohmann::json scaler;
   LoadReport report;
   std::vector<std::string> problems;  // errors in either mode
 };
 
+// Everything apply() installs, checked.
+struct CheckedOptimizerState::Plan {
+  const Float16Optimizer* owner = nullptr;
+  detail::SyncPlan sync;
+  struct Param {
+    bool install = false;  // replace step and state (else the parameter starts fresh)
+    int64_t step = 0;
+    std::vector<at::Tensor> state;  // parallel to state_kinds()
+    at::Tensor fp32;                // value for the main copy / native FP32 parameter, or none
+    std::string fp32_source;
+  };
+  std::vector<Param> params;
+  // Checked hyper-parameters per group; empty when the state had none to give.
+  std::vector<std::unique_ptr<torch::optim::OptimizerOptions>> groups;
+  std::optional<LossScaler> scaler;  // none: keep the configured one
+  LoadReport report;
+};
+
 namespace detail {
-
-// Hyper-parameters of one group, read from torch's option types.
-AdamHyperParams adam_hyper_params(const torch::optim::OptimizerOptions& options, Algorithm algo);
-SgdHyperParams sgd_hyper_params(const torch::optim::OptimizerOptions& options);
-
-// {hyper-parameter: value} as torch's param_groups spell them (no "params").
-nlohmann::json group_hyper_params_json(const torch::optim::OptimizerOptions& options,
-                                       Algorithm algo);
-// Checks `json` has every hyper-parameter of `algo` with the right type; returns problems.
-std::vector<std::string> check_group_hyper_params(const nlohmann::json& json, Algorithm algo,
-                                                  size_t group);
-// Checks a saved "param_groups" array against the optimizer's groups: the same number of
-// groups, each with a "params" list as long as the optimizer's and valid hyper-parameters.
-// `entry_problem(group, position, flat_index, entry)` judges each listed parameter (an id or
-// a name) and returns "" when it matches. Appends every problem found to `problems`.
-void check_saved_groups(
-    const nlohmann::json& groups, const std::vector<torch::optim::OptimizerParamGroup>& current,
-    Algorithm algo,
-    const std::function<std::string(size_t group, size_t position, size_t flat_index,
-                                    const nlohmann::json& entry)>& entry_problem,
-    std::vector<std::string>& problems);
-
-// Writes checked hyper-parameters into the group's options.
-void set_group_hyper_params(torch::optim::OptimizerOptions& options, const nlohmann::json& json,
-                            Algorithm algo);
-
-const char* algorithm_name(Algorithm algo);
-
-// Prefix of every optimizer tensor key in a sharded state dict.
-inline constexpr const char* kStatePrefix = "optimizer.state.";
-// Per-parameter state tensors of each algorithm, by torch's names.
-inline const std::vector<std::string> kAdamKeys = {"exp_avg", "exp_avg_sq", "max_exp_avg_sq"};
-inline const std::vector<std::string> kSgdKeys = {"momentum_buffer"};
 
 // State dicts alias the optimizer's tensors, as torch's do: no copy of the whole state.
 inline at::Tensor copy_of(const at::Tensor& t) { return t.detach(); }
+
+// The role a trainable parameter of this dtype takes; none for dtypes that cannot be optimized.
+std::optional<ParamRole> trainable_role(const at::Tensor& param);
+
+// Checks a saved "param_groups" array against the optimizer's groups: the same number of
+// groups, each with a "params" list as long as the optimizer's. `entry_problem(position,
+// flat_index, entry)` judges each listed parameter (an id or a name) and returns "" when it
+// matches. Appends every problem found to `problems`. Hyper-parameters are read by the traits.
+void check_saved_groups(
+    const nlohmann::json& groups, const std::vector<torch::optim::OptimizerParamGroup>& current,
+    const std::function<std::string(size_t flat_index, const nlohmann::json& entry)>& entry_problem,
+    std::vector<std::string>& problems);
+
+// A saved step count: a non-negative integer within int64. "" if fine, else the problem.
+std::string step_problem(const nlohmann::json& value);
+std::string step_problem(double value);
 
 }  // namespace detail
 }  // namespace mixprec::optim

@@ -149,9 +149,9 @@ TEST_P(PythonClient, PyTorchAdamWContinuesFromOurCheckpoint) {
     }
     const at::Tensor python_param = read_tensor(theirs, info.fqn);
     if (info.role == ParamRole::kMaster) {
-      expect_close(optimizer->main_param(info.id), python_param, info.fqn + " (master)");
+      expect_close(optimizer->main_param(info.fqn), python_param, info.fqn + " (master)");
       // The model parameter is exactly the master rounded to nearest even.
-      EXPECT_TRUE(at::equal(param, optimizer->main_param(info.id).to(at::kBFloat16))) << info.fqn;
+      EXPECT_TRUE(at::equal(param, optimizer->main_param(info.fqn).to(at::kBFloat16))) << info.fqn;
       // And so the rounding of Python's master (no master of these inputs sits on a BF16
       // rounding boundary, where a last-ulp difference could flip it).
       EXPECT_TRUE(at::equal(param, python_param.to(at::kBFloat16))) << info.fqn;

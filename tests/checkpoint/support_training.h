@@ -50,9 +50,9 @@ struct TrainingSetup {
     mixed.clip_grad(1.0);
     if (half == at::kHalf) {
       auto scaler = optim::LossScalerOptions::fp16_dynamic();
-      scaler.initial_scale = 1e30;  // overflows first: skipped steps and backoff get exercised
-      scaler.max_scale = 1e30;
-      scaler.growth_interval = 3;
+      scaler.initial_scale(1e30);  // overflows first: skipped steps and backoff get exercised
+      scaler.max_scale(1e30);
+      scaler.growth_interval(3);
       mixed.loss_scaler(scaler);
     }
     optimizer = std::make_unique<optim::Float16Optimizer>(

@@ -5,8 +5,10 @@
 #include "checkpoint/support_training.h"
 #include "mixprec/checkpoint/async_save.h"
 #include "mixprec/checkpoint/format/error.h"
+#include "mixprec/checkpoint/format/state_keys.h"
 
 #include "checkpoint/format/format_test_util.h"
+#include "support/error_message.h"
 
 #include <gtest/gtest.h>
 
@@ -83,14 +85,89 @@ TEST(TrainingState, InProcessRoundTrip) {
   TempRoot root;
   TrainingSetup a(at::kBFloat16);
   for (int i = 0; i < 3; ++i) a.step();
-  const SaveResult saved = save_training_state(root.path, "s3", *a.model, *a.optimizer, {{"epoch", 1}});
+  const SaveResult saved =
+      save_training_state(root.path, "s3", *a.model, *a.optimizer, {{"epoch", 1}});
   EXPECT_EQ(saved.files, 1u);
   TrainingSetup b(at::kBFloat16);
   const ResumeResult resumed = load_training_state(root.path, *b.model, *b.optimizer);
   EXPECT_EQ(resumed.dir, root.path / "s3");
   EXPECT_EQ(resumed.user["epoch"], 1);
   EXPECT_TRUE(resumed.optimizer.clean());
+  if (!at::hasCUDA()) EXPECT_TRUE(resumed.rng.notes.empty()) << resumed.rng.to_string();
   expect_unchanged(b, snapshot(a));
+}
+
+// A GPU run's checkpoint (with "rng.cuda.0") resumes on a machine without CUDA: the CUDA state
+// is ignored with a note, everything else loads.
+TEST(TrainingState, CudaRngStateIsIgnoredWithANoteWithoutCuda) {
+  if (at::hasCUDA()) GTEST_SKIP() << "this process has CUDA";
+  TempRoot root;
+  TrainingSetup a(at::kBFloat16);
+  a.step();
+  ShardedStateDict state = training_state_dict(*a.model, *a.optimizer);
+  EXPECT_FALSE(state.contains("rng.cuda.0")) << "no CUDA here: no CUDA state saved";
+  state.tensors.emplace("rng.cuda.0", ShardedTensor::whole(at::zeros({16}, at::kByte)));
+  save_checkpoint(root.path, "gpu-run", state);
+  TrainingSetup b(at::kBFloat16);
+  const ResumeResult resumed = load_training_state(root.path, *b.model, *b.optimizer);
+  ASSERT_EQ(resumed.rng.notes.size(), 1u);
+  EXPECT_EQ(resumed.rng.notes[0], "rng.cuda.0: ignored, CUDA is not available here");
+  expect_unchanged(b, snapshot(a));
+}
+
+TEST(TrainingState, BadRngStateNamesTheKeyAndTheCheckpointAndChangesNothing) {
+  for (const auto& [key, value] : std::vector<std::pair<std::string, at::Tensor>>{
+           {"rng.cpu", at::zeros({7}, at::kByte)}, {"rng.cuda.x", at::zeros({16}, at::kByte)}}) {
+    SCOPED_TRACE(key);
+    TempRoot root;
+    TrainingSetup a(at::kBFloat16);
+    a.step();
+    ShardedStateDict state = training_state_dict(*a.model, *a.optimizer);
+    state.tensors[key] = ShardedTensor::whole(value);
+    const SaveResult saved = save_checkpoint(root.path, "bad-rng", state);
+    TrainingSetup b(at::kBFloat16);
+    b.step();
+    const ShardedStateDict before = snapshot(b);
+    const at::Tensor rng_before = at::detail::getDefaultCPUGenerator().get_state();
+    const std::string msg =
+        mixprec::testing::error_of([&] { load_training_state(root.path, *b.model, *b.optimizer); });
+    EXPECT_NE(msg.find("'" + key + "'"), std::string::npos) << msg;
+    EXPECT_NE(msg.find(saved.dir.string()), std::string::npos) << msg;
+    expect_unchanged(b, before);
+    EXPECT_TRUE(at::equal(at::detail::getDefaultCPUGenerator().get_state(), rng_before));
+  }
+}
+
+// training_state splits the keys; the model layer knows nothing of optimizer or RNG names.
+TEST(TrainingState, SplitGivesEachLayerItsOwnKeysAndAModelOnlyLoadSurvivesTheNextStep) {
+  TempRoot root;
+  TrainingSetup a(at::kBFloat16);
+  for (int i = 0; i < 2; ++i) a.step();
+  const SaveResult saved = save_training_state(root.path, "s", *a.model, *a.optimizer, {{"k", 1}});
+  const ShardedStateDict full = read_checkpoint(saved.dir);
+  const TrainingStateParts parts = split_training_state(full);
+  for (const auto& [key, t] : parts.model.tensors) {
+    EXPECT_FALSE(keys::is_optimizer_key(key) || keys::is_rng_key(key)) << key;
+  }
+  for (const auto& [key, t] : parts.optimizer.tensors) EXPECT_TRUE(keys::is_optimizer_key(key));
+  EXPECT_EQ(parts.rng.count("rng.cpu"), 1u);
+  EXPECT_EQ(parts.user, nlohmann::json({{"k", 1}}));
+  EXPECT_TRUE(parts.optimizer.common.contains("optimizer"));
+  EXPECT_EQ(parts.model.tensors.size() + parts.optimizer.tensors.size() + parts.rng.size(),
+            full.tensors.size());
+
+  TrainingSetup b(at::kBFloat16);
+  const std::string msg =
+      mixprec::testing::error_of([&] { load_model_sharded_state_dict(*b.model, full); });
+  EXPECT_NE(msg.find("unexpected key 'optimizer.state."), std::string::npos) << msg;
+  // Fine-tuning from a training checkpoint's weights: a model-only load after the optimizer
+  // exists is not undone by the next step (lr 0: the weights must stay the loaded ones).
+  load_model_sharded_state_dict(*b.model, parts.model);
+  b.optimizer->param_groups()[0].options().set_lr(0.0);
+  b.step();
+  for (const auto& [key, t] : parts.model.tensors) {
+    EXPECT_TRUE(at::equal(b.model->named_parameters()[key], t.local)) << key;
+  }
 }
 
 // --- corruption: a clear error naming file and key; model and optimizer untouched ----------
@@ -129,7 +206,8 @@ std::vector<Corruption> corruptions() {
       {"truncated data file",
        [=](const fs::path& d) { fs::resize_file(d / data, fs::file_size(d / data) - 100); }, data},
       {"missing data file", [=](const fs::path& d) { fs::remove(d / data); }, data},
-      {"missing common file", [](const fs::path& d) { fs::remove(d / "common.json"); }, "common.json"},
+      {"missing common file", [](const fs::path& d) { fs::remove(d / "common.json"); },
+       "common.json"},
       {"wrong format version",
        [](const fs::path& d) {
          std::string text;
@@ -216,7 +294,8 @@ TEST(TrainingState, KeepLastKRetention) {
   options.keep_last = 2;
   for (int i = 0; i < 4; ++i) {
     a.step();
-    save_training_state(root.path, "step-" + std::to_string(i), *a.model, *a.optimizer, {}, options);
+    save_training_state(root.path, "step-" + std::to_string(i), *a.model, *a.optimizer, {},
+                        options);
   }
   EXPECT_FALSE(fs::exists(root.path / "step-0"));
   EXPECT_FALSE(fs::exists(root.path / "step-1"));

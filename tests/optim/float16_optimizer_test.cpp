@@ -32,10 +32,10 @@ TEST(Float16Optimizer, RolesFollowDtypeAndRequiresGrad) {
   EXPECT_EQ(info[2].fqn, "gate");
   EXPECT_EQ(info[2].role, ParamRole::kNativeFp32);
   EXPECT_EQ(info[3].role, ParamRole::kMaster);
-  EXPECT_EQ(opt.main_param(0).scalar_type(), at::kFloat);
-  EXPECT_TRUE(at::equal(opt.main_param(0), model->pre->weight.to(at::kFloat)));
-  EXPECT_FALSE(opt.main_param(1).defined());
-  EXPECT_FALSE(opt.main_param(2).defined());
+  EXPECT_EQ(opt.main_param("pre.weight").scalar_type(), at::kFloat);
+  EXPECT_TRUE(at::equal(opt.main_param("pre.weight"), model->pre->weight.to(at::kFloat)));
+  EXPECT_FALSE(opt.main_param("frozen.weight").defined());
+  EXPECT_FALSE(opt.main_param("gate").defined());
 }
 
 TEST(Float16Optimizer, StepUpdatesMastersAndRoundsModelParams) {
@@ -53,8 +53,8 @@ TEST(Float16Optimizer, StepUpdatesMastersAndRoundsModelParams) {
   EXPECT_TRUE(at::equal(model->frozen->weight, frozen_before));
   EXPECT_FALSE(at::equal(model->gate, gate_before));
   EXPECT_EQ(model->gate.data_ptr(), gate_storage);  // in place
-  EXPECT_TRUE(at::equal(model->pre->weight, opt.main_param(0).to(at::kBFloat16)));
-  EXPECT_TRUE(at::equal(model->post->weight, opt.main_param(3).to(at::kBFloat16)));
+  EXPECT_TRUE(at::equal(model->pre->weight, opt.main_param("pre.weight").to(at::kBFloat16)));
+  EXPECT_TRUE(at::equal(model->post->weight, opt.main_param("post.weight").to(at::kBFloat16)));
 }
 
 // The native-FP32 path allocates nothing but its two moments: no hidden FP32 copy.
@@ -129,7 +129,8 @@ TEST(Float16Optimizer, ClipsByGlobalNormIncludingNativeFp32) {
   Interleaved a, b;
   torch::NoGradGuard no_grad;
   for (size_t i = 0; i < a->parameters().size(); ++i) b->parameters()[i].copy_(a->parameters()[i]);
-  auto clipped_ptr = mixprec::testing::make_optimizer(a, torch::optim::SGDOptions(1.0), Float16OptimizerOptions().clip_grad(0.01));
+  auto clipped_ptr = mixprec::testing::make_optimizer(a, torch::optim::SGDOptions(1.0),
+                                                      Float16OptimizerOptions().clip_grad(0.01));
   Float16Optimizer& clipped = *clipped_ptr;
   auto plain_ptr = mixprec::testing::make_optimizer(b, torch::optim::SGDOptions(1.0));
   Float16Optimizer& plain = *plain_ptr;
@@ -158,8 +159,9 @@ TEST(Float16Optimizer, Fp16DynamicScalerSkipsOverflowAndBacksOff) {
   auto model = std::make_shared<Fp32OnlyImpl>();
   model->w.set_data(model->w.to(at::kHalf));
   LossScalerOptions scaler = LossScalerOptions::fp16_dynamic();
-  scaler.hysteresis = 1;
-  Float16Optimizer opt(*model, torch::optim::AdamWOptions(1e-3), Float16OptimizerOptions().loss_scaler(scaler));
+  scaler.hysteresis(1);
+  Float16Optimizer opt(*model, torch::optim::AdamWOptions(1e-3),
+                       Float16OptimizerOptions().loss_scaler(scaler));
   EXPECT_EQ(opt.params_info()[0].role, ParamRole::kMaster);
   const at::Tensor before = model->w.clone();
   at::Tensor g = at::full_like(model->w, 1.0);
@@ -189,8 +191,9 @@ TEST(Float16Optimizer, NonFiniteBf16GradsSkipOrErrorPerOption) {
   EXPECT_TRUE(at::equal(model->post->weight, post_before));
   EXPECT_EQ(skip.state_bytes(ParamRole::kNativeFp32), 0);
 
-  auto strict_ptr = mixprec::testing::make_optimizer(model, torch::optim::AdamWOptions(1e-3),
-                          Float16OptimizerOptions().non_finite_grads(NonFiniteGrads::kError));
+  auto strict_ptr = mixprec::testing::make_optimizer(
+      model, torch::optim::AdamWOptions(1e-3),
+      Float16OptimizerOptions().non_finite_grads(NonFiniteGrads::kError));
   Float16Optimizer& strict = *strict_ptr;
   const std::string msg = error_of([&] { strict.update(); });
   EXPECT_NE(msg.find("non-finite gradient in parameter 'gate'"), std::string::npos) << msg;
@@ -230,23 +233,45 @@ TEST(Float16Optimizer, MixedOptionTypesAcrossGroupsAreAnError) {
                       std::make_unique<torch::optim::AdamWOptions>());
   groups.emplace_back(std::vector<at::Tensor>{model->post->weight},
                       std::make_unique<torch::optim::SGDOptions>(0.1));
-  EXPECT_THROW(Float16Optimizer(*model, std::move(groups),
-                                std::make_unique<torch::optim::AdamWOptions>()),
-               c10::Error);
+  EXPECT_THROW(
+      Float16Optimizer(*model, std::move(groups), std::make_unique<torch::optim::AdamWOptions>()),
+      c10::Error);
 }
 
-// A bad hyper-parameter fails the whole step before any parameter or state changes.
+// A bad hyper-parameter (set after construction, e.g. by a scheduler) fails the whole step
+// before any parameter or state changes.
 TEST(Float16Optimizer, BadHyperParameterFailsTheStepAtomically) {
   Interleaved model;
-  auto opt = mixprec::testing::make_optimizer(model, torch::optim::SGDOptions(0.1).momentum(0.9).nesterov(true).dampening(0.5));
+  auto opt = mixprec::testing::make_optimizer(model, torch::optim::SGDOptions(0.1).momentum(0.9));
+  auto& options = static_cast<torch::optim::SGDOptions&>(opt->param_groups()[0].options());
+  options.nesterov(true).dampening(0.5);
   set_grads(*model, 0);
   const at::Tensor pre_before = model->pre->weight.clone();
   const std::string msg = error_of([&] { opt->update(); });
+  EXPECT_NE(msg.find("param group 0"), std::string::npos) << msg;
   EXPECT_NE(msg.find("nesterov requires"), std::string::npos) << msg;
   EXPECT_TRUE(at::equal(model->pre->weight, pre_before));
   EXPECT_TRUE(opt->state_dict().state.empty());
-  static_cast<torch::optim::SGDOptions&>(opt->param_groups()[0].options()).dampening(0);
+  options.dampening(0);
   EXPECT_TRUE(opt->update().success);
+}
+
+// The constructor checks hyper-parameters with the step's own ranges, per group.
+TEST(Float16Optimizer, BadHyperParameterIsRefusedAtConstruction) {
+  Interleaved model;
+  const std::string msg = error_of([&] {
+    mixprec::testing::make_optimizer(model, torch::optim::AdamWOptions(1e-3).betas({0.9, 1.5}));
+  });
+  EXPECT_NE(msg.find("param group 0"), std::string::npos) << msg;
+  EXPECT_NE(msg.find("beta2"), std::string::npos) << msg;
+}
+
+TEST(Float16Optimizer, MainParamIsLookedUpByName) {
+  Interleaved model;
+  auto opt = mixprec::testing::make_optimizer(model, torch::optim::AdamWOptions(1e-3));
+  EXPECT_TRUE(at::equal(opt->main_param("post.weight"), model->post->weight.to(at::kFloat)));
+  const std::string msg = error_of([&] { opt->main_param("post.wieght"); });
+  EXPECT_NE(msg.find("no parameter 'post.wieght' (close: post.weight)"), std::string::npos) << msg;
 }
 
 TEST(Float16Optimizer, ParameterListedTwiceIsAnError) {
@@ -265,7 +290,9 @@ TEST(Float16Optimizer, SgdMomentumMatchesTorch) {
   torch::NoGradGuard no_grad;
   auto ours = std::make_shared<Fp32OnlyImpl>();
   at::Tensor theirs = ours->w.detach().clone().requires_grad_(true);
-  auto options = torch::optim::SGDOptions(0.05).momentum(0.9).dampening(0.1).weight_decay(0.01).nesterov(false);
+  auto options =
+      torch::optim::SGDOptions(0.05).momentum(0.9).dampening(0.1).weight_decay(0.01).nesterov(
+          false);
   Float16Optimizer opt(*ours, options);
   torch::optim::SGD reference({theirs}, options);
   for (int step = 0; step < 4; ++step) {

@@ -16,8 +16,8 @@ TEST(LossScaler, ConstantIgnoresOverflow) {
 
 TEST(LossScaler, DynamicBacksOffAfterHysteresisAndGrowsAfterInterval) {
   LossScalerOptions o = LossScalerOptions::fp16_dynamic();
-  o.growth_interval = 3;
-  o.hysteresis = 2;
+  o.growth_interval(3);
+  o.hysteresis(2);
   LossScaler s(o);
   EXPECT_EQ(s.scale(), 65536.0);
   s.update(true);  // hysteresis 2 -> 1: no backoff yet
@@ -37,10 +37,10 @@ TEST(LossScaler, DynamicBacksOffAfterHysteresisAndGrowsAfterInterval) {
 
 TEST(LossScaler, RespectsMinAndMax) {
   LossScalerOptions o = LossScalerOptions::fp16_dynamic();
-  o.hysteresis = 1;
-  o.min_scale = 16384.0;
-  o.max_scale = 65536.0;
-  o.growth_interval = 1;
+  o.hysteresis(1);
+  o.min_scale(16384.0);
+  o.max_scale(65536.0);
+  o.growth_interval(1);
   LossScaler s(o);
   for (int i = 0; i < 5; ++i) s.update(true);
   EXPECT_EQ(s.scale(), 16384.0);
@@ -60,12 +60,15 @@ TEST(LossScaler, StateRoundTripsAndBadStateIsRejected) {
   EXPECT_THROW(b.load_state({{"scale", -1.0}, {"growth_tracker", 0}, {"hysteresis_tracker", 1}}),
                c10::Error);
   EXPECT_THROW(b.load_state({{"scale", 2.0}}), c10::Error);
+  // Trackers are counts: a fraction is a corrupt state, not something to truncate.
+  EXPECT_THROW(b.load_state({{"scale", 2.0}, {"growth_tracker", 0.5}, {"hysteresis_tracker", 1}}),
+               c10::Error);
   EXPECT_EQ(b.state(), before);
 }
 
 TEST(LossScaler, BadOptionsNameTheField) {
   LossScalerOptions o;
-  o.growth_factor = 1.0;
+  o.growth_factor(1.0);
   try {
     LossScaler s(o);
     FAIL();
@@ -73,7 +76,7 @@ TEST(LossScaler, BadOptionsNameTheField) {
     EXPECT_NE(std::string(e.what_without_backtrace()).find("growth_factor"), std::string::npos);
   }
   o = LossScalerOptions{};
-  o.backoff_factor = 1.5;
+  o.backoff_factor(1.5);
   EXPECT_THROW(LossScaler{o}, c10::Error);
 }
 

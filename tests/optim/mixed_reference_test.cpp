@@ -7,9 +7,9 @@
 
 #include <ATen/ATen.h>
 #include <gtest/gtest.h>
-#include <nlohmann/json.hpp>
 #include <torch/nn/module.h>
 #include <torch/optim/adamw.h>
+#include <nlohmann/json.hpp>
 
 #include <fstream>
 
@@ -18,7 +18,8 @@ namespace {
 
 const nlohmann::json& reference() {
   static const nlohmann::json doc = [] {
-    std::ifstream in(std::string(MIXPREC_SOURCE_DIR) + "/tests/optim/data/adamw_mixed_reference.json");
+    std::ifstream in(std::string(MIXPREC_SOURCE_DIR) +
+                     "/tests/optim/data/adamw_mixed_reference.json");
     EXPECT_TRUE(in.good()) << "reference file missing";
     return nlohmann::json::parse(in);
   }();
@@ -28,7 +29,9 @@ const nlohmann::json& reference() {
 // Largest distance in units of the last place between two FP32 tensors (for failure messages).
 int64_t max_ulp(const at::Tensor& a, const at::Tensor& b) {
   return (a.contiguous().view(at::kInt).to(at::kLong) - b.contiguous().view(at::kInt).to(at::kLong))
-      .abs().max().item<int64_t>();
+      .abs()
+      .max()
+      .item<int64_t>();
 }
 
 at::Tensor from_bits(const nlohmann::json& bits, c10::ScalarType dtype) {
@@ -51,19 +54,23 @@ struct Replay {
 Replay replay(const nlohmann::json& c) {
   const auto& doc = reference();
   auto model = std::make_shared<OneParamImpl>(from_bits(doc["param_bf16"], at::kBFloat16));
-  Float16Optimizer opt(*model, torch::optim::AdamWOptions(c["lr"].get<double>())
-                                   .betas({c["betas"][0].get<double>(), c["betas"][1].get<double>()})
-                                   .eps(c["eps"].get<double>())
-                                   .weight_decay(c["weight_decay"].get<double>())
-                                   .amsgrad(c["amsgrad"].get<bool>()));
+  Float16Optimizer opt(*model,
+                       torch::optim::AdamWOptions(c["lr"].get<double>())
+                           .betas({c["betas"][0].get<double>(), c["betas"][1].get<double>()})
+                           .eps(c["eps"].get<double>())
+                           .weight_decay(c["weight_decay"].get<double>())
+                           .amsgrad(c["amsgrad"].get<bool>()));
   at::Tensor w = model->named_parameters()["w"];
   for (const auto& g : doc["grads_bf16"]) {
     w.mutable_grad() = from_bits(g, at::kBFloat16);
     EXPECT_TRUE(opt.update().success);
   }
   const auto sd = opt.sharded_state_dict();
-  Replay r{opt.main_param(0), w.detach(), sd.at("optimizer.state.exp_avg.w").local,
-           sd.at("optimizer.state.exp_avg_sq.w").local, {}};
+  Replay r{opt.main_param("w"),
+           w.detach(),
+           sd.at("optimizer.state.exp_avg.w").local,
+           sd.at("optimizer.state.exp_avg_sq.w").local,
+           {}};
   if (c["amsgrad"].get<bool>()) r.max_exp_avg_sq = sd.at("optimizer.state.max_exp_avg_sq.w").local;
   return r;
 }
@@ -81,7 +88,8 @@ TEST(MixedReference, BitwiseAgainstTorchFusedAdamW) {
     EXPECT_TRUE(at::equal(r.model_param, from_bits(e["model_param"], at::kBFloat16))) << c["name"];
     EXPECT_TRUE(at::equal(r.exp_avg, from_bits(e["exp_avg"], at::kFloat))) << c["name"];
     EXPECT_TRUE(at::equal(r.exp_avg_sq, from_bits(e["exp_avg_sq"], at::kFloat)))
-        << c["name"] << " max ulp " << max_ulp(r.exp_avg_sq, from_bits(e["exp_avg_sq"], at::kFloat));
+        << c["name"] << " max ulp "
+        << max_ulp(r.exp_avg_sq, from_bits(e["exp_avg_sq"], at::kFloat));
     if (r.max_exp_avg_sq.defined()) {
       EXPECT_TRUE(at::equal(r.max_exp_avg_sq, from_bits(e["max_exp_avg_sq"], at::kFloat)));
     }

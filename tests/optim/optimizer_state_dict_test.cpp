@@ -56,7 +56,8 @@ TEST(OptimizerStateDict, UpstreamInterleavedRegression) {
   EXPECT_EQ(sd.at("optimizer.state.exp_avg_sq.post.weight").local.sizes(),
             (std::vector<int64_t>{8, 8}));
   // Each entry lands on its own parameter: the master is that parameter's master.
-  EXPECT_TRUE(at::equal(sd.at("optimizer.state.fp32_param.post.weight").local, opt.main_param(3)));
+  EXPECT_TRUE(at::equal(sd.at("optimizer.state.fp32_param.post.weight").local,
+                        opt.main_param("post.weight")));
   EXPECT_EQ(sd.common["optimizer"]["step"], 1);
 
   const PositionalStateDict pos = opt.state_dict();
@@ -98,7 +99,8 @@ TEST_P(OrderTest, MastersAndMomentsLandOnTheirOwnParameter) {
     EXPECT_EQ(sd.contains("optimizer.state.fp32_param." + fqn), spec[i] == 'h') << spec << fqn;
     EXPECT_EQ(sd.contains("optimizer.state.exp_avg." + fqn), spec[i] != 'z') << spec << fqn;
     if (spec[i] == 'h') {
-      EXPECT_TRUE(at::equal(sd.at("optimizer.state.fp32_param." + fqn).local.to(at::kBFloat16), param));
+      EXPECT_TRUE(
+          at::equal(sd.at("optimizer.state.fp32_param." + fqn).local.to(at::kBFloat16), param));
     }
     if (spec[i] != 'z') {
       EXPECT_EQ(sd.at("optimizer.state.exp_avg." + fqn).local.numel(), param.numel());
@@ -146,7 +148,8 @@ void train(torch::nn::Module& model, Float16Optimizer& opt, int from, int to) {
 void expect_same_state(torch::nn::Module& ma, Float16Optimizer& a, torch::nn::Module& mb,
                        Float16Optimizer& b) {
   auto pa = ma.named_parameters(), pb = mb.named_parameters();
-  for (const auto& item : pa) EXPECT_TRUE(bitwise_equal(item.value(), pb[item.key()])) << item.key();
+  for (const auto& item : pa)
+    EXPECT_TRUE(bitwise_equal(item.value(), pb[item.key()])) << item.key();
   const auto sa = a.sharded_state_dict(), sb = b.sharded_state_dict();
   ASSERT_EQ(sa.tensors.size(), sb.tensors.size());
   for (const auto& [key, t] : sa.tensors) {
@@ -158,19 +161,21 @@ void expect_same_state(torch::nn::Module& ma, Float16Optimizer& a, torch::nn::Mo
 
 TEST(OptimizerStateDict, ShardedRoundTripResumesBitwise) {
   Interleaved ma;
-  auto a_ptr = mixprec::testing::make_optimizer(ma, torch::optim::AdamWOptions(1e-2).weight_decay(0.1));
+  auto a_ptr =
+      mixprec::testing::make_optimizer(ma, torch::optim::AdamWOptions(1e-2).weight_decay(0.1));
   Float16Optimizer& a = *a_ptr;
   train(*ma, a, 0, 3);
   ShardedStateDict saved = model_sharded_state_dict(*ma);
   saved.merge(a.sharded_state_dict());
 
   Interleaved mb;  // different initial values
-  auto b_ptr = mixprec::testing::make_optimizer(mb, torch::optim::AdamWOptions(1e-2).weight_decay(0.1));
+  auto b_ptr =
+      mixprec::testing::make_optimizer(mb, torch::optim::AdamWOptions(1e-2).weight_decay(0.1));
   Float16Optimizer& b = *b_ptr;
-  load_model_sharded_state_dict(*mb, saved);
+  load_model_sharded_state_dict(*mb, model_sharded_state_dict(*ma));
   const LoadReport report = b.load_sharded_state_dict(saved);
   EXPECT_TRUE(report.clean()) << report.to_string();
-  EXPECT_FALSE(b.main_param(2).defined()) << "native FP32 gate must not gain a copy";
+  EXPECT_FALSE(b.main_param("gate").defined()) << "native FP32 gate must not gain a copy";
   expect_same_state(*ma, a, *mb, b);
   train(*ma, a, 3, 6);
   train(*mb, b, 3, 6);
@@ -181,7 +186,7 @@ TEST(OptimizerStateDict, PositionalRoundTripResumesBitwise) {
   Interleaved ma;
   LossScalerOptions scaler = LossScalerOptions::fp16_dynamic();
   auto a_ptr = mixprec::testing::make_optimizer(ma, torch::optim::AdamWOptions(1e-2).amsgrad(true),
-                     Float16OptimizerOptions().loss_scaler(scaler));
+                                                Float16OptimizerOptions().loss_scaler(scaler));
   Float16Optimizer& a = *a_ptr;
   train(*ma, a, 0, 2);
   const PositionalStateDict saved = a.state_dict();
@@ -189,7 +194,7 @@ TEST(OptimizerStateDict, PositionalRoundTripResumesBitwise) {
 
   Interleaved mb;
   auto b_ptr = mixprec::testing::make_optimizer(mb, torch::optim::AdamWOptions(1e-3),
-                     Float16OptimizerOptions().loss_scaler(scaler));
+                                                Float16OptimizerOptions().loss_scaler(scaler));
   Float16Optimizer& b = *b_ptr;
   load_model_sharded_state_dict(*mb, model_state);
   EXPECT_TRUE(b.load_state_dict(saved).clean());
@@ -219,20 +224,21 @@ TEST(OptimizerStateDict, PlanChangeMasterToNativeFp32) {
   auto a_ptr = mixprec::testing::make_optimizer(ma, torch::optim::AdamWOptions(1e-2));
   Float16Optimizer& a = *a_ptr;
   train(*ma, a, 0, 2);
-  ASSERT_TRUE(a.main_param(2).defined());
+  ASSERT_TRUE(a.main_param("gate").defined());
   ShardedStateDict saved = model_sharded_state_dict(*ma);
   saved.merge(a.sharded_state_dict());
 
   Interleaved mb(/*gate_fp32=*/true);
   auto b_ptr = mixprec::testing::make_optimizer(mb, torch::optim::AdamWOptions(1e-2));
   Float16Optimizer& b = *b_ptr;
-  load_model_sharded_state_dict(*mb, saved);
+  load_model_sharded_state_dict(*mb, model_sharded_state_dict(*ma));
   const LoadReport report = b.load_sharded_state_dict(saved);
   EXPECT_TRUE(report.clean());
   ASSERT_EQ(report.notes.size(), 1u);
   EXPECT_NE(report.notes[0].find("'gate' is now native FP32"), std::string::npos);
-  EXPECT_TRUE(bitwise_equal(mb->gate, a.main_param(2))) << "gate takes the master's FP32 value";
-  EXPECT_FALSE(b.main_param(2).defined());
+  EXPECT_TRUE(bitwise_equal(mb->gate, a.main_param("gate")))
+      << "gate takes the master's FP32 value";
+  EXPECT_FALSE(b.main_param("gate").defined());
   const auto sb = b.sharded_state_dict();
   EXPECT_TRUE(at::equal(sb.at("optimizer.state.exp_avg.gate").local,
                         saved.at("optimizer.state.exp_avg.gate").local));
@@ -251,11 +257,12 @@ TEST(OptimizerStateDict, PlanChangeNativeFp32ToMaster) {
   Interleaved mb(/*gate_fp32=*/false);
   auto b_ptr = mixprec::testing::make_optimizer(mb, torch::optim::AdamWOptions(1e-2));
   Float16Optimizer& b = *b_ptr;
-  load_model_sharded_state_dict(*mb, saved);
+  load_model_sharded_state_dict(*mb, model_sharded_state_dict(*ma));
   const LoadReport report = b.load_sharded_state_dict(saved);
   EXPECT_TRUE(report.clean()) << report.to_string();
-  ASSERT_TRUE(b.main_param(2).defined());
-  EXPECT_TRUE(bitwise_equal(b.main_param(2), ma->gate.detach())) << "master seeded from FP32 value";
+  ASSERT_TRUE(b.main_param("gate").defined());
+  EXPECT_TRUE(bitwise_equal(b.main_param("gate"), ma->gate.detach()))
+      << "master seeded from FP32 value";
   EXPECT_TRUE(at::equal(mb->gate, ma->gate.to(at::kBFloat16)));
   EXPECT_TRUE(at::equal(b.sharded_state_dict().at("optimizer.state.exp_avg_sq.gate").local,
                         saved.at("optimizer.state.exp_avg_sq.gate").local));
@@ -307,10 +314,9 @@ TEST(OptimizerStateDictErrors, MissingKeyStrictErrorsNonStrictReports) {
   Float16Optimizer& opt = *opt_ptr;
   bad.tensors.erase("optimizer.state.exp_avg.gate");
   const LoadReport report = opt.load_sharded_state_dict(bad, LoadOptions{.strict = false});
-  EXPECT_EQ(report.missing_keys,
-            (std::vector<std::string>{"optimizer.state.fp32_param.post.weight",
-                                      "optimizer.state.exp_avg.gate",
-                                      "optimizer.state.exp_avg_sq.gate"}))
+  EXPECT_EQ(report.missing_keys, (std::vector<std::string>{"optimizer.state.fp32_param.post.weight",
+                                                           "optimizer.state.exp_avg.gate",
+                                                           "optimizer.state.exp_avg_sq.gate"}))
       << report.to_string();
   // What was there is loaded; post.weight's master comes from its model value, gate starts fresh.
   EXPECT_TRUE(at::equal(opt.sharded_state_dict().at("optimizer.state.exp_avg.pre.weight").local,
@@ -365,7 +371,8 @@ TEST(OptimizerStateDict, SgdWithoutMomentumRoundTrips) {
 TEST(OptimizerStateDict, AmsgradRequirementFollowsTheLoadedGroup) {
   Trained t;  // amsgrad off
   Interleaved model;
-  auto opt = mixprec::testing::make_optimizer(model, torch::optim::AdamWOptions(1e-3).amsgrad(true));
+  auto opt =
+      mixprec::testing::make_optimizer(model, torch::optim::AdamWOptions(1e-3).amsgrad(true));
   EXPECT_TRUE(opt->load_sharded_state_dict(t.saved).clean());
   ShardedStateDict with_amsgrad = t.saved;
   with_amsgrad.common["optimizer"]["param_groups"][0]["amsgrad"] = true;
@@ -378,7 +385,8 @@ TEST(OptimizerStateDict, AmsgradRequirementFollowsTheLoadedGroup) {
 TEST(OptimizerStateDictErrors, UnexpectedKey) {
   Trained t;
   ShardedStateDict bad = t.saved;
-  bad.tensors.emplace("optimizer.state.exp_avg.frozen.weight", ShardedTensor::whole(torch::zeros({8, 8})));
+  bad.tensors.emplace("optimizer.state.exp_avg.frozen.weight",
+                      ShardedTensor::whole(torch::zeros({8, 8})));
   bad.tensors.emplace("optimizer.state.exp_avg.nothing", ShardedTensor::whole(torch::zeros({2})));
   expect_load_fails_and_changes_nothing(bad, "unexpected optimizer.state.exp_avg.frozen.weight");
   expect_load_fails_and_changes_nothing(bad, "unexpected optimizer.state.exp_avg.nothing");
@@ -396,7 +404,8 @@ TEST(OptimizerStateDictErrors, LowerPrecisionMasterIsRejected) {
   ShardedStateDict bad = t.saved;
   auto& m = bad.tensors["optimizer.state.fp32_param.pre.weight"];
   m.local = m.local.to(at::kBFloat16);
-  expect_load_fails_and_changes_nothing(bad, "optimizer.state.fp32_param.pre.weight: dtype BFloat16");
+  expect_load_fails_and_changes_nothing(bad,
+                                        "optimizer.state.fp32_param.pre.weight: dtype BFloat16");
 }
 
 TEST(OptimizerStateDictErrors, GroupMismatch) {
@@ -415,7 +424,9 @@ TEST(OptimizerStateDictErrors, GroupMismatch) {
   PositionalStateDict pos = t.opt->state_dict();
   pos.param_groups[0]["params"] = {0, 1, 2};
   const std::string msg = error_of([&] { opt.load_state_dict(pos); });
-  EXPECT_NE(msg.find("param group 0 has 3 params in the state, 4 in the optimizer"), std::string::npos) << msg;
+  EXPECT_NE(msg.find("param group 0 has 3 params in the state, 4 in the optimizer"),
+            std::string::npos)
+      << msg;
 }
 
 TEST(OptimizerStateDictErrors, ModelLoadValidatesFirst) {

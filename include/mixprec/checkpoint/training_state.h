@@ -1,9 +1,11 @@
 // Saving and resuming a whole training state: model, optimizer, RNG, user metadata.
 //
-// The checkpoint holds the model's tensors under their FQNs, the optimizer's FQN-keyed state
-// (optim/float16_optimizer.h: sharded_state_dict), the default CPU generator's state as the
-// tensor "rng.cpu", and in the common state "optimizer" (step, groups, scaler) and "user"
-// (anything the caller passes: data position, config, …).
+// The checkpoint holds (names from checkpoint/format/state_keys.h) the model's tensors under
+// their FQNs, the optimizer's FQN-keyed state (optim/float16_optimizer.h: sharded_state_dict),
+// the default CPU generator's state as "rng.cpu" and, where CUDA is available when saving,
+// each CUDA device's default generator's state as "rng.cuda.<index>"; in the common state
+// "optimizer" (step, groups, scaler) and "user" (anything the caller passes: data position,
+// config, …).
 #pragma once
 
 #include "mixprec/checkpoint/load.h"
@@ -12,13 +14,18 @@
 
 #include <nlohmann/json.hpp>
 
+#include <map>
+#include <string>
+
 namespace torch::nn {
 class Module;
 }
 
 namespace mixprec::checkpoint {
 
-// The full sharded state dict of a training state (model + optimizer + RNG + user).
+// The full sharded state dict of a training state (model + optimizer + RNG + user). Throws
+// c10::Error if a model tensor's name is one the checkpoint reserves (an "optimizer." or
+// "rng." key).
 ShardedStateDict training_state_dict(const torch::nn::Module& model,
                                      const optim::Float16Optimizer& optimizer,
                                      const nlohmann::json& user = nlohmann::json::object());
@@ -30,18 +37,37 @@ SaveResult save_training_state(const std::filesystem::path& root, const std::str
                                const nlohmann::json& user = nlohmann::json::object(),
                                const SaveOptions& options = {});
 
+// A training state dict split by the reserved names (state_keys.h), e.g. to load only the
+// model's weights from a training checkpoint:
+//   load_model_sharded_state_dict(model, split_training_state(read_checkpoint(dir)).model).
+struct TrainingStateParts {
+  // Every tensor that is neither an optimizer nor an RNG key; common fields other than
+  // "optimizer" and "user".
+  ShardedStateDict model;
+  // "optimizer." tensors and common["optimizer"].
+  ShardedStateDict optimizer;
+  // "rng.cpu", "rng.cuda.<index>".
+  std::map<std::string, at::Tensor> rng;
+  nlohmann::json user = nlohmann::json::object();
+};
+TrainingStateParts split_training_state(ShardedStateDict state);
+
 struct ResumeResult {
   std::filesystem::path dir;  // the checkpoint loaded
   LoadReport model;
   LoadReport optimizer;
+  LoadReport rng;       // notes: RNG states ignored, devices left as they were
   nlohmann::json user;  // what save_training_state was given
 };
 
 // Loads `path` (a checkpoint directory, or a root whose `latest` is used) into model and
-// optimizer, and restores the CPU RNG. Everything is read and validated — checksums, keys,
-// shapes, dtypes, for the model and the optimizer — before anything is changed: on any error
-// model, optimizer and RNG are exactly as before. Throws c10::Error or FormatError listing
-// the problems (naming file and key).
+// optimizer, and restores the RNG: the CPU generator, and each CUDA device's generator whose
+// state the checkpoint holds. A CUDA state is ignored with a note in `rng` where this process
+// has no CUDA (or not that device): a GPU run can be resumed or inspected on a CPU machine.
+// Everything is read and validated — checksums, keys, shapes, dtypes, hyper-parameters, RNG
+// states, for model and optimizer — before anything is changed: on any error model, optimizer
+// and RNG are exactly as before. Throws c10::Error or FormatError listing the problems (naming
+// file and key).
 ResumeResult load_training_state(const std::filesystem::path& path, torch::nn::Module& model,
                                  optim::Float16Optimizer& optimizer,
                                  const LoadOptions& options = {});

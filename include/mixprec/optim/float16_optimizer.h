@@ -14,9 +14,38 @@
 // torch's option types (AdamWOptions, AdamOptions, SGDOptions), so zero_grad(), LR schedulers
 // and `group.options().set_lr()` work as usual; hyper-parameters are read at every step.
 //
+// It follows the model as the model is now. update(), state_dict(), sharded_state_dict(),
+// save(), the loads and reload_model_params() first compare every parameter with what the
+// optimizer recorded after its own last write to it (construction, step, load), all before
+// any parameter or state is touched:
+//   * value written from outside (a model-only load, `copy_`, torch::load) to a parameter with
+//     a main copy: by `on_external_param_change`, the main copy is re-seeded from the new value
+//     (moments and step stay), or the call throws naming every such parameter. A write that
+//     leaves the value the main copy rounds to is no change. Loads ignore such writes: they
+//     replace every main copy anyway.
+//   * frozen at construction, trainable now: it takes the role its dtype gives (a BF16/FP16
+//     one gains a main copy from its value); its id does not change. A parameter frozen after
+//     construction keeps its role and state (it is not stepped while it has no gradient).
+//   * dtype changed (a conversion run after construction), trainable parameters: FP32 →
+//     BF16/FP16 gains a main copy from its value; BF16/FP16 → FP32 takes its main copy's value
+//     and drops the copy; BF16 ↔ FP16 keeps the main copy and rewrites the parameter from it.
+//     With ExternalParamChange::kError each of these is an error instead (loads excepted).
+//   * an error naming the parameter: a trainable dtype other than FP32/BF16/FP16, a new shape,
+//     device or layout of a trainable parameter, a group's options replaced by another type,
+//     and param_groups() changed other than through Float16Optimizer::add_param_group.
+// params_info(), main_param() and state_bytes() describe the optimizer as of that last check.
+//
 // State is keyed by the model's fully qualified names (sharded_state_dict) or by torch's
 // positional ids (state_dict). The id ↔ FQN map is built from tensor identity against the
-// model, never by zipping lists.
+// model, never by zipping lists. A tensor registered under two names (tied weights) is one
+// parameter, under its first name (as model_sharded_state_dict keys it).
+//
+// Loading is two typed steps: check_state_dict() / check_sharded_state_dict() validate
+// everything and return a CheckedOptimizerState; apply() installs it and cannot fail on the
+// state's content. load_state_dict() / load_sharded_state_dict() do both.
+//
+// Not thread-safe: like torch's optimizers, use one from one thread at a time (the checks
+// above update internal records even from const members).
 #pragma once
 
 #include "mixprec/optim/fused_kernels.h"
@@ -51,12 +80,20 @@ enum class NonFiniteGrads {
   kError,     // throw c10::Error naming the first parameter with a non-finite gradient
 };
 
+// What to do when the model changed a parameter the optimizer holds a main copy for (see the
+// header comment: a value written from outside, or a dtype changed).
+enum class ExternalParamChange {
+  kReseedMaster,  // follow the model: re-seed the main copy (moments and step stay)
+  kError,         // throw c10::Error naming every changed parameter; nothing is touched
+};
+
 struct Float16OptimizerOptions {
   // Loss scaling: constant 1 by default (BF16); LossScalerOptions::fp16_dynamic() for FP16.
   TORCH_ARG(LossScalerOptions, loss_scaler) = {};
   // Clip gradients to this global L2 norm; 0 disables clipping.
   TORCH_ARG(double, clip_grad) = 0.0;
   TORCH_ARG(NonFiniteGrads, non_finite_grads) = NonFiniteGrads::kSkipStep;
+  TORCH_ARG(ExternalParamChange, on_external_param_change) = ExternalParamChange::kReseedMaster;
 };
 
 struct StepResult {
@@ -74,7 +111,29 @@ struct ParamInfo {
   ParamRole role;
 };
 
+class Float16Optimizer;
+
+// A state checked against one Float16Optimizer (and its model's parameters as they were then)
+// by check_state_dict / check_sharded_state_dict. Only that optimizer's apply() takes it.
+class CheckedOptimizerState {
+ public:
+  CheckedOptimizerState(CheckedOptimizerState&&) noexcept;
+  CheckedOptimizerState& operator=(CheckedOptimizerState&&) noexcept;
+  ~CheckedOptimizerState();
+  // What apply() will report: keys missing or unexpected (non-strict), notes.
+  const LoadReport& report() const;
+
+ private:
+  friend class Float16Optimizer;
+  struct Plan;
+  explicit CheckedOptimizerState(std::unique_ptr<Plan> plan);
+  std::unique_ptr<Plan> plan_;
+};
+
 namespace detail {
+class AlgorithmTraits;
+struct SyncPlan;
+enum class SyncPurpose;
 // Checks, before torch::optim::Optimizer's constructor sees them, that every group's options
 // have the same type as the defaults: that constructor silently replaces options of another
 // type with the defaults, which would drop a group's hyper-parameters without a word.
@@ -89,56 +148,89 @@ class Float16Optimizer : private detail::GroupOptionsCheck, public torch::optim:
  public:
   // `groups` hold parameters of `model` (each must be one of its parameters, by identity);
   // their options must all be AdamWOptions, all AdamOptions or all SGDOptions (groups without
-  // options take `defaults`). Throws c10::Error naming the parameter if one is not in the
-  // model, appears twice, is trainable with a dtype other than FP32/BF16/FP16, or is sparse.
+  // options take `defaults`), with values the step accepts. Throws c10::Error naming the
+  // parameter if one is not in the model, appears twice, is trainable with a dtype other than
+  // FP32/BF16/FP16, or is sparse; naming the group and hyper-parameter for a bad value.
+  // The optimizer keeps handles to the model's parameters (not to the module): a parameter
+  // given later to add_param_group must be one the model had at construction.
   Float16Optimizer(const torch::nn::Module& model,
                    std::vector<torch::optim::OptimizerParamGroup> groups,
                    std::unique_ptr<torch::optim::OptimizerOptions> defaults,
                    Float16OptimizerOptions options = {});
-  // One group with every parameter of `model` (frozen ones included), in named order;
-  // `defaults` is AdamWOptions, AdamOptions or SGDOptions.
+  // One group with every parameter of `model` (frozen ones included, tied ones once), in
+  // named order; `defaults` is AdamWOptions, AdamOptions or SGDOptions.
   Float16Optimizer(const torch::nn::Module& model, const torch::optim::OptimizerOptions& defaults,
                    Float16OptimizerOptions options = {});
+  ~Float16Optimizer() override;
 
   // torch::optim::Optimizer::step: evaluates `closure` (if any), then update().
   at::Tensor step(LossClosure closure = nullptr) override;
-  // One optimizer step over the current gradients (see the header comment).
+  // One optimizer step over the current gradients (see the header comment). Everything is
+  // checked (model changes, hyper-parameters, gradient shapes and devices) before any
+  // parameter or state changes.
   StepResult update();
   const StepResult& last_result() const { return last_result_; }
+
+  // Adds a group of model parameters (hides torch::optim::Optimizer::add_param_group, which is
+  // not virtual: a call through the base class is detected at the next use and refused). The
+  // new parameters take the next ids and roles as at construction. Throws c10::Error, leaving
+  // the optimizer as it was, if a parameter was not the model's at construction, is already
+  // in a group, or the group's options are of another type or out of range.
+  void add_param_group(const torch::optim::OptimizerParamGroup& group);
+
+  // Re-seeds every main copy from its model parameter as it is now (Megatron's name); moments
+  // and steps stay. For use after changing weights from outside, whatever the option says.
+  void reload_model_params();
 
   // Multiply the loss by this before backward (1 unless a loss scaler is active).
   double loss_scale() const { return scaler_.scale(); }
   const LossScaler& loss_scaler() const { return scaler_; }
 
-  Algorithm algorithm() const { return algorithm_; }
+  Algorithm algorithm() const;
   const std::vector<ParamInfo>& params_info() const { return info_; }
-  // The FP32 main copy of parameter `id`; undefined unless its role is kMaster.
-  const at::Tensor& main_param(int64_t id) const;
+  // The FP32 main copy of the parameter named `fqn`; undefined unless its role is kMaster.
+  // Throws c10::Error naming `fqn` (and close matches) if the optimizer holds no such param.
+  const at::Tensor& main_param(const std::string& fqn) const;
   // Bytes of optimizer-owned tensors (masters and moments) for parameters of `role`.
   int64_t state_bytes(ParamRole role) const;
 
   // torch's positional form. Tensors alias the optimizer's own (as torch's state_dict does):
   // a later step changes them; clone what must outlive it.
   PositionalStateDict state_dict() const;
-  // Validates everything (group count and sizes, ids, shapes, dtypes) before changing
-  // anything; restores moments, steps, masters, scaler and group hyper-parameters, then
-  // re-derives half-precision model params from masters. Strict: missing or unexpected state
-  // is an error listing all of it; non-strict: loads what fits and reports the rest.
-  LoadReport load_state_dict(const PositionalStateDict& state, const LoadOptions& options = {});
+  // Validates everything (group count and sizes, ids, shapes, dtypes, hyper-parameters with
+  // the step's own ranges, steps: non-negative integers) and returns it checked; changes
+  // nothing. Strict: missing or unexpected state is an error listing all of it; non-strict:
+  // what fits is loaded and the rest reported. Throws c10::Error listing every problem.
+  CheckedOptimizerState check_state_dict(const PositionalStateDict& state,
+                                         const LoadOptions& options = {}) const;
 
-  // FQN-keyed form: tensors "optimizer.state.{exp_avg,exp_avg_sq,max_exp_avg_sq,
-  // momentum_buffer}.<fqn>" for parameters with state, "optimizer.state.fp32_param.<fqn>" for
-  // parameters with a main copy; common["optimizer"] = {algorithm, step, param_groups (with
-  // FQN lists and hyper-parameters), scaler, per-parameter steps that differ from `step`}.
-  // Tensors alias the optimizer's own (no copy: a checkpoint streams them straight to disk).
+  // FQN-keyed form: tensors "optimizer.state.<kind>.<fqn>" (checkpoint/format/state_keys.h:
+  // the algorithm's moments for parameters with state, fp32_param for parameters with a main
+  // copy); common["optimizer"] = {algorithm, step, param_groups (with FQN lists and
+  // hyper-parameters), scaler, per-parameter steps that differ from `step`, frozen,
+  // without_state}. Tensors alias the optimizer's own (no copy: a checkpoint streams them
+  // straight to disk).
   ShardedStateDict sharded_state_dict() const;
-  // Loads the FQN-keyed form, validating first (see load_state_dict). Works across a changed
-  // precision plan: a parameter saved with a main copy that is now native FP32 takes the saved
-  // main copy's value; one saved as native FP32 that now needs a main copy seeds it from the
-  // model tensor under its FQN in `state` (an FP32 value; a checkpoint holds both), else from
-  // the model parameter as loaded. Keys that do not start with "optimizer." are model keys and
-  // are not reported as unexpected.
-  LoadReport load_sharded_state_dict(const ShardedStateDict& state, const LoadOptions& options = {});
+  // Checks the FQN-keyed form as check_state_dict does. Works across a changed precision plan:
+  // a parameter saved with a main copy that is now native FP32 takes the saved main copy's
+  // value; one saved as native FP32 that now needs a main copy seeds it from the model tensor
+  // under its FQN in `state` (an FP32 value; a checkpoint holds both), else from the model
+  // parameter as it is when applied; one frozen when saved and trainable now takes its main copy
+  // from the model parameter (no key is missing: it had none). Keys that do not start with
+  // "optimizer." are the model's and are not reported as unexpected.
+  CheckedOptimizerState check_sharded_state_dict(const ShardedStateDict& state,
+                                                 const LoadOptions& options = {}) const;
+
+  // Installs a checked state: group hyper-parameters, scaler, moments, steps and masters, then
+  // re-derives half-precision model params from masters. Returns the report of the check.
+  // Throws c10::Error, changing nothing, only if `checked` was made by another optimizer or
+  // this optimizer's parameters changed role or structure since (check again then).
+  LoadReport apply(CheckedOptimizerState&& checked);
+
+  // apply(check_state_dict(...)) and apply(check_sharded_state_dict(...)).
+  LoadReport load_state_dict(const PositionalStateDict& state, const LoadOptions& options = {});
+  LoadReport load_sharded_state_dict(const ShardedStateDict& state,
+                                     const LoadOptions& options = {});
 
   // Optimizer::save/load use torch's pickled archives keyed by pointer; mixprec keeps state
   // by name. These write and read the positional state dict through the archive instead.
@@ -147,18 +239,29 @@ class Float16Optimizer : private detail::GroupOptionsCheck, public torch::optim:
 
  private:
   struct Slot;
-  struct Loaded;
-  // Checks `loaded` completely, then applies it; nothing changes if a check fails.
-  LoadReport apply_loaded(Loaded&& loaded, const LoadOptions& options);
-  void build_slots(const torch::nn::Module& model);
+  struct Parsed;
+
+  std::vector<std::string> new_param_problems(size_t first_group) const;
+  void build_slots(size_t first_group);
+  void check_group_options(size_t group) const;
+  // What the model asks for (see the header comment), checked for every parameter; throws.
+  detail::SyncPlan plan_sync(detail::SyncPurpose purpose) const;
+  void apply_sync(const detail::SyncPlan& plan) const;
+  void sync_with_model() const;  // plan and apply, for the state dicts
+  CheckedOptimizerState check_parsed(Parsed&& parsed, const LoadOptions& options) const;
   void step_slot(size_t index, double grad_multiplier);
   void copy_masters_to_model();
+  void record_params() const;
 
   Float16OptimizerOptions options_;
-  Algorithm algorithm_;
+  const detail::AlgorithmTraits* traits_;
   LossScaler scaler_;
-  std::vector<ParamInfo> info_;
+  // The model's parameters at construction, by identity: FQN (first name) and a handle.
+  std::vector<std::pair<std::string, at::Tensor>> model_params_;
+  // Kept in step with the model lazily (plan_sync/apply_sync), also from const members.
+  mutable std::vector<ParamInfo> info_;
   std::vector<std::shared_ptr<Slot>> slots_;  // parallel to info_
+  std::vector<size_t> group_sizes_;           // params per group, as adopted
   StepResult last_result_;
 };
 

@@ -6,6 +6,7 @@
 // hysteresis budget refills.
 #pragma once
 
+#include <torch/arg.h>
 #include <nlohmann/json_fwd.hpp>
 
 #include <cstdint>
@@ -13,20 +14,27 @@
 namespace mixprec::optim {
 
 struct LossScalerOptions {
-  bool dynamic = false;        // false: constant scale (BF16 needs none: scale 1)
-  double initial_scale = 1.0;  // e.g. 65536 for FP16 with dynamic = true
-  double min_scale = 1.0;
-  double max_scale = 16777216.0;  // 2^24
-  double growth_factor = 2.0;
-  double backoff_factor = 0.5;
-  int64_t growth_interval = 1000;
-  int64_t hysteresis = 2;
-
   // FP16 defaults: dynamic, 2^16 initial scale.
   static LossScalerOptions fp16_dynamic();
   // Throws c10::Error naming the field: scales not positive or out of order, growth_factor
-  // <= 1, backoff_factor outside (0, 1), growth_interval or hysteresis < 1.
+  // <= 1, backoff_factor outside (0, 1), growth_interval or hysteresis < 1. LossScaler's
+  // constructor runs it.
   void validate() const;
+
+  // false: constant scale (BF16 needs none: scale 1).
+  TORCH_ARG(bool, dynamic) = false;
+  // The scale before the first step, e.g. 65536 for FP16 with dynamic(true).
+  TORCH_ARG(double, initial_scale) = 1.0;
+  // A dynamic scale stays within [min_scale, max_scale].
+  TORCH_ARG(double, min_scale) = 1.0;
+  TORCH_ARG(double, max_scale) = 16777216.0;  // 2^24
+  // Multiplies the scale after growth_interval clean steps in a row.
+  TORCH_ARG(double, growth_factor) = 2.0;
+  // Multiplies the scale on an overflow once the hysteresis budget is spent.
+  TORCH_ARG(double, backoff_factor) = 0.5;
+  TORCH_ARG(int64_t, growth_interval) = 1000;
+  // Overflows tolerated before the scale backs off.
+  TORCH_ARG(int64_t, hysteresis) = 2;
 };
 
 class LossScaler {
@@ -35,7 +43,7 @@ class LossScaler {
 
   double scale() const { return scale_; }
   double inv_scale() const { return 1.0 / scale_; }
-  bool is_dynamic() const { return options_.dynamic; }
+  bool is_dynamic() const { return options_.dynamic(); }
   const LossScalerOptions& options() const { return options_; }
 
   // Records the outcome of one step. A constant scaler ignores it.

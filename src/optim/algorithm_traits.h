@@ -1,0 +1,74 @@
+// Private: one table entry per inner algorithm of Float16Optimizer.
+//
+// Everything the optimizer does differently per algorithm lives behind AlgorithmTraits: the
+// names of its per-parameter state (checkpoint/format/state_keys.h), how hyper-parameters are
+// read from torch's option type, checked (with the step's own ranges), written to JSON and read
+// back, which state a parameter holds under them, and the fused kernel that steps it. Adding an
+// algorithm (Lion, Adafactor, ...) is one more entry in algorithm_traits.cpp and one more
+// Algorithm enumerator.
+#pragma once
+
+#include "mixprec/optim/float16_optimizer.h"
+
+#include <torch/optim/optimizer.h>
+#include <nlohmann/json.hpp>
+
+#include <memory>
+#include <span>
+#include <string>
+#include <string_view>
+#include <vector>
+
+namespace mixprec::optim::detail {
+
+// One step of one parameter (see fused_kernels.h for the tensors' contracts).
+struct StepArgs {
+  const at::Tensor& target;       // FP32, updated: the main copy or the native FP32 parameter
+  const at::Tensor& grad;         // contiguous, read
+  const at::Tensor& model_param;  // BF16/FP16 rewritten from `target`, or undefined
+  int64_t steps_before;           // updates applied to this parameter before this one
+  double grad_multiplier;         // loss-scale unscaling and clipping, folded in
+};
+
+class AlgorithmTraits {
+ public:
+  virtual ~AlgorithmTraits() = default;
+
+  virtual Algorithm algorithm() const = 0;
+  // The name checkpoints record in common["optimizer"]["algorithm"].
+  virtual std::string_view name() const = 0;
+  // Per-parameter state tensors by state_keys.h kind, in the order a slot holds them.
+  virtual std::span<const std::string_view> state_kinds() const = 0;
+  // The option type's name, for messages ("AdamWOptions").
+  virtual std::string_view options_name() const = 0;
+  // True if `options` are exactly this algorithm's option type.
+  virtual bool owns(const torch::optim::OptimizerOptions& options) const = 0;
+
+  // Hyper-parameters as torch's param_groups name them (no "params").
+  virtual nlohmann::json to_json(const torch::optim::OptimizerOptions& options) const = 0;
+  // "" if the step accepts `options`; else the step's own message for the first bad value.
+  virtual std::string range_problem(const torch::optim::OptimizerOptions& options) const = 0;
+  // A copy of `current` holding a saved group's hyper-parameters, or null after appending what
+  // is missing or mistyped to `problems` (each prefixed with `where`). Ranges are not checked
+  // here: range_problem() on the result does that, as for any other options.
+  virtual std::unique_ptr<torch::optim::OptimizerOptions> from_json(
+      const torch::optim::OptimizerOptions& current, const nlohmann::json& saved,
+      const std::string& where, std::vector<std::string>& problems) const = 0;
+  // Copies every hyper-parameter of `from` into `to` (the same object stays in the group, so
+  // references to it, e.g. a scheduler's, stay valid).
+  virtual void assign(torch::optim::OptimizerOptions& to,
+                      const torch::optim::OptimizerOptions& from) const = 0;
+
+  // Which of state_kinds() a stepped parameter holds under `options` (e.g. max_exp_avg_sq
+  // only with amsgrad; SGD's buffer only with momentum).
+  virtual std::vector<bool> held_state(const torch::optim::OptimizerOptions& options) const = 0;
+  // One fused step. `state` (parallel to state_kinds()) gains the tensors it lacks, and only
+  // once the kernel has succeeded: a throwing kernel leaves no state behind.
+  virtual void step(const torch::optim::OptimizerOptions& options, const StepArgs& args,
+                    std::vector<at::Tensor>& state) const = 0;
+};
+
+// The entry whose option type `options` has; throws c10::Error naming the type otherwise.
+const AlgorithmTraits& traits_for(const torch::optim::OptimizerOptions& options);
+
+}  // namespace mixprec::optim::detail

@@ -1,0 +1,199 @@
+// Loading optimizer state: loaded hyper-parameters and steps are validated exactly as the
+// constructor and the step validate them, before anything changes (issue 7 item 4).
+#include "mixprec/optim/float16_optimizer.h"
+
+#include "optim/support_optim.h"
+#include "support/error_message.h"
+
+#include <gtest/gtest.h>
+#include <torch/optim/adamw.h>
+#include <torch/optim/sgd.h>
+
+#include <limits>
+
+namespace mixprec::optim {
+namespace {
+
+using mixprec::testing::bitwise_equal;
+using mixprec::testing::error_of;
+using mixprec::testing::Interleaved;
+using mixprec::testing::set_grads;
+
+template <typename Options>
+struct Trained {
+  Interleaved model;
+  std::unique_ptr<Float16Optimizer> opt;
+  explicit Trained(const Options& options) {
+    opt = mixprec::testing::make_optimizer(model, options);
+    for (int s = 0; s < 2; ++s) {
+      set_grads(*model, s);
+      EXPECT_TRUE(opt->update().success);
+    }
+  }
+};
+
+// Everything the optimizer and its model hold, for "nothing changed" checks.
+struct Snapshot {
+  ShardedStateDict state;
+  std::vector<at::Tensor> params;
+  explicit Snapshot(Trained<torch::optim::AdamWOptions>& t) {
+    state = t.opt->sharded_state_dict().clone();
+    for (const auto& p : t.model->parameters()) params.push_back(p.clone());
+  }
+  void expect_same_as(Trained<torch::optim::AdamWOptions>& t) const {
+    const ShardedStateDict now = t.opt->sharded_state_dict();
+    EXPECT_EQ(now.common, state.common);
+    ASSERT_EQ(now.tensors.size(), state.tensors.size());
+    for (const auto& [key, v] : state.tensors) {
+      EXPECT_TRUE(bitwise_equal(now.at(key).local, v.local)) << key;
+    }
+    for (size_t i = 0; i < params.size(); ++i) {
+      EXPECT_TRUE(bitwise_equal(t.model->parameters()[i], params[i])) << i;
+    }
+  }
+};
+
+// Loads `bad` (sharded) into a trained AdamW optimizer: the error names `needle`, and nothing
+// changes.
+void expect_sharded_load_refused(const ShardedStateDict& bad, const std::string& needle) {
+  Trained<torch::optim::AdamWOptions> target(torch::optim::AdamWOptions(1e-3));
+  const Snapshot before(target);
+  const std::string msg = error_of([&] { target.opt->load_sharded_state_dict(bad); });
+  EXPECT_NE(msg.find(needle), std::string::npos) << "expected '" << needle << "' in: " << msg;
+  before.expect_same_as(target);
+}
+
+void expect_positional_load_refused(const PositionalStateDict& bad, const std::string& needle) {
+  Trained<torch::optim::AdamWOptions> target(torch::optim::AdamWOptions(1e-3));
+  const Snapshot before(target);
+  const std::string msg = error_of([&] { target.opt->load_state_dict(bad); });
+  EXPECT_NE(msg.find(needle), std::string::npos) << "expected '" << needle << "' in: " << msg;
+  before.expect_same_as(target);
+}
+
+TEST(OptimizerLoad, OutOfRangeAdamHyperParametersAreRefusedInBothForms) {
+  Trained<torch::optim::AdamWOptions> source(torch::optim::AdamWOptions(1e-2));
+  const ShardedStateDict saved = source.opt->sharded_state_dict();
+  const PositionalStateDict positional = source.opt->state_dict();
+  const std::vector<std::pair<nlohmann::json, std::string>> cases = {
+      {{{"lr", -1.0}}, "lr"},
+      {{{"betas", {1.5, 0.9}}}, "beta1"},
+      {{{"betas", {0.9, 1.0}}}, "beta2"},
+      {{{"eps", -1.0}}, "eps"},
+      {{{"weight_decay", -0.5}}, "weight_decay"},
+  };
+  for (const auto& [patch, needle] : cases) {
+    SCOPED_TRACE(patch.dump());
+    ShardedStateDict bad = saved;
+    bad.common["optimizer"]["param_groups"][0].update(patch);
+    expect_sharded_load_refused(bad, needle);
+    expect_sharded_load_refused(bad, "param group 0");
+    PositionalStateDict bad_positional = positional;
+    bad_positional.param_groups[0].update(patch);
+    expect_positional_load_refused(bad_positional, needle);
+  }
+}
+
+TEST(OptimizerLoad, SgdNesterovRuleIsCheckedOnLoad) {
+  Interleaved model_a, model_b;
+  auto a = mixprec::testing::make_optimizer(model_a, torch::optim::SGDOptions(0.1).momentum(0.9));
+  set_grads(*model_a, 0);
+  ASSERT_TRUE(a->update().success);
+  ShardedStateDict bad = a->sharded_state_dict();
+  bad.common["optimizer"]["param_groups"][0]["nesterov"] = true;
+  bad.common["optimizer"]["param_groups"][0]["dampening"] = 0.5;
+  auto b = mixprec::testing::make_optimizer(model_b, torch::optim::SGDOptions(0.1).momentum(0.9));
+  const std::string msg = error_of([&] { b->load_sharded_state_dict(bad); });
+  EXPECT_NE(msg.find("nesterov"), std::string::npos) << msg;
+  EXPECT_FALSE(b->param_groups()[0].options().get_lr() != 0.1);
+  EXPECT_FALSE(static_cast<torch::optim::SGDOptions&>(b->param_groups()[0].options()).nesterov());
+}
+
+TEST(OptimizerLoad, BadShardedStepIsRefused) {
+  Trained<torch::optim::AdamWOptions> source(torch::optim::AdamWOptions(1e-2));
+  const ShardedStateDict saved = source.opt->sharded_state_dict();
+  const std::vector<nlohmann::json> bad_steps = {
+      -1, 2.5, 1e20, nlohmann::json(std::numeric_limits<uint64_t>::max()), "3", nullptr};
+  for (const auto& step : bad_steps) {
+    SCOPED_TRACE(step.dump());
+    ShardedStateDict bad = saved;
+    bad.common["optimizer"]["step"] = step;
+    expect_sharded_load_refused(bad, "'step'");
+  }
+  for (const auto& step : bad_steps) {
+    SCOPED_TRACE("steps.gate = " + step.dump());
+    ShardedStateDict bad = saved;
+    bad.common["optimizer"]["steps"]["gate"] = step;
+    expect_sharded_load_refused(bad, "gate");
+  }
+}
+
+TEST(OptimizerLoad, BadPositionalStepIsRefused) {
+  Trained<torch::optim::AdamWOptions> source(torch::optim::AdamWOptions(1e-2));
+  const PositionalStateDict saved = source.opt->state_dict();
+  const double nan = std::numeric_limits<double>::quiet_NaN();
+  for (double step : {nan, -2.0, 2.5, 1e20, std::numeric_limits<double>::infinity()}) {
+    SCOPED_TRACE(step);
+    PositionalStateDict bad = saved;
+    bad.state[2]["step"] = at::scalar_tensor(step, at::kDouble);
+    expect_positional_load_refused(bad, "state[2].step");
+  }
+}
+
+// --- two typed steps: check, then apply -------------------------------------------------------
+
+TEST(OptimizerLoad, CheckChangesNothingAndApplyInstallsWhatWasChecked) {
+  Trained<torch::optim::AdamWOptions> source(torch::optim::AdamWOptions(1e-2));
+  ShardedStateDict saved = source.opt->sharded_state_dict();
+  saved.tensors.erase("optimizer.state.exp_avg.gate");
+  Trained<torch::optim::AdamWOptions> target(torch::optim::AdamWOptions(1e-3));
+  const Snapshot before(target);
+  CheckedOptimizerState checked =
+      target.opt->check_sharded_state_dict(saved, LoadOptions{.strict = false});
+  EXPECT_EQ(checked.report().missing_keys,
+            std::vector<std::string>{"optimizer.state.exp_avg.gate"});
+  before.expect_same_as(target);
+  const LoadReport report = target.opt->apply(std::move(checked));
+  EXPECT_EQ(report.missing_keys, std::vector<std::string>{"optimizer.state.exp_avg.gate"});
+  EXPECT_DOUBLE_EQ(target.opt->param_groups()[0].options().get_lr(), 1e-2);
+  EXPECT_TRUE(bitwise_equal(target.opt->main_param("post.weight"),
+                            saved.at("optimizer.state.fp32_param.post.weight").local));
+  EXPECT_FALSE(target.opt->sharded_state_dict().contains("optimizer.state.exp_avg.gate"))
+      << "gate's incomplete state starts fresh";
+}
+
+TEST(OptimizerLoad, CheckedStateAppliesOnceAndOnlyToItsOptimizer) {
+  Trained<torch::optim::AdamWOptions> source(torch::optim::AdamWOptions(1e-2));
+  const PositionalStateDict saved = source.opt->state_dict();
+  Trained<torch::optim::AdamWOptions> a(torch::optim::AdamWOptions(1e-3));
+  Trained<torch::optim::AdamWOptions> b(torch::optim::AdamWOptions(1e-3));
+  CheckedOptimizerState checked = a.opt->check_state_dict(saved);
+  const Snapshot b_before(b);
+  std::string msg = error_of([&] { b.opt->apply(std::move(checked)); });
+  EXPECT_NE(msg.find("checked by another optimizer"), std::string::npos) << msg;
+  b_before.expect_same_as(b);
+  EXPECT_TRUE(a.opt->apply(std::move(checked)).clean());
+  msg = error_of([&] { a.opt->apply(std::move(checked)); });
+  EXPECT_NE(msg.find("applied already"), std::string::npos) << msg;
+}
+
+// The check relied on the parameters' roles: a conversion run between check and apply makes
+// the checked value stale, and apply refuses it without touching anything.
+TEST(OptimizerLoad, ApplyRefusesAStateCheckedBeforeARoleChange) {
+  Trained<torch::optim::AdamWOptions> source(torch::optim::AdamWOptions(1e-2));
+  const ShardedStateDict saved = source.opt->sharded_state_dict();
+  Trained<torch::optim::AdamWOptions> target(torch::optim::AdamWOptions(1e-3));
+  CheckedOptimizerState checked = target.opt->check_sharded_state_dict(saved);
+  {
+    at::NoGradGuard no_grad;
+    target.model->gate.set_data(target.model->gate.to(at::kBFloat16));
+  }
+  const at::Tensor gate_before = target.model->gate.clone();
+  const std::string msg = error_of([&] { target.opt->apply(std::move(checked)); });
+  EXPECT_NE(msg.find("changed role since the state was checked"), std::string::npos) << msg;
+  EXPECT_EQ(target.opt->params_info()[2].role, ParamRole::kNativeFp32) << "nothing applied";
+  EXPECT_TRUE(bitwise_equal(target.model->gate, gate_before));
+}
+
+}  // namespace
+}  // namespace mixprec::optim
