@@ -49,14 +49,16 @@ set_source_files_properties(${_mixprec_hwy_sources} PROPERTIES
 
 # at::parallel_for is an inline template that runs in parallel only in translation units
 # compiled with OpenMP, and LibTorch's CMake package does not pass -fopenmp on: without this
-# the kernels would silently run on one thread. Only the dispatching file needs the flag (it
-# skips the shared precompiled header, built without it). The OpenMP runtime linked is the
+# the kernels would silently run on one thread. Only the dispatching files (those that include
+# kernels/parallel_chunks.h) need the flag; they skip the shared precompiled header, built
+# without it. The OpenMP runtime linked is the
 # libgomp.so.1 LibTorch ships when there is one: a process must load only one libgomp.
 find_package(OpenMP COMPONENTS CXX)
 find_library(MIXPREC_TORCH_GOMP NAMES libgomp.so.1 PATHS "${TORCH_INSTALL_PREFIX}/lib"
              NO_DEFAULT_PATH)
 if(OpenMP_CXX_FOUND)
-  set_source_files_properties(${CMAKE_CURRENT_LIST_DIR}/fused_kernels.cpp PROPERTIES
+  set_source_files_properties(${CMAKE_CURRENT_LIST_DIR}/fused_kernels.cpp
+                              ${CMAKE_CURRENT_LIST_DIR}/master_remainder.cpp PROPERTIES
     COMPILE_OPTIONS "${OpenMP_CXX_FLAGS}"
     SKIP_PRECOMPILE_HEADERS ON)
   if(MIXPREC_TORCH_GOMP)

@@ -32,12 +32,18 @@
 #include <string>
 #include <vector>
 
+#include "optim/support_kernels.h"
+
 // White-box hooks (SIMD target selection, the non-CPU fallback) from the private headers.
 #include "../../src/optim/kernels/aten_fallback.h"
+#include "../../src/optim/kernels/format_dispatch.h"
 #include "../../src/optim/kernels/kernel_args.h"
 
 namespace mixprec::optim {
 namespace {
+
+using mixprec::testing::expect_rejected;
+using mixprec::testing::same_bits;
 
 constexpr int64_t kSteps = 4;
 // The reference's scalar epilogue rounds one multiply-add differently: 1 ulp per step, and a
@@ -45,13 +51,6 @@ constexpr int64_t kSteps = 4;
 // value (observed: <= 3 after 4 steps).
 constexpr int64_t kTailUlps = 2 * kSteps;
 constexpr int64_t kRefEpilogue = 8;  // the reference's scalar epilogue: the last numel % 8
-
-// Bit-for-bit equality (unlike torch::equal: -0 != +0, NaN == NaN with the same payload).
-bool same_bits(const at::Tensor& a, const at::Tensor& b) {
-  if (a.scalar_type() != b.scalar_type() || a.sizes() != b.sizes()) return false;
-  const auto as_int = a.element_size() == 4 ? at::kInt : at::kShort;
-  return at::equal(a.contiguous().view(as_int), b.contiguous().view(as_int));
-}
 
 // Largest distance in FP32 ulps (representable values between a and b); NaN counts as huge.
 int64_t max_ulps(const at::Tensor& a, const at::Tensor& b) {
@@ -464,6 +463,24 @@ TEST(SimdTargets, EveryTargetConvertsExactlyAndAgreesOnAdam) {
   }
 }
 
+// One template maps run-time formats to kernel instantiations: every pair must reach its own.
+TEST(FormatDispatch, EveryRuntimePairReachesItsInstantiation) {
+  using detail::GradFormat;
+  using detail::ModelFormat;
+  for (const auto g : {GradFormat::kF32, GradFormat::kBF16, GradFormat::kF16}) {
+    for (const auto m :
+         {ModelFormat::kNone, ModelFormat::kBF16, ModelFormat::kF16, ModelFormat::kBF16Remainder}) {
+      const auto [grad, model] = detail::dispatch_formats(g, m, [](auto gt, auto mt) {
+        constexpr GradFormat kGrad = decltype(gt)::value;  // compile-time constants
+        constexpr ModelFormat kModel = decltype(mt)::value;
+        return std::pair{kGrad, kModel};
+      });
+      EXPECT_EQ(grad, g);
+      EXPECT_EQ(model, m);
+    }
+  }
+}
+
 // ---------------------------------------------------------------- grad_stats
 
 TEST(GradStats, SumOfSquaresAndFiniteness) {
@@ -506,24 +523,6 @@ struct AdamCall {
     fused_adam_step(param, grad, exp_avg, exp_avg_sq, max_sq, model, step, hp, inv);
   }
 };
-
-void expect_rejected(const std::function<void()>& call, const std::vector<at::Tensor>& watched,
-                     const std::string& op, const std::string& names) {
-  std::vector<at::Tensor> before;
-  for (const auto& t : watched) before.push_back(t.defined() ? t.clone() : t);
-  try {
-    call();
-    ADD_FAILURE() << "no error; expected one naming " << names;
-  } catch (const c10::Error& e) {
-    EXPECT_THAT(e.msg(), ::testing::HasSubstr("[mixprec::" + op + "]"));
-    EXPECT_THAT(e.msg(), ::testing::HasSubstr(names));
-  }
-  for (size_t i = 0; i < watched.size(); ++i) {
-    if (watched[i].defined() && watched[i].device().is_cpu()) {
-      EXPECT_TRUE(same_bits(watched[i], before[i])) << "argument " << i << " was written";
-    }
-  }
-}
 
 TEST(FusedAdamErrors, EachBadArgumentIsNamedAndNothingIsWritten) {
   const auto meta = at::TensorOptions(at::kMeta);
@@ -619,7 +618,7 @@ TEST(AtenFallback, MatchesSimdPathClosely) {
   EXPECT_TRUE(same_bits(model_b, b.param.to(at::kBFloat16)));
   EXPECT_LE(max_ulps(sa, sb), 2 * kSteps);
   const at::Tensor g = at::randn({n});
-  EXPECT_NEAR(detail::grad_stats_aten(g, 2.0).sum_of_squares, grad_stats(g, 2.0).sum_of_squares,
+  EXPECT_NEAR(detail::sum_of_squares_aten(g) * 4.0, grad_stats(g, 2.0).sum_of_squares,
               1e-12 * grad_stats(g, 2.0).sum_of_squares);
 }
 

@@ -21,36 +21,9 @@
 
 #include <cstdint>
 
+#include "mixprec/optim/hyper_params.h"
+
 namespace mixprec::optim {
-
-// torch.optim.Adam / AdamW hyper-parameters (same names, same defaults as AdamW when
-// decoupled_weight_decay is true).
-struct AdamHyperParams {
-  double lr = 1e-3;
-  double beta1 = 0.9;
-  double beta2 = 0.999;
-  double eps = 1e-8;
-  double weight_decay = 0.0;           // note: torch.optim.AdamW's default is 1e-2
-  bool decoupled_weight_decay = true;  // AdamW: param *= 1 - lr * weight_decay
-  bool amsgrad = false;                // keep max_exp_avg_sq and use it in the denominator
-  bool maximize = false;               // ascend: negate the gradient
-};
-
-// torch.optim.SGD hyper-parameters.
-struct SgdHyperParams {
-  double lr = 1e-3;
-  double momentum = 0.0;
-  double dampening = 0.0;
-  double weight_decay = 0.0;
-  bool nesterov = false;
-  bool maximize = false;
-};
-
-// Throw c10::Error naming the hyper-parameter if it is outside the range torch.optim accepts
-// (negative lr/eps/weight decay, betas outside [0, 1), nesterov without plain momentum).
-// The step functions run these too; callers use them to validate before changing anything.
-void check_hyper_params(const AdamHyperParams& hp);
-void check_hyper_params(const SgdHyperParams& hp);
 
 // One Adam/AdamW update of one parameter, in place.
 //   param          FP32, updated (the main copy, or the native FP32 parameter itself)

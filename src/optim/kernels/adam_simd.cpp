@@ -7,14 +7,16 @@
 // second-moment update). This file is compiled with -ffp-contract=off so that the compiler
 // adds no others: every rounding below is one the reference performs too. On targets without
 // FMA hardware (SSSE3, SSE4, EMU128) hn::MulAdd rounds twice, like LibTorch's non-FMA kernel.
+// The master comes from LoadMaster and goes back through StoreMaster: an FP32 stream, or the
+// BF16 param + remainder pair rebuilt exactly in registers, so both run the same update.
 #undef HWY_TARGET_INCLUDE
 #define HWY_TARGET_INCLUDE "optim/kernels/adam_simd.cpp"
 #include <hwy/foreach_target.h>  // must precede highway.h
 #include <hwy/highway.h>
 
 #include <algorithm>
-#include <cstring>
 
+#include "optim/kernels/format_dispatch.h"
 #include "optim/kernels/kernel_args.h"
 #include "optim/kernels/simd_convert-inl.h"
 
@@ -24,13 +26,14 @@ namespace {
 
 template <GradFormat G, ModelFormat M, class D>
 HWY_INLINE void AdamVector(D d, const AdamConstants& c, float* HWY_RESTRICT param,
+                           uint16_t* HWY_RESTRICT model, int16_t* HWY_RESTRICT remainder,
                            const GradElement<G>* HWY_RESTRICT grad, float* HWY_RESTRICT exp_avg,
                            float* HWY_RESTRICT exp_avg_sq, float* HWY_RESTRICT max_exp_avg_sq,
-                           uint16_t* HWY_RESTRICT model, size_t i) {
+                           size_t i) {
   auto g = LoadGrad<G>(d, grad, i);
   if (c.scale_grad) g = hn::Mul(g, hn::Set(d, c.grad_scale_inv));
   if (c.maximize) g = hn::Neg(g);
-  auto p = hn::LoadU(d, param + i);
+  auto p = LoadMaster<M>(d, param, model, remainder, i);
   if (c.has_weight_decay) {
     if (c.decoupled) {
       p = hn::Mul(p, hn::Set(d, c.param_decay));
@@ -60,8 +63,7 @@ HWY_INLINE void AdamVector(D d, const AdamConstants& c, float* HWY_RESTRICT para
   const auto denom = hn::Add(hn::Div(hn::Sqrt(second_moment), hn::Set(d, c.bias_correction2_sqrt)),
                              hn::Set(d, c.eps));
   p = hn::Add(p, hn::Div(hn::Mul(hn::Set(d, c.neg_step_size), m), denom));
-  hn::StoreU(p, d, param + i);
-  StoreModel<M>(d, p, model, i);
+  StoreMaster<M>(d, p, param, model, remainder, i);
 }
 
 template <GradFormat G, ModelFormat M>
@@ -69,56 +71,36 @@ void AdamRange(const AdamBuffers& b, const AdamConstants& c, size_t begin, size_
   const hn::ScalableTag<float> d;
   const size_t lanes = hn::Lanes(d);
   const auto* grad = static_cast<const GradElement<G>*>(b.grad);
+  float* param = b.param.param;
+  uint16_t* model = b.param.model_param;
+  int16_t* remainder = b.param.remainder;
   size_t i = begin;
   for (; i + lanes <= end; i += lanes) {
-    AdamVector<G, M>(d, c, b.param, grad, b.exp_avg, b.exp_avg_sq, b.max_exp_avg_sq, b.model_param,
+    AdamVector<G, M>(d, c, param, model, remainder, grad, b.exp_avg, b.exp_avg_sq, b.max_exp_avg_sq,
                      i);
   }
   if (i == end) return;
-  // The last partial vector goes through the same vector code on zero-padded copies, so a
-  // tail element is computed exactly like any other (no separate scalar formula to drift).
+  // The last partial vector: the same vector code on zero-padded copies.
   const size_t n = end - i;
-  HWY_ALIGN float p[kMaxFloatLanes] = {}, m[kMaxFloatLanes] = {}, v[kMaxFloatLanes] = {},
-                  mx[kMaxFloatLanes] = {};
-  HWY_ALIGN GradElement<G> g[kMaxFloatLanes] = {};
-  HWY_ALIGN uint16_t model[kMaxFloatLanes] = {};
-  std::copy_n(b.param + i, n, p);
-  std::copy_n(grad + i, n, g);
+  TailCopies<G, M> t;
+  HWY_ALIGN float m[kMaxFloatLanes] = {}, v[kMaxFloatLanes] = {}, mx[kMaxFloatLanes] = {};
+  t.load(param, model, remainder, grad, i, n);
   std::copy_n(b.exp_avg + i, n, m);
   std::copy_n(b.exp_avg_sq + i, n, v);
   if (c.amsgrad) std::copy_n(b.max_exp_avg_sq + i, n, mx);
-  AdamVector<G, M>(d, c, p, g, m, v, mx, model, 0);
-  std::copy_n(p, n, b.param + i);
+  AdamVector<G, M>(d, c, t.param, t.model, t.remainder, t.grad, m, v, mx, 0);
+  t.store(param, model, remainder, i, n);
   std::copy_n(m, n, b.exp_avg + i);
   std::copy_n(v, n, b.exp_avg_sq + i);
   if (c.amsgrad) std::copy_n(mx, n, b.max_exp_avg_sq + i);
-  if constexpr (M != ModelFormat::kNone) std::copy_n(model, n, b.model_param + i);
-}
-
-template <GradFormat G>
-void AdamRangeForGrad(const AdamBuffers& b, const AdamConstants& c, size_t begin, size_t end) {
-  switch (b.model_format) {
-    case ModelFormat::kNone:
-      return AdamRange<G, ModelFormat::kNone>(b, c, begin, end);
-    case ModelFormat::kBF16:
-      return AdamRange<G, ModelFormat::kBF16>(b, c, begin, end);
-    case ModelFormat::kF16:
-      return AdamRange<G, ModelFormat::kF16>(b, c, begin, end);
-  }
 }
 
 }  // namespace
 
 void AdamChunk(const AdamBuffers& b, const AdamConstants& c, int64_t begin, int64_t end) {
-  const auto first = static_cast<size_t>(begin), last = static_cast<size_t>(end);
-  switch (b.grad_format) {
-    case GradFormat::kF32:
-      return AdamRangeForGrad<GradFormat::kF32>(b, c, first, last);
-    case GradFormat::kBF16:
-      return AdamRangeForGrad<GradFormat::kBF16>(b, c, first, last);
-    case GradFormat::kF16:
-      return AdamRangeForGrad<GradFormat::kF16>(b, c, first, last);
-  }
+  dispatch_formats(b.grad_format, b.param.model_format, [&](auto g, auto m) {
+    AdamRange<g, m>(b, c, static_cast<size_t>(begin), static_cast<size_t>(end));
+  });
 }
 
 }  // namespace mixprec::optim::detail::HWY_NAMESPACE

@@ -18,6 +18,19 @@ at::Tensor effective_grad(const at::Tensor& grad, double grad_scale_inv, bool ma
   return g;
 }
 
+// mask ? a : b for int64 tensors, in arithmetic (at::where has no kernel for some devices,
+// e.g. meta).
+at::Tensor select(const at::Tensor& mask, const at::Tensor& a, const at::Tensor& b) {
+  return b + mask.to(at::kLong) * (a - b);
+}
+
+// An int64 tensor of unsigned `width`-bit patterns as the signed integers with the same bits,
+// so the narrowing conversion is exact.
+at::Tensor as_signed(const at::Tensor& bits, int width) {
+  const int64_t half = int64_t{1} << (width - 1);
+  return bits - (bits >= half).to(at::kLong) * (2 * half);
+}
+
 }  // namespace
 
 void adam_step_aten(const at::Tensor& param, const at::Tensor& grad, const at::Tensor& exp_avg,
@@ -66,17 +79,38 @@ void sgd_step_aten(const at::Tensor& param, const at::Tensor& grad,
   if (model_param.defined()) model_param.copy_(param);
 }
 
-GradStats grad_stats_aten(const at::Tensor& grad, double grad_scale_inv) {
-  const double raw = at::sum(at::square(grad.to(at::kDouble))).item<double>();
-  GradStats stats;
-  stats.sum_of_squares = raw * grad_scale_inv * grad_scale_inv;
-  stats.all_finite = std::isfinite(raw);
-  return stats;
+double sum_of_squares_aten(const at::Tensor& grad) {
+  return at::sum(at::square(grad.to(at::kDouble))).item<double>();
 }
 
 void copy_master_to_model_aten(const at::Tensor& master, const at::Tensor& model_param) {
   at::NoGradGuard no_grad;
   model_param.copy_(master);
+}
+
+// The bits are handled as int64 (exact for every 16- and 32-bit pattern).
+void split_master_aten(const at::Tensor& master, const at::Tensor& param,
+                       const at::Tensor& remainder) {
+  at::NoGradGuard no_grad;
+  const at::Tensor bits = master.view(at::kInt).to(at::kLong).bitwise_and(0xFFFFFFFFLL);
+  const at::Tensor rounded = (bits + 0x8000).bitwise_right_shift(16).bitwise_and(0xFFFF);
+  const at::Tensor quiet_nan = bits.bitwise_right_shift(16).bitwise_or(0x0040);
+  const at::Tensor nan = bits.bitwise_and(0x7FFFFFFF) > 0x7F800000;
+  const at::Tensor high = select(nan, quiet_nan, rounded);
+  param.view(at::kShort).copy_(as_signed(high, 16).to(at::kShort));
+  remainder.copy_(as_signed(bits.bitwise_and(0xFFFF), 16).to(at::kShort));
+}
+
+void join_master_aten(const at::Tensor& param, const at::Tensor& remainder,
+                      const at::Tensor& master) {
+  at::NoGradGuard no_grad;
+  const at::Tensor param_bits = param.view(at::kShort).to(at::kLong).bitwise_and(0xFFFF);
+  const at::Tensor nan = param_bits.bitwise_and(0x7FFF) > 0x7F80;
+  const at::Tensor high = param_bits * 65536;
+  const at::Tensor offset = high + remainder.to(at::kLong);  // sign-extended remainder
+  const at::Tensor raw = high + remainder.to(at::kLong).bitwise_and(0xFFFF);
+  const at::Tensor bits = select(nan, raw, offset).bitwise_and(0xFFFFFFFFLL);
+  master.view(at::kInt).copy_(as_signed(bits, 32).to(at::kInt));
 }
 
 }  // namespace mixprec::optim::detail

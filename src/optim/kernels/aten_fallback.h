@@ -6,7 +6,11 @@
 // Arguments are validated by the public entry points (fused_kernels.cpp) before these run.
 #pragma once
 
-#include "mixprec/optim/fused_kernels.h"
+#include <ATen/core/Tensor.h>
+
+#include <cstdint>
+
+#include "mixprec/optim/hyper_params.h"
 
 namespace mixprec::optim::detail {
 
@@ -19,8 +23,15 @@ void sgd_step_aten(const at::Tensor& param, const at::Tensor& grad,
                    const at::Tensor& momentum_buffer, const at::Tensor& model_param,
                    bool first_step, const SgdHyperParams& hp, double grad_scale_inv);
 
-GradStats grad_stats_aten(const at::Tensor& grad, double grad_scale_inv);
+// Σ grad² in double, unscaled (the caller applies grad_scale_inv², as on the SIMD path).
+double sum_of_squares_aten(const at::Tensor& grad);
 
 void copy_master_to_model_aten(const at::Tensor& master, const at::Tensor& model_param);
+
+// Master remainders (mixprec/optim/master_remainder.h) in integer tensor ops.
+void split_master_aten(const at::Tensor& master, const at::Tensor& param,
+                       const at::Tensor& remainder);
+void join_master_aten(const at::Tensor& param, const at::Tensor& remainder,
+                      const at::Tensor& master);
 
 }  // namespace mixprec::optim::detail

@@ -1,6 +1,6 @@
-// Read-mostly passes, compiled once per Highway target and selected at run time: FP32 main
-// copy -> BF16/FP16 model parameter, and the gradient's sum of squares for clipping and
-// overflow detection.
+// Conversion and read-only passes, compiled once per Highway target and selected at run time:
+// FP32 main copy -> BF16/FP16 model parameter, FP32 master <-> BF16 param + remainder, and the
+// gradient's sum of squares for clipping and overflow detection.
 #undef HWY_TARGET_INCLUDE
 #define HWY_TARGET_INCLUDE "optim/kernels/convert_simd.cpp"
 #include <hwy/foreach_target.h>  // must precede highway.h
@@ -8,6 +8,7 @@
 
 #include <algorithm>
 
+#include "optim/kernels/format_dispatch.h"
 #include "optim/kernels/kernel_args.h"
 #include "optim/kernels/simd_convert-inl.h"
 
@@ -67,28 +68,56 @@ double SumOfSquaresRange(const GradElement<G>* HWY_RESTRICT grad, size_t begin, 
 
 void MasterToModelChunk(const float* master, uint16_t* model, ModelFormat format, int64_t begin,
                         int64_t end) {
-  const auto first = static_cast<size_t>(begin), last = static_cast<size_t>(end);
-  switch (format) {
-    case ModelFormat::kBF16:
-      return MasterToModelRange<ModelFormat::kBF16>(master, model, first, last);
-    case ModelFormat::kF16:
-      return MasterToModelRange<ModelFormat::kF16>(master, model, first, last);
-    case ModelFormat::kNone:
-      return;
+  dispatch_model_format(format, [&](auto m) {
+    constexpr ModelFormat M = decltype(m)::value;
+    // Only a separate BF16/FP16 model param is derived from the master alone.
+    if constexpr (M == ModelFormat::kBF16 || M == ModelFormat::kF16) {
+      MasterToModelRange<M>(master, model, static_cast<size_t>(begin), static_cast<size_t>(end));
+    }
+  });
+}
+
+void SplitMasterChunk(const float* HWY_RESTRICT master, uint16_t* HWY_RESTRICT param,
+                      int16_t* HWY_RESTRICT remainder, int64_t begin, int64_t end_signed) {
+  const hn::ScalableTag<float> d;
+  const size_t lanes = hn::Lanes(d), end = static_cast<size_t>(end_signed);
+  size_t i = static_cast<size_t>(begin);
+  for (; i + lanes <= end; i += lanes) {
+    SplitMaster(d, hn::LoadU(d, master + i), param + i, remainder + i);
   }
+  if (i == end) return;
+  HWY_ALIGN float in[kMaxFloatLanes] = {};
+  HWY_ALIGN uint16_t out_param[kMaxFloatLanes] = {};
+  HWY_ALIGN int16_t out_remainder[kMaxFloatLanes] = {};
+  std::copy_n(master + i, end - i, in);
+  SplitMaster(d, hn::Load(d, in), out_param, out_remainder);
+  std::copy_n(out_param, end - i, param + i);
+  std::copy_n(out_remainder, end - i, remainder + i);
+}
+
+void JoinMasterChunk(const uint16_t* HWY_RESTRICT param, const int16_t* HWY_RESTRICT remainder,
+                     float* HWY_RESTRICT master, int64_t begin, int64_t end_signed) {
+  const hn::ScalableTag<float> d;
+  const size_t lanes = hn::Lanes(d), end = static_cast<size_t>(end_signed);
+  size_t i = static_cast<size_t>(begin);
+  for (; i + lanes <= end; i += lanes) {
+    hn::StoreU(JoinMaster(d, param + i, remainder + i), d, master + i);
+  }
+  if (i == end) return;
+  HWY_ALIGN uint16_t in_param[kMaxFloatLanes] = {};
+  HWY_ALIGN int16_t in_remainder[kMaxFloatLanes] = {};
+  HWY_ALIGN float out[kMaxFloatLanes] = {};
+  std::copy_n(param + i, end - i, in_param);
+  std::copy_n(remainder + i, end - i, in_remainder);
+  hn::Store(JoinMaster(d, in_param, in_remainder), d, out);
+  std::copy_n(out, end - i, master + i);
 }
 
 double SumOfSquaresChunk(const void* grad, GradFormat format, int64_t begin, int64_t end) {
-  const auto first = static_cast<size_t>(begin), last = static_cast<size_t>(end);
-  switch (format) {
-    case GradFormat::kF32:
-      return SumOfSquaresRange<GradFormat::kF32>(static_cast<const float*>(grad), first, last);
-    case GradFormat::kBF16:
-      return SumOfSquaresRange<GradFormat::kBF16>(static_cast<const uint16_t*>(grad), first, last);
-    case GradFormat::kF16:
-      return SumOfSquaresRange<GradFormat::kF16>(static_cast<const uint16_t*>(grad), first, last);
-  }
-  return 0.0;
+  return dispatch_grad_format(format, [&](auto g) {
+    return SumOfSquaresRange<g>(static_cast<const GradElement<g>*>(grad),
+                                static_cast<size_t>(begin), static_cast<size_t>(end));
+  });
 }
 
 // Names the target this instantiation was compiled for (test hook).
@@ -101,12 +130,24 @@ HWY_AFTER_NAMESPACE();
 namespace mixprec::optim::detail {
 
 HWY_EXPORT(MasterToModelChunk);
+HWY_EXPORT(SplitMasterChunk);
+HWY_EXPORT(JoinMasterChunk);
 HWY_EXPORT(SumOfSquaresChunk);
 HWY_EXPORT(TargetName);
 
 void master_to_model_chunk(const float* master, uint16_t* model, ModelFormat format, int64_t begin,
                            int64_t end) {
   HWY_DYNAMIC_DISPATCH(MasterToModelChunk)(master, model, format, begin, end);
+}
+
+void split_master_chunk(const float* master, uint16_t* param, int16_t* remainder, int64_t begin,
+                        int64_t end) {
+  HWY_DYNAMIC_DISPATCH(SplitMasterChunk)(master, param, remainder, begin, end);
+}
+
+void join_master_chunk(const uint16_t* param, const int16_t* remainder, float* master,
+                       int64_t begin, int64_t end) {
+  HWY_DYNAMIC_DISPATCH(JoinMasterChunk)(param, remainder, master, begin, end);
 }
 
 double sum_of_squares_chunk(const void* grad, GradFormat format, int64_t begin, int64_t end) {

@@ -15,7 +15,20 @@ namespace mixprec::optim::detail {
 
 // Element formats of the 16/32-bit streams the kernels read or write.
 enum class GradFormat : int { kF32, kBF16, kF16 };
-enum class ModelFormat : int { kNone, kBF16, kF16 };
+// How the parameter is held:
+//   kNone           an FP32 param (a native FP32 parameter, or a main copy nobody mirrors)
+//   kBF16, kF16     an FP32 main copy, mirrored to a BF16/FP16 model param (RNE) after a step
+//   kBF16Remainder  no FP32 copy: the master is the BF16 model param plus an int16 remainder
+//                   (mixprec/optim/master_remainder.h), read and written in place
+enum class ModelFormat : int { kNone, kBF16, kF16, kBF16Remainder };
+
+// Where a parameter lives; which pointers are set depends on the ModelFormat.
+struct ParamStreams {
+  float* param = nullptr;           // FP32; all formats but kBF16Remainder
+  uint16_t* model_param = nullptr;  // BF16/FP16 bits; all formats but kNone
+  int16_t* remainder = nullptr;     // kBF16Remainder only
+  ModelFormat model_format = ModelFormat::kNone;
+};
 
 // Per-step Adam constants, each rounded to float exactly once (from double, as
 // at::_fused_adam_ does), so every lane and every thread uses identical values.
@@ -38,14 +51,12 @@ struct AdamConstants {
 
 // Raw pointers for one parameter; elements [begin, end) of every stream are processed.
 struct AdamBuffers {
-  float* param = nullptr;
+  ParamStreams param;
   const void* grad = nullptr;  // GradFormat
   float* exp_avg = nullptr;
   float* exp_avg_sq = nullptr;
   float* max_exp_avg_sq = nullptr;  // only when amsgrad
-  uint16_t* model_param = nullptr;  // only when model != kNone
   GradFormat grad_format = GradFormat::kF32;
-  ModelFormat model_format = ModelFormat::kNone;
 };
 
 struct SgdConstants {
@@ -63,12 +74,10 @@ struct SgdConstants {
 };
 
 struct SgdBuffers {
-  float* param = nullptr;
+  ParamStreams param;
   const void* grad = nullptr;
   float* momentum_buffer = nullptr;  // only when has_momentum
-  uint16_t* model_param = nullptr;
   GradFormat grad_format = GradFormat::kF32;
-  ModelFormat model_format = ModelFormat::kNone;
 };
 
 // One chunk of work each; called from at::parallel_for bodies, so chunks must not overlap.
@@ -79,6 +88,12 @@ void sgd_chunk(const SgdBuffers& buffers, const SgdConstants& constants, int64_t
 // model[i] = RNE(master[i]) for i in [begin, end).
 void master_to_model_chunk(const float* master, uint16_t* model, ModelFormat format, int64_t begin,
                            int64_t end);
+// Master remainders (mixprec/optim/master_remainder.h) for i in [begin, end):
+// (param[i], remainder[i]) = split(master[i]), and master[i] = join(param[i], remainder[i]).
+void split_master_chunk(const float* master, uint16_t* param, int16_t* remainder, int64_t begin,
+                        int64_t end);
+void join_master_chunk(const uint16_t* param, const int16_t* remainder, float* master,
+                       int64_t begin, int64_t end);
 // Σ grad[i]² over [begin, end), accumulated in double; Inf/NaN inputs make it non-finite.
 double sum_of_squares_chunk(const void* grad, GradFormat format, int64_t begin, int64_t end);
 

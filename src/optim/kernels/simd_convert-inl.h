@@ -18,6 +18,7 @@
 
 #include <hwy/highway.h>
 
+#include <algorithm>
 #include <cstdint>
 #include <type_traits>
 
@@ -126,6 +127,105 @@ HWY_INLINE void StoreModel(DF df, hn::VFromD<DF> v, uint16_t* HWY_RESTRICT model
     NarrowF16(df, v, model + i);
   }
 }
+
+// Master remainders (format and proofs: mixprec/optim/master_remainder.h). With b the BF16
+// param and r the int16 remainder, w = (b << 16) | (r & 0xFFFF):
+//   join:  master = w - ((w & 0x8000) << 1)   i.e. (b << 16) + r: r < 0 undoes a round-up
+//          master = w                         when b is NaN (r is the low half as is)
+//   split: b = (master + 0x8000) >> 16        round half up in the bits (carries into the
+//                                             exponent, up to Inf, as RNE's do)
+//          b = (master >> 16) | 0x0040        when master is NaN (quiet, sign kept)
+//          r = master & 0xFFFF
+template <class DF>
+HWY_INLINE hn::VFromD<DF> JoinMaster(DF df, const uint16_t* HWY_RESTRICT param,
+                                     const int16_t* HWY_RESTRICT remainder) {
+  const hn::Rebind<uint16_t, DF> d16;
+  const hn::Rebind<int16_t, DF> di16;
+  const hn::RebindToUnsigned<DF> du;
+  const hn::RebindToSigned<DF> di;
+  const auto high = hn::ShiftLeft<16>(hn::PromoteTo(du, hn::LoadU(d16, param)));
+  const auto low = hn::PromoteTo(di, hn::LoadU(di16, remainder));  // sign-extended
+  const auto offset = hn::Add(hn::BitCast(di, high), low);
+  const auto raw = hn::Or(high, hn::And(hn::BitCast(du, low), hn::Set(du, 0xFFFFu)));
+  // `high` has a zero low half: it is NaN exactly when the BF16 param is.
+  const auto is_nan = hn::RebindMask(du, hn::IsNaN(hn::BitCast(df, high)));
+  return hn::BitCast(df, hn::IfThenElse(is_nan, raw, hn::BitCast(du, offset)));
+}
+
+template <class DF>
+HWY_INLINE void SplitMaster(DF df, hn::VFromD<DF> master, uint16_t* HWY_RESTRICT param,
+                            int16_t* HWY_RESTRICT remainder) {
+  const hn::Rebind<uint16_t, DF> d16;
+  const hn::RebindToUnsigned<DF> du;
+  const hn::RebindToSigned<DF> di;
+  const auto bits = hn::BitCast(du, master);
+  const auto rounded = hn::ShiftRight<16>(hn::Add(bits, hn::Set(du, 0x8000u)));
+  const auto quiet_nan = hn::Or(hn::ShiftRight<16>(bits), hn::Set(du, 0x0040u));
+  const auto high = hn::IfThenElse(hn::RebindMask(du, hn::IsNaN(master)), quiet_nan, rounded);
+  const auto low = hn::And(bits, hn::Set(du, 0xFFFFu));
+  // Every lane is <= 0xFFFF, so the saturating narrowing is a plain truncation. The remainder
+  // is stored through its unsigned alias: the same 16 bits.
+  hn::StoreU(hn::DemoteTo(d16, hn::BitCast(di, high)), d16, param);
+  hn::StoreU(hn::DemoteTo(d16, hn::BitCast(di, low)), d16, reinterpret_cast<uint16_t*>(remainder));
+}
+
+// The FP32 master of elements [i, i + Lanes(df)) of a parameter held as ParamStreams in
+// format M, and its write-back (master, and the model param derived from it).
+template <ModelFormat M, class DF>
+HWY_INLINE hn::VFromD<DF> LoadMaster(DF df, const float* HWY_RESTRICT param,
+                                     const uint16_t* HWY_RESTRICT model,
+                                     const int16_t* HWY_RESTRICT remainder, size_t i) {
+  if constexpr (M == ModelFormat::kBF16Remainder) {
+    return JoinMaster(df, model + i, remainder + i);
+  } else {
+    return hn::LoadU(df, param + i);
+  }
+}
+
+template <ModelFormat M, class DF>
+HWY_INLINE void StoreMaster(DF df, hn::VFromD<DF> master, float* HWY_RESTRICT param,
+                            uint16_t* HWY_RESTRICT model, int16_t* HWY_RESTRICT remainder,
+                            size_t i) {
+  if constexpr (M == ModelFormat::kBF16Remainder) {
+    SplitMaster(df, master, model + i, remainder + i);
+  } else {
+    hn::StoreU(master, df, param + i);
+    StoreModel<M>(df, master, model, i);
+  }
+}
+
+// Zero-padded copies of the parameter's streams (in format M) and the gradient for the last,
+// partial vector of a range: the kernels run it through their vector code, so a tail element
+// is computed exactly like any other (no separate scalar formula to drift).
+template <GradFormat G, ModelFormat M>
+struct TailCopies {
+  HWY_ALIGN float param[kMaxFloatLanes] = {};
+  HWY_ALIGN uint16_t model[kMaxFloatLanes] = {};
+  HWY_ALIGN int16_t remainder[kMaxFloatLanes] = {};
+  HWY_ALIGN GradElement<G> grad[kMaxFloatLanes] = {};
+
+  // Copies in what the kernel reads: the master's streams and the gradient.
+  void load(const float* src_param, const uint16_t* src_model, const int16_t* src_remainder,
+            const GradElement<G>* src_grad, size_t i, size_t n) {
+    if constexpr (M == ModelFormat::kBF16Remainder) {
+      std::copy_n(src_model + i, n, model);
+      std::copy_n(src_remainder + i, n, remainder);
+    } else {
+      std::copy_n(src_param + i, n, param);
+    }
+    std::copy_n(src_grad + i, n, grad);
+  }
+  // Copies out what the kernel wrote.
+  void store(float* dst_param, uint16_t* dst_model, int16_t* dst_remainder, size_t i,
+             size_t n) const {
+    if constexpr (M == ModelFormat::kBF16Remainder) {
+      std::copy_n(remainder, n, dst_remainder + i);
+    } else {
+      std::copy_n(param, n, dst_param + i);
+    }
+    if constexpr (M != ModelFormat::kNone) std::copy_n(model, n, dst_model + i);
+  }
+};
 
 // at::maximum semantics: NaN in either operand propagates (x86 max would drop one of them).
 template <class V>
