@@ -43,7 +43,9 @@ SaveResult save_training_state(const std::filesystem::path& root, const std::str
 ResumeResult load_training_state(const std::filesystem::path& path, torch::nn::Module& model,
                                  optim::Float16Optimizer& optimizer, const LoadOptions& options) {
   ResumeResult result;
-  result.dir = resolve_checkpoint(path);
+  ResolvedCheckpoint resolved = find_checkpoint(path);
+  result.dir = std::move(resolved.dir);
+  result.note = std::move(resolved.note);
   ShardedStateDict state = read_checkpoint(result.dir);  // verifies every chunk's checksum
   TORCH_CHECK(state.contains(kRngKey), "[mixprec::checkpoint] ", result.dir.string(),
               ": no '", kRngKey, "' tensor (not a training-state checkpoint?)");

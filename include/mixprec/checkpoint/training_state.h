@@ -32,12 +32,14 @@ SaveResult save_training_state(const std::filesystem::path& root, const std::str
 
 struct ResumeResult {
   std::filesystem::path dir;  // the checkpoint loaded
+  std::string note;           // why it is not what `latest` names, if it is not (load.h)
   LoadReport model;
   LoadReport optimizer;
   nlohmann::json user;  // what save_training_state was given
 };
 
-// Loads `path` (a checkpoint directory, or a root whose `latest` is used) into model and
+// Loads `path` (a checkpoint directory, or a root: its newest complete checkpoint, normally
+// the one `latest` names; see find_checkpoint in load.h and `note`) into model and
 // optimizer, and restores the CPU RNG. Everything is read and validated — checksums, keys,
 // shapes, dtypes, for the model and the optimizer — before anything is changed: on any error
 // model, optimizer and RNG are exactly as before. Throws c10::Error or FormatError listing
