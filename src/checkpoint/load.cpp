@@ -3,6 +3,7 @@
 #include "mixprec/checkpoint/format/error.h"
 #include "mixprec/checkpoint/format/latest.h"
 #include "mixprec/checkpoint/format/manifest.h"
+#include "mixprec/checkpoint/format/newest_checkpoint.h"
 #include "mixprec/checkpoint/format/safetensors_reader.h"
 #include "mixprec/checkpoint/tensor_dtype.h"
 
@@ -13,14 +14,37 @@
 
 namespace mixprec::checkpoint {
 
-std::filesystem::path resolve_checkpoint(const std::filesystem::path& path) {
-  if (std::filesystem::exists(path / kManifestFileName)) return path;
-  std::optional<std::string> latest = read_latest(path);
-  if (!latest) {
-    throw FormatError("[mixprec::checkpoint] " + path.string() +
-                      ": neither a checkpoint (no manifest.json) nor a root with a 'latest' file");
+ResolvedCheckpoint find_checkpoint(const std::filesystem::path& path) {
+  std::error_code ec;
+  if (std::filesystem::exists(std::filesystem::symlink_status(path / kManifestFileName, ec))) {
+    Directory::open(path);  // a checkpoint directory itself must be real, not a link
+    return {path, ""};
   }
-  return path / *latest;
+  const Directory root = Directory::open(path, Directory::Last::kMayBeLink);
+  const NewestCheckpoint newest = find_newest_checkpoint(root);
+  if (!newest.latest_error.empty()) throw FormatError(newest.latest_error);
+  if (!newest.name) {
+    throw FormatError("[mixprec::checkpoint] " + path.string() +
+                      ": neither a checkpoint (no manifest.json) nor a root with a 'latest' file "
+                      "or committed checkpoints");
+  }
+  std::string note;
+  if (newest.latest_is_stale()) {
+    note = (newest.recorded ? "'latest' names '" + *newest.recorded + "', but '" + *newest.name +
+                                  "' is newer and complete (a save ended between its commit "
+                                  "and the 'latest' update)"
+                            : "there is no 'latest'; '" + *newest.name +
+                                  "' is the newest complete checkpoint") +
+           ": loading '" + *newest.name + "'; the next save repairs 'latest'";
+  }
+  for (const std::string& skipped : newest.skipped) {
+    note += std::string(note.empty() ? "" : "; ") + "newer but does not verify: " + skipped;
+  }
+  return {path / *newest.name, note};
+}
+
+std::filesystem::path resolve_checkpoint(const std::filesystem::path& path) {
+  return find_checkpoint(path).dir;
 }
 
 namespace {
@@ -73,14 +97,15 @@ void read_part(const SafetensorsReader& reader, const std::string& tensor_name,
 }  // namespace
 
 ShardedStateDict read_checkpoint(const std::filesystem::path& dir, const ReadOptions& options) {
-  const Manifest manifest = read_manifest(dir);
+  const Directory checkpoint_dir = Directory::open(dir);  // everything read relative to it
+  const Manifest manifest = read_manifest(checkpoint_dir);
   ShardedStateDict out;
-  out.common = read_common(dir, manifest);
+  out.common = read_common(checkpoint_dir, manifest);
 
   std::map<std::string, std::unique_ptr<SafetensorsReader>> readers;  // opened on first use
   auto reader_for = [&](const std::string& file) -> const SafetensorsReader& {
     auto& slot = readers[file];
-    if (!slot) slot = std::make_unique<SafetensorsReader>(dir / file);
+    if (!slot) slot = std::make_unique<SafetensorsReader>(checkpoint_dir, file);
     return *slot;
   };
 
@@ -96,7 +121,7 @@ ShardedStateDict read_checkpoint(const std::filesystem::path& dir, const ReadOpt
     }
     TORCH_CHECK(fits_in(want, entry.shape), "[mixprec::checkpoint::read] key '", key,
                 "': requested slice ", want.to_string(), " is outside its shape ",
-                c10::str(entry.shape));
+                dims_to_string(entry.shape));
     at::Tensor local = at::empty(want.shape, at::TensorOptions().dtype(to_scalar_type(entry.dtype)));
     for (const Chunk& chunk : entry.chunks) {
       const std::optional<Box> part = intersect(chunk.box, want);
@@ -104,11 +129,11 @@ ShardedStateDict read_checkpoint(const std::filesystem::path& dir, const ReadOpt
       const SafetensorsReader& reader = reader_for(chunk.file);
       const TensorEntry& stored = reader.tensor(chunk.tensor);
       if (stored.dtype != entry.dtype || stored.shape != chunk.box.shape) {
-        throw FormatError("[mixprec::checkpoint] " + (dir / chunk.file).string() + ": tensor '" +
-                          chunk.tensor + "' of key '" + key + "' is " +
-                          std::string(dtype_name(stored.dtype)) + c10::str(stored.shape) +
-                          ", the manifest says " + std::string(dtype_name(entry.dtype)) +
-                          c10::str(chunk.box.shape));
+        throw FormatError(
+            "[mixprec::checkpoint] " + (dir / chunk.file).string() + ": tensor '" + chunk.tensor +
+            "' of key '" + key + "' is " + std::string(dtype_name(stored.dtype)) + " " +
+            dims_to_string(stored.shape) + ", the manifest says " +
+            std::string(dtype_name(entry.dtype)) + " " + dims_to_string(chunk.box.shape));
       }
       if (part->shape == chunk.box.shape) {
         // Whole chunk needed: read it in one go and verify its checksum.

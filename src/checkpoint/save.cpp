@@ -7,7 +7,7 @@
 #include "mixprec/checkpoint/format/checksum.h"
 #include "mixprec/checkpoint/format/commit.h"
 #include "mixprec/checkpoint/format/manifest.h"
-#include "mixprec/checkpoint/format/retention.h"
+#include "mixprec/checkpoint/format/root_writer.h"
 #include "mixprec/checkpoint/format/safetensors_writer.h"
 #include "mixprec/checkpoint/tensor_dtype.h"
 
@@ -52,16 +52,17 @@ std::map<std::string, KeyPlan> plan_keys(const std::vector<const ShardedStateDic
       if (shard.global_offset.size() != shard.global_shape.size() ||
           shard.local.dim() != static_cast<int64_t>(shard.global_shape.size())) {
         problems.push_back(where + ": local rank " + std::to_string(shard.local.dim()) +
-                           ", global shape " + c10::str(shard.global_shape) + ", offset " +
-                           c10::str(shard.global_offset));
+                           ", global shape " + dims_to_string(shard.global_shape) + ", offset " +
+                           dims_to_string(shard.global_offset));
         continue;
       }
       auto [it, inserted] = plan.try_emplace(key, KeyPlan{dtype, shard.global_shape, {}, {}});
       KeyPlan& kp = it->second;
       if (!inserted && (kp.dtype != dtype || kp.global_shape != shard.global_shape)) {
-        problems.push_back(where + ": dtype/global shape " + std::string(dtype_name(dtype)) +
-                           c10::str(shard.global_shape) + " disagrees with another rank's " +
-                           std::string(dtype_name(kp.dtype)) + c10::str(kp.global_shape));
+        problems.push_back(where + ": dtype/global shape " + std::string(dtype_name(dtype)) + " " +
+                           dims_to_string(shard.global_shape) + " disagrees with another rank's " +
+                           std::string(dtype_name(kp.dtype)) + " " +
+                           dims_to_string(kp.global_shape));
         continue;
       }
       if (shard.replica_id != 0) continue;  // a replica: written once, by its replica 0
@@ -88,7 +89,7 @@ std::map<std::string, KeyPlan> plan_keys(const std::vector<const ShardedStateDic
               ? "replica-0 shards cover " + std::to_string(problem->covered) + " of " +
                     std::to_string(problem->total) + " elements"
               : "shard " + kp.chunks[problem->first].box.to_string() + " lies outside " +
-                    c10::str(kp.global_shape);
+                    dims_to_string(kp.global_shape);
       problems.push_back("key '" + key + "': " + what);
     }
   }
@@ -108,7 +109,7 @@ std::map<std::string, uint64_t> write_rank_file(const CheckpointStaging& staging
   }
   std::map<std::string, uint64_t> checksums;
   if (specs.empty()) return checksums;
-  SafetensorsWriter writer(staging.file(data_file_name(rank)), specs);
+  SafetensorsWriter writer(staging.directory(), data_file_name(rank), specs);
   detail::for_each_piece(state, rank, [&](const detail::Piece& piece) {
     const at::Tensor bytes_on_host = source.acquire(piece);
     writer.write(piece.key, {static_cast<const std::byte*>(bytes_on_host.const_data_ptr()),
@@ -161,15 +162,19 @@ SaveResult save_from_source(const std::filesystem::path& root, const std::string
   std::map<std::string, KeyPlan> plan = plan_keys(ranks);
 
   SaveResult result;
-  CheckpointStaging staging(root, name);
+  RootWriter writer(root, WriterOptions{options.lock_timeout, options.stale_staging_timeout});
+  result.cleaned_staging = writer.report().cleaned_staging;
+  result.repaired_latest = writer.report().repaired_latest;
+  result.warnings = writer.report().warnings;
+  const std::unique_ptr<CheckpointStaging> staging = writer.stage(name);
   std::vector<std::map<std::string, uint64_t>> checksums(ranks.size());
   for (size_t r = 0; r < ranks.size(); ++r) {
-    checksums[r] = write_rank_file(staging, r, *ranks[r], source, result.tensor_bytes);
+    checksums[r] = write_rank_file(*staging, r, *ranks[r], source, result.tensor_bytes);
     result.files += checksums[r].empty() ? 0 : 1;
   }
 
   Manifest manifest;
-  manifest.sequence = next_sequence(root);
+  manifest.sequence = writer.next_sequence();
   for (auto& [key, kp] : plan) {
     KeyEntry entry{kp.dtype, kp.global_shape, {}};
     for (size_t i = 0; i < kp.chunks.size(); ++i) {
@@ -180,18 +185,18 @@ SaveResult save_from_source(const std::filesystem::path& root, const std::string
     manifest.keys.emplace(key, std::move(entry));
   }
   const std::string common = ranks[0]->common.dump(2) + "\n";
-  staging.write_file("common.json", common);
+  staging->write_file("common.json", common);
   manifest.common_file = CommonFileRef{
       "common.json", common.size(),
       xxh3_64({reinterpret_cast<const std::byte*>(common.data()), common.size()})};
-  staging.write_file(kManifestFileName, manifest_to_json(manifest));  // last: the table of contents
-  result.dir = staging.commit(CommitOptions{options.update_latest});
-
-  if (options.keep_last > 0) {
-    RetentionOptions retention{options.keep_last, options.in_use};
-    retention.in_use.insert(name);
-    result.deleted = apply_retention(root, retention);
-  }
+  // Last: the table of contents.
+  staging->write_file(kManifestFileName, manifest_to_json(manifest));
+  PublishReport published = writer.publish(
+      *staging, PublishOptions{options.update_latest, options.keep_last, options.in_use});
+  result.dir = std::move(published.dir);
+  result.deleted = std::move(published.deleted);
+  result.warnings.insert(result.warnings.end(), published.warnings.begin(),
+                         published.warnings.end());
   return result;
 }
 

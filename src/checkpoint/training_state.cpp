@@ -57,7 +57,9 @@ TrainingStateParts split_training_state(ShardedStateDict state) {
 ResumeResult load_training_state(const std::filesystem::path& path, torch::nn::Module& model,
                                  optim::Float16Optimizer& optimizer, const LoadOptions& options) {
   ResumeResult result;
-  result.dir = resolve_checkpoint(path);
+  ResolvedCheckpoint resolved = find_checkpoint(path);
+  result.dir = std::move(resolved.dir);
+  result.note = std::move(resolved.note);
   // Reading verifies every chunk's checksum.
   TrainingStateParts parts = split_training_state(read_checkpoint(result.dir));
 

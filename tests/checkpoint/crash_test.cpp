@@ -1,8 +1,9 @@
 // Crash during save, at the level of a whole training state: a fresh process loads the
 // latest checkpoint, takes a step and saves, and is killed with SIGKILL at the n-th crash
-// point of the save (format/crash_point.h: before, during and after each file, each fsync,
-// each rename, the `latest` update). After every kill, `latest` must load and verify, and no
-// partial checkpoint may ever be visible as committed.
+// point of the save (format/crash_point.h: the writer lock, stale-staging cleanup, before,
+// during and after each file, each fsync, each rename, the `latest` update). After every kill,
+// `latest` must load and verify, no partial checkpoint may ever be visible as committed, and
+// the staging a killed save leaves is removed by the next save (at most one is ever left).
 #include "mixprec/checkpoint/format/crash_point.h"
 #include "mixprec/checkpoint/format/latest.h"
 #include "mixprec/checkpoint/format/retention.h"
@@ -35,9 +36,10 @@ int run_worker_with_crash_point(const fs::path& root, int point) {
 TEST(CrashDuringSave, EveryKillPointLeavesALoadableLatest) {
   char tmpl[] = "/tmp/mixprec-crash-XXXXXX";
   const fs::path root = mkdtemp(tmpl);
-  ASSERT_EQ(std::system((std::string(MIXPREC_RESUME_WORKER) + " first " + root.string() +
-                         " bf16 5").c_str()),
-            0);
+  ASSERT_EQ(
+      std::system(
+          (std::string(MIXPREC_RESUME_WORKER) + " first " + root.string() + " bf16 5").c_str()),
+      0);
   int killed = 0, completed = 0;
   for (int point = 1; point < 200; ++point) {
     const int rc = run_worker_with_crash_point(root, point);
@@ -56,12 +58,17 @@ TEST(CrashDuringSave, EveryKillPointLeavesALoadableLatest) {
     for (const auto& info : list_checkpoints(root)) {
       EXPECT_NO_THROW(verify_checkpoint(root / info.name)) << info.name << " at point " << point;
     }
+    int leftovers = 0;
     for (const auto& entry : fs::directory_iterator(root)) {
       const std::string name = entry.path().filename();
       if (entry.is_directory() && name[0] != '.') {
         EXPECT_TRUE(fs::exists(entry.path() / "manifest.json")) << name << " at point " << point;
       }
+      leftovers += name.starts_with(".tmp-") || name.starts_with("latest.tmp") ? 1 : 0;
     }
+    // The earlier code never cleaned staging outside the tests: one more full-size directory
+    // per preemption.
+    EXPECT_LE(leftovers, was_killed ? 1 : 0) << "stale staging accumulates, point " << point;
     // Undo a finished save so the next run saves "final" again from step-5.
     if (fs::exists(root / "final")) {
       fs::remove_all(root / "final");

@@ -3,6 +3,7 @@
 #include "mixprec/checkpoint/training_state.h"
 
 #include "checkpoint/support_training.h"
+#include "checkpoint/support_unchanged.h"
 #include "mixprec/checkpoint/async_save.h"
 #include "mixprec/checkpoint/format/error.h"
 #include "mixprec/checkpoint/format/state_keys.h"
@@ -19,6 +20,8 @@ namespace mixprec::checkpoint {
 namespace {
 
 namespace fs = std::filesystem;
+using mixprec::testing::expect_unchanged;
+using mixprec::testing::snapshot;
 using mixprec::testing::TrainingSetup;
 
 // A scratch checkpoint root, removed at scope exit.
@@ -64,22 +67,6 @@ TEST_P(ResumeTest, FreshProcessResumeIsBitwise) {
 }
 
 INSTANTIATE_TEST_SUITE_P(Dtypes, ResumeTest, ::testing::Values("bf16", "fp16"));
-
-// Every tensor of model and optimizer, plus the optimizer's common state, for comparisons.
-ShardedStateDict snapshot(TrainingSetup& s) {
-  ShardedStateDict out = model_sharded_state_dict(*s.model).clone();
-  out.merge(s.optimizer->sharded_state_dict().clone());
-  return out;
-}
-
-void expect_unchanged(TrainingSetup& s, const ShardedStateDict& before) {
-  const ShardedStateDict now = snapshot(s);
-  ASSERT_EQ(now.tensors.size(), before.tensors.size());
-  for (const auto& [key, t] : before.tensors) {
-    EXPECT_TRUE(at::equal(now.at(key).local, t.local)) << key;
-  }
-  EXPECT_EQ(now.common, before.common);
-}
 
 TEST(TrainingState, InProcessRoundTrip) {
   TempRoot root;

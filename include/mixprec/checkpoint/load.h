@@ -28,11 +28,27 @@ struct ReadOptions {
   std::set<std::string> keys;
 };
 
-// The checkpoint directory `path` names: `path` itself if it holds a manifest.json, else the
-// checkpoint that <path>/latest points to. Throws FormatError naming the path otherwise.
+// Which checkpoint a load of `path` reads, and why.
+struct ResolvedCheckpoint {
+  std::filesystem::path dir;
+  // Empty normally. Otherwise why `dir` is not what <root>/latest names: a newer complete
+  // checkpoint was found (a save ended between its commit and the `latest` update), or there
+  // is no `latest`; plus newer checkpoints skipped because they do not verify.
+  std::string note;
+};
+
+// The checkpoint directory `path` names: `path` itself if it holds a manifest.json (it must
+// be a real directory, not a link); else `path` is a root and the result is its newest
+// complete checkpoint (format/newest_checkpoint.h) — the one `latest` names, unless a newer
+// one verifies. Never writes (the next save repairs `latest`). Throws FormatError naming the
+// path if it is neither, or if `latest` is unusable (a link, FIFO, malformed, naming a link).
+ResolvedCheckpoint find_checkpoint(const std::filesystem::path& path);
+
+// find_checkpoint(path).dir.
 std::filesystem::path resolve_checkpoint(const std::filesystem::path& path);
 
-// Reads the checkpoint in `dir` (manifest, common state, the requested slices). Throws
+// Reads the checkpoint in `dir` (manifest, common state, the requested slices): `dir` and
+// every file in it must be real, not links, FIFOs or devices (format/directory.h). Throws
 // FormatError / ChecksumError naming file and key, or c10::Error for a slice outside a key's
 // global shape. Never returns partial data.
 ShardedStateDict read_checkpoint(const std::filesystem::path& dir, const ReadOptions& options = {});

@@ -7,12 +7,21 @@
 // Rank 0's common state goes to common.json; manifest.json, written last, lists every chunk.
 // The directory is committed durably (checkpoint/format/commit.h): a crash at any point
 // leaves the previous checkpoint loadable and never publishes a partial one.
+//
+// Each save is the root's one writer (checkpoint/format/root_writer.h): it holds the lock
+// file <root>/lock for the whole save (a concurrent save gets a FormatError, or waits up to
+// `lock_timeout`), first removes stale staging left by killed saves, and repairs `latest`
+// when a newer complete checkpoint exists (a save killed between its commit and the `latest`
+// update); the result says what it cleaned and repaired. Once the commit is durable, a
+// failing `latest` update or retention no longer fails the save: they are `warnings`.
 #pragma once
 
 #include "mixprec/sharded_state_dict.h"
 
+#include <chrono>
 #include <cstdint>
 #include <filesystem>
+#include <optional>
 #include <set>
 #include <string>
 #include <vector>
@@ -20,16 +29,26 @@
 namespace mixprec::checkpoint {
 
 struct SaveOptions {
-  bool update_latest = true;   // point <root>/latest at the new checkpoint
-  std::size_t keep_last = 0;   // > 0: keep-last-K retention after the commit
+  bool update_latest = true;     // point <root>/latest at the new checkpoint
+  std::size_t keep_last = 0;     // > 0: keep-last-K retention after the commit
   std::set<std::string> in_use;  // names retention must not delete (e.g. the one resumed from)
+  // How long to wait while another writer holds the root's lock; 0: fail at once.
+  std::chrono::milliseconds lock_timeout{0};
+  // Staging of another host younger than this is never removed (format/retention.h).
+  std::chrono::seconds stale_staging_timeout{3600};
 };
 
 struct SaveResult {
-  std::filesystem::path dir;   // <root>/<name>
+  std::filesystem::path dir;  // <root>/<name>
   std::uint64_t tensor_bytes = 0;
-  std::size_t files = 0;       // data files written
-  std::vector<std::string> deleted;  // removed by retention
+  std::size_t files = 0;                       // data files written
+  std::vector<std::string> deleted;            // removed by retention
+  std::vector<std::string> cleaned_staging;    // stale staging of killed saves, removed
+  std::optional<std::string> repaired_latest;  // `latest` was stale and was pointed here
+  // Problems that did not fail the save: a `latest` update or retention that failed after
+  // the commit was durable, an unusable `latest` that was replaced, a newer checkpoint
+  // that does not verify. Empty normally; worth logging when not.
+  std::vector<std::string> warnings;
 };
 
 // Writes `ranks` (one state dict per data-parallel rank; with no data parallelism, one) as
@@ -37,8 +56,11 @@ struct SaveResult {
 // (non-CPU ones are copied to the host one at a time).
 // Throws c10::Error before writing anything if a tensor's dtype cannot be stored, if shards of
 // a key disagree on dtype or global shape, or if the replica-0 shards of a key do not tile it
-// exactly (a shard written twice, or a gap); FormatError for I/O failures. On any failure the
-// staging directory is removed and <root> is as before.
+// exactly (a shard written twice, or a gap); FormatError for I/O failures, a held lock, an
+// invalid or reserved name (`latest`, `latest.*`, `lock`), or an existing <root>/<name>: a
+// committed checkpoint is never overwritten, and the message says when <name> is committed
+// already (resume from it, or save under another name). On any failure before the commit the
+// staging directory is removed and the checkpoints in <root> are as before.
 SaveResult save_checkpoint(const std::filesystem::path& root, const std::string& name,
                            const std::vector<const ShardedStateDict*>& ranks,
                            const SaveOptions& options = {});

@@ -54,13 +54,15 @@ TrainingStateParts split_training_state(ShardedStateDict state);
 
 struct ResumeResult {
   std::filesystem::path dir;  // the checkpoint loaded
+  std::string note;           // why it is not what `latest` names, if it is not (load.h)
   LoadReport model;
   LoadReport optimizer;
   LoadReport rng;       // notes: RNG states ignored, devices left as they were
   nlohmann::json user;  // what save_training_state was given
 };
 
-// Loads `path` (a checkpoint directory, or a root whose `latest` is used) into model and
+// Loads `path` (a checkpoint directory, or a root: its newest complete checkpoint, normally
+// the one `latest` names; see find_checkpoint in load.h and `note`) into model and
 // optimizer, and restores the RNG: the CPU generator, and each CUDA device's generator whose
 // state the checkpoint holds. A CUDA state is ignored with a note in `rng` where this process
 // has no CUDA (or not that device): a GPU run can be resumed or inspected on a CPU machine.

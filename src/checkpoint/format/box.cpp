@@ -1,8 +1,11 @@
 #include "mixprec/checkpoint/format/box.h"
 
 #include <algorithm>
-#include <numeric>
+#include <iterator>
+#include <map>
 #include <set>
+#include <tuple>
+#include <utility>
 
 namespace mixprec::checkpoint {
 
@@ -49,6 +52,85 @@ std::optional<Box> intersect(const Box& a, const Box& b) {
   return out;
 }
 
+namespace {
+
+using Overlap = std::pair<std::size_t, std::size_t>;
+
+std::int64_t end_of(const Box& b, std::size_t d) { return b.offset[d] + b.shape[d]; }
+
+// One split dimension: sorted by start, a box overlaps an earlier one exactly when it starts
+// before the furthest end seen so far.
+std::optional<Overlap> overlap_1d(const std::vector<Box>& boxes, std::vector<std::size_t> ids,
+                                  std::size_t d) {
+  std::sort(ids.begin(), ids.end(), [&](std::size_t a, std::size_t b) {
+    return std::pair(boxes[a].offset[d], a) < std::pair(boxes[b].offset[d], b);
+  });
+  std::int64_t furthest = 0;
+  std::size_t holder = 0;
+  for (std::size_t k = 0; k < ids.size(); ++k) {
+    const std::size_t i = ids[k];
+    if (k > 0 && boxes[i].offset[d] < furthest) return Overlap{holder, i};
+    if (k == 0 || end_of(boxes[i], d) > furthest) furthest = end_of(boxes[i], d), holder = i;
+  }
+  return std::nullopt;
+}
+
+// A sweep along dimension `d0`: at each position the boxes the sweep line cuts are pairwise
+// disjoint (or an overlap was already reported), so their extents along `d1` are disjoint
+// intervals, kept ordered by start; a new box can only meet its two neighbours there.
+// With `d1` == npos (three or more split dimensions) the cut boxes are kept in a list and a
+// new box is compared with each: still exact, but linear in how many boxes a line cuts.
+std::optional<Overlap> overlap_sweep(const std::vector<Box>& boxes,
+                                     const std::vector<std::size_t>& ids, std::size_t d0,
+                                     std::size_t d1) {
+  struct Event {
+    std::int64_t at;
+    bool enter;  // leaving sorts first: boxes are half-open, touching is not sharing
+    std::size_t id;
+    bool operator<(const Event& o) const {
+      return std::tuple(at, enter, id) < std::tuple(o.at, o.enter, o.id);
+    }
+  };
+  std::vector<Event> events;
+  events.reserve(2 * ids.size());
+  for (std::size_t i : ids) {
+    events.push_back({boxes[i].offset[d0], true, i});
+    events.push_back({end_of(boxes[i], d0), false, i});
+  }
+  std::sort(events.begin(), events.end());
+  std::map<std::int64_t, std::size_t> by_start;  // d1 start → box (two split dimensions)
+  std::set<std::size_t> cut;                     // boxes the line cuts (three or more)
+  constexpr std::size_t npos = static_cast<std::size_t>(-1);
+  for (const Event& e : events) {
+    const Box& b = boxes[e.id];
+    if (!e.enter) {
+      if (d1 != npos) {
+        by_start.erase(b.offset[d1]);
+      } else {
+        cut.erase(e.id);
+      }
+      continue;
+    }
+    if (d1 != npos) {
+      auto next = by_start.lower_bound(b.offset[d1]);
+      if (next != by_start.end() && next->first < end_of(b, d1)) return Overlap{next->second, e.id};
+      if (next != by_start.begin()) {
+        auto prev = std::prev(next);
+        if (end_of(boxes[prev->second], d1) > b.offset[d1]) return Overlap{prev->second, e.id};
+      }
+      by_start.emplace(b.offset[d1], e.id);
+    } else {
+      for (std::size_t other : cut) {
+        if (intersect(boxes[other], b)) return Overlap{other, e.id};
+      }
+      cut.insert(e.id);
+    }
+  }
+  return std::nullopt;
+}
+
+}  // namespace
+
 std::optional<TilingProblem> check_tiling(const std::vector<Box>& boxes,
                                           const std::vector<std::int64_t>& global_shape) {
   const std::size_t rank = global_shape.size();
@@ -66,36 +148,33 @@ std::optional<TilingProblem> check_tiling(const std::vector<Box>& boxes,
     if (boxes[i].volume() > 0) nonempty.push_back(i);
   }
 
-  // Sweep along the dimension whose offsets vary most: for row-split shards that is dim 0,
-  // for column-split ones dim 1, and either way each box meets only its few neighbours.
-  std::size_t sweep = 0;
-  std::size_t most_distinct = 0;
+  // Only dimensions along which some box does not span the whole extent can separate boxes;
+  // along the others every two non-empty boxes share indices.
+  std::vector<std::size_t> split;
   for (std::size_t d = 0; d < rank; ++d) {
-    std::set<std::int64_t> offsets;
-    for (std::size_t i : nonempty) offsets.insert(boxes[i].offset[d]);
-    if (offsets.size() > most_distinct) most_distinct = offsets.size(), sweep = d;
-  }
-  std::sort(nonempty.begin(), nonempty.end(), [&](std::size_t a, std::size_t b) {
-    if (rank == 0) return a < b;
-    return boxes[a].offset[sweep] != boxes[b].offset[sweep]
-               ? boxes[a].offset[sweep] < boxes[b].offset[sweep]
-               : a < b;
-  });
-  std::uint64_t covered = 0;
-  for (std::size_t k = 0; k < nonempty.size(); ++k) {
-    const Box& a = boxes[nonempty[k]];
-    // Every pair among boxes 0..k was checked before box k is counted, so the counted boxes
-    // are disjoint and `covered` never exceeds `total` (no overflow).
-    covered += a.volume();
-    for (std::size_t j = k + 1; j < nonempty.size(); ++j) {
-      const Box& b = boxes[nonempty[j]];
-      if (rank > 0 && b.offset[sweep] >= a.offset[sweep] + a.shape[sweep]) break;
-      if (intersect(a, b)) {
-        return TilingProblem{TilingProblem::Kind::kOverlap, std::min(nonempty[k], nonempty[j]),
-                             std::max(nonempty[k], nonempty[j]), 0, total};
+    for (std::size_t i : nonempty) {
+      if (boxes[i].offset[d] != 0 || boxes[i].shape[d] != global_shape[d]) {
+        split.push_back(d);
+        break;
       }
     }
   }
+  std::optional<Overlap> overlap;
+  if (split.empty()) {
+    if (nonempty.size() >= 2) overlap = Overlap{nonempty[0], nonempty[1]};
+  } else if (split.size() == 1) {
+    overlap = overlap_1d(boxes, nonempty, split[0]);
+  } else {
+    overlap = overlap_sweep(boxes, nonempty, split[0],
+                            split.size() == 2 ? split[1] : static_cast<std::size_t>(-1));
+  }
+  if (overlap) {
+    return TilingProblem{TilingProblem::Kind::kOverlap, std::min(overlap->first, overlap->second),
+                         std::max(overlap->first, overlap->second), 0, total};
+  }
+  // Disjoint boxes inside the shape: their volumes add up to at most `total` (no overflow).
+  std::uint64_t covered = 0;
+  for (std::size_t i : nonempty) covered += boxes[i].volume();
   if (covered != total) return TilingProblem{TilingProblem::Kind::kGap, 0, 0, covered, total};
   return std::nullopt;
 }

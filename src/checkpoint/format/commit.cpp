@@ -4,6 +4,7 @@
 #include "mixprec/checkpoint/format/crash_point.h"
 #include "mixprec/checkpoint/format/latest.h"
 #include "mixprec/checkpoint/format/manifest.h"
+#include "mixprec/checkpoint/format/root_layout.h"
 #include "posix_file.h"
 #include "staging_dirs.h"
 
@@ -20,65 +21,66 @@ using detail::crash_point;
 using detail::fail;
 using detail::fail_errno;
 
+[[noreturn]] void fail_exists(const std::filesystem::path& path) {
+  fail(path.string(), ": checkpoint already exists; refusing to overwrite a committed checkpoint",
+       " (resume from it, or save under another name)");
+}
+
 // rename() that refuses to replace an existing destination. RENAME_NOREPLACE makes the
 // check-and-rename atomic; where the filesystem lacks it (EINVAL), plain rename() is still
 // safe for us because it cannot replace a non-empty directory and a committed checkpoint
 // always holds at least its manifest.
-void rename_no_replace(const std::filesystem::path& from, const std::filesystem::path& to) {
-  if (::renameat2(AT_FDCWD, from.c_str(), AT_FDCWD, to.c_str(), RENAME_NOREPLACE) == 0) return;
+void rename_no_replace(const Directory& root, const std::string& from, const std::string& to) {
+  if (::renameat2(root.fd(), from.c_str(), root.fd(), to.c_str(), RENAME_NOREPLACE) == 0) return;
   int err = errno;
   if (err == EINVAL || err == ENOSYS) {
-    if (::rename(from.c_str(), to.c_str()) == 0) return;
+    if (::renameat(root.fd(), from.c_str(), root.fd(), to.c_str()) == 0) return;
     err = errno;
   }
-  if (err == EEXIST || err == ENOTEMPTY) {
-    fail(to.string(), ": checkpoint already exists; refusing to overwrite a committed checkpoint");
+  if (err == EEXIST || err == ENOTEMPTY) fail_exists(root / to);
+  fail_errno(root / from, detail::concat("rename to ", (root / to).string()), err);
+}
+
+// Checks the name, then creates the staging directory and opens it.
+Directory create_staging(const Directory& root, const std::string& name,
+                         const std::string& dir_name) {
+  check_checkpoint_name(root.path(), name);
+  if (detail::stat_entry(root.fd(), name, root / name)) fail_exists(root / name);
+  crash_point("staging: before mkdir");
+  if (::mkdirat(root.fd(), dir_name.c_str(), 0755) != 0) fail_errno(root / dir_name, "mkdir");
+  detail::mark_owned(dir_name);
+  try {
+    return root.subdirectory(dir_name);
+  } catch (...) {
+    detail::unmark_owned(dir_name);
+    throw;
   }
-  fail_errno(from, detail::concat("rename to ", to.string()), err);
 }
 
 }  // namespace
 
-void fsync_directory(const std::filesystem::path& dir) {
-  detail::UniqueFd fd = detail::open_file(dir, O_RDONLY | O_DIRECTORY);
-  detail::fsync_fd(fd.get(), dir);
-  fd.close_checked(dir);
-}
+CheckpointStaging::CheckpointStaging(const std::filesystem::path& root, std::string name)
+    : CheckpointStaging(open_root(root, /*create=*/true), std::move(name)) {}
 
-CheckpointStaging::CheckpointStaging(std::filesystem::path root, std::string name)
-    : root_(std::move(root)), name_(std::move(name)) {
-  if (!is_valid_file_name(name_)) {
-    fail(root_.string(), ": '", name_, "' is not a valid checkpoint name (1-200 characters of ",
-         "[A-Za-z0-9._-], not starting with '.')");
-  }
-  std::error_code ec;
-  if (!std::filesystem::is_directory(root_, ec)) {
-    std::filesystem::create_directories(root_, ec);
-    if (ec) fail(root_.string(), ": create checkpoint root: ", ec.message());
-    // The root's own entry must survive a crash too, or so would nothing committed in it.
-    fsync_directory(std::filesystem::absolute(root_).parent_path());
-  }
-  if (std::filesystem::exists(root_ / name_, ec)) {
-    fail((root_ / name_).string(),
-         ": checkpoint already exists; refusing to overwrite a committed checkpoint");
-  }
-  const std::string dir_name = detail::make_staging_dir_name(name_);
-  dir_ = root_ / dir_name;
-  crash_point("staging: before mkdir");
-  if (::mkdir(dir_.c_str(), 0755) != 0) fail_errno(dir_, "mkdir");
-  detail::mark_owned(dir_name);
-}
+CheckpointStaging::CheckpointStaging(const Directory& root, std::string name)
+    : root_(root.duplicate()),
+      name_(std::move(name)),
+      dir_name_(detail::make_staging_dir_name(name_)),
+      dir_(create_staging(root_, name_, dir_name_)) {}
 
 CheckpointStaging::~CheckpointStaging() {
-  detail::unmark_owned(dir_.filename().string());
+  detail::unmark_owned(dir_name_);
   if (committed_) return;
-  std::error_code ec;
-  std::filesystem::remove_all(dir_, ec);  // best effort; a leftover is cleaned up as stale
+  try {
+    detail::remove_tree_at(root_.fd(), dir_name_, dir_.path());
+  } catch (const FormatError&) {
+    // Best effort: a leftover is removed as stale staging by the next writer.
+  }
 }
 
 std::filesystem::path CheckpointStaging::file(std::string_view file_name) const {
   if (!is_valid_file_name(file_name)) {
-    fail(dir_.string(), ": '", file_name, "' is not a valid file name in a checkpoint");
+    fail(dir_.path().string(), ": '", file_name, "' is not a valid file name in a checkpoint");
   }
   return dir_ / file_name;
 }
@@ -86,7 +88,8 @@ std::filesystem::path CheckpointStaging::file(std::string_view file_name) const 
 void CheckpointStaging::write_file(std::string_view file_name, std::span<const std::byte> bytes) {
   const std::filesystem::path path = file(file_name);
   crash_point("file: before create");
-  detail::UniqueFd fd = detail::open_file(path, O_WRONLY | O_CREAT | O_EXCL);
+  detail::UniqueFd fd =
+      detail::open_regular_at(dir_.fd(), file_name, O_WRONLY | O_CREAT | O_EXCL, path);
   detail::write_all(fd.get(), bytes, path);
   crash_point("file: after write");
   detail::fsync_fd(fd.get(), path);
@@ -99,32 +102,33 @@ void CheckpointStaging::write_file(std::string_view file_name, std::string_view 
 }
 
 std::filesystem::path CheckpointStaging::commit(const CommitOptions& options) {
-  if (committed_) fail(dir_.string(), ": commit() called twice");
-  std::error_code ec;
-  if (!std::filesystem::exists(dir_ / kManifestFileName, ec)) {
-    fail(dir_.string(), ": no ", kManifestFileName, " written; refusing to commit");
+  if (committed_) fail(dir_.path().string(), ": commit() called twice");
+  const auto manifest = detail::stat_entry(dir_.fd(), kManifestFileName, dir_ / kManifestFileName);
+  if (!manifest || !S_ISREG(manifest->st_mode)) {
+    fail(dir_.path().string(), ": no ", kManifestFileName, " written; refusing to commit");
   }
   // Re-fsync every file: writers other than write_file() (e.g. a caller's own) may not have,
   // and an unsynced file behind a durable rename is exactly the partial checkpoint we forbid.
-  for (const auto& entry : std::filesystem::directory_iterator(dir_, ec)) {
-    if (!entry.is_regular_file()) {
-      fail(entry.path().string(), ": only regular files may be in a checkpoint directory");
+  for (const std::string& entry : detail::list_directory(dir_.fd(), dir_.path())) {
+    const std::filesystem::path path = dir_ / entry;
+    const auto st = detail::stat_entry(dir_.fd(), entry, path);
+    if (st && !S_ISREG(st->st_mode)) {
+      fail(path.string(), ": only regular files may be in a checkpoint directory (found ",
+           detail::file_type_name(st->st_mode), ")");
     }
-    detail::UniqueFd fd = detail::open_file(entry.path(), O_RDONLY);
-    detail::fsync_fd(fd.get(), entry.path());
+    detail::UniqueFd fd = detail::open_regular_at(dir_.fd(), entry, O_RDONLY, path);
+    detail::fsync_fd(fd.get(), path);
   }
-  if (ec) fail(dir_.string(), ": list: ", ec.message());
   crash_point("commit: before staging fsync");
-  fsync_directory(dir_);
+  detail::fsync_fd(dir_.fd(), dir_.path());
   crash_point("commit: before rename");
-  const std::filesystem::path final_dir = root_ / name_;
-  rename_no_replace(dir_, final_dir);
+  rename_no_replace(root_, dir_name_, name_);
   committed_ = true;
   crash_point("commit: after rename");
-  fsync_directory(root_);
+  detail::fsync_fd(root_.fd(), root_.path());
   crash_point("commit: after root fsync");
   if (options.update_latest) write_latest(root_, name_);
-  return final_dir;
+  return root_ / name_;
 }
 
 }  // namespace mixprec::checkpoint

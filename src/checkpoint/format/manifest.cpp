@@ -198,16 +198,28 @@ std::string manifest_to_json(const Manifest& manifest) {
 }
 
 Manifest read_manifest(const std::filesystem::path& checkpoint_dir) {
+  return read_manifest(Directory::open(checkpoint_dir));
+}
+
+Manifest read_manifest(const Directory& checkpoint_dir) {
   const std::filesystem::path path = checkpoint_dir / kManifestFileName;
-  return parse_manifest(detail::read_whole_file(path, kMaxManifestBytes), path.string());
+  return parse_manifest(
+      detail::read_whole_file_at(checkpoint_dir.fd(), kManifestFileName, kMaxManifestBytes, path),
+      path.string());
 }
 
 json read_common(const std::filesystem::path& checkpoint_dir, const Manifest& manifest) {
   if (manifest.common) return *manifest.common;
-  if (!manifest.common_file) fail(checkpoint_dir.string(), ": manifest has no common state");
+  return read_common(Directory::open(checkpoint_dir), manifest);
+}
+
+json read_common(const Directory& checkpoint_dir, const Manifest& manifest) {
+  if (manifest.common) return *manifest.common;
+  if (!manifest.common_file) fail(checkpoint_dir.path().string(), ": manifest has no common state");
   const CommonFileRef& ref = *manifest.common_file;
   const std::filesystem::path path = checkpoint_dir / ref.file;
-  std::string text = detail::read_whole_file(path, kMaxManifestBytes);
+  std::string text =
+      detail::read_whole_file_at(checkpoint_dir.fd(), ref.file, kMaxManifestBytes, path);
   if (text.size() != ref.bytes) {
     fail(path.string(), ": common state is ", text.size(), " bytes, the manifest says ", ref.bytes);
   }

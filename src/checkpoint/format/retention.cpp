@@ -4,13 +4,17 @@
 #include "mixprec/checkpoint/format/error.h"
 #include "mixprec/checkpoint/format/latest.h"
 #include "mixprec/checkpoint/format/manifest.h"
+#include "mixprec/checkpoint/format/root_layout.h"
+#include "posix_file.h"
 #include "staging_dirs.h"
 
 #include <signal.h>
+#include <sys/stat.h>
 #include <unistd.h>
 
 #include <algorithm>
 #include <cerrno>
+#include <ctime>
 
 namespace mixprec::checkpoint {
 namespace {
@@ -21,6 +25,44 @@ using detail::fail;
 // to someone else, which still counts as alive.
 bool process_alive(long pid) { return ::kill(static_cast<pid_t>(pid), 0) == 0 || errno == EPERM; }
 
+std::int64_t mtime_ns(const struct stat& st) {
+  return st.st_mtim.tv_sec * 1000000000LL + st.st_mtim.tv_nsec;
+}
+
+// The newest modification time of the entry and, for a directory, of what is directly in
+// it: a writer streaming into one large file changes that file, not the directory.
+std::int64_t newest_mtime_ns(const Directory& root, const std::string& name,
+                             const struct stat& st) {
+  std::int64_t newest = mtime_ns(st);
+  if (!S_ISDIR(st.st_mode)) return newest;
+  try {
+    const Directory dir = root.subdirectory(name);
+    for (const std::string& child : detail::list_directory(dir.fd(), dir.path())) {
+      if (auto child_st = detail::stat_entry(dir.fd(), child, dir / child)) {
+        newest = std::max(newest, mtime_ns(*child_st));
+      }
+    }
+  } catch (const FormatError&) {
+    // Vanished or unreadable meanwhile: the entry's own time decides.
+  }
+  return newest;
+}
+
+bool is_stale(const Directory& root, const std::string& name, const struct stat& st,
+              const detail::LeftoverName& leftover, const StagingCleanupOptions& options) {
+  const detail::WriterIdentity self = detail::current_writer();
+  if (!leftover.writer || leftover.writer->host != self.host) {
+    struct timespec now {};
+    ::clock_gettime(CLOCK_REALTIME, &now);
+    const std::int64_t now_ns = now.tv_sec * 1000000000LL + now.tv_nsec;
+    const std::int64_t age_ns = now_ns - newest_mtime_ns(root, name, st);
+    return age_ns >= std::chrono::nanoseconds(options.foreign_timeout).count();
+  }
+  if (leftover.writer->boot != self.boot) return true;
+  if (leftover.writer->pid == self.pid) return !detail::is_owned(name);
+  return !process_alive(leftover.writer->pid);
+}
+
 }  // namespace
 
 RetentionOptions::RetentionOptions(std::size_t keep_last_, std::set<std::string> in_use_)
@@ -29,20 +71,22 @@ RetentionOptions::RetentionOptions(std::size_t keep_last_, std::set<std::string>
 }
 
 std::vector<CheckpointInfo> list_checkpoints(const std::filesystem::path& root) {
-  std::vector<CheckpointInfo> out;
   std::error_code ec;
-  if (!std::filesystem::is_directory(root, ec)) return out;
-  std::filesystem::directory_iterator it(root, ec);
-  if (ec) fail(root.string(), ": list checkpoint root: ", ec.message());
-  for (const auto& entry : it) {
-    const std::string name = entry.path().filename().string();
-    if (!is_valid_file_name(name) || !entry.is_directory(ec)) continue;
-    if (!std::filesystem::is_regular_file(entry.path() / kManifestFileName, ec)) continue;
+  if (!std::filesystem::exists(root, ec)) return {};
+  return list_checkpoints(open_root(root));
+}
+
+std::vector<CheckpointInfo> list_checkpoints(const Directory& root) {
+  std::vector<CheckpointInfo> out;
+  for (const std::string& name : detail::list_directory(root.fd(), root.path())) {
+    if (!is_valid_file_name(name) || is_reserved_name(name)) continue;
+    const auto st = detail::stat_entry(root.fd(), name, root / name);
+    if (!st || !S_ISDIR(st->st_mode)) continue;  // links are never followed, files not ours
     try {
-      out.push_back({name, read_manifest(entry.path()).sequence});
+      out.push_back({name, read_manifest(root.subdirectory(name)).sequence});
     } catch (const FormatError&) {
-      // Not ours, or damaged: either way retention must not treat it as a checkpoint it may
-      // delete, and listing should not fail because of it.
+      // Not ours, damaged, or a hostile manifest (a link, a FIFO): either way retention must
+      // not treat it as a checkpoint it may delete, and listing should not fail because of it.
     }
   }
   std::sort(out.begin(), out.end(), [](const CheckpointInfo& a, const CheckpointInfo& b) {
@@ -56,40 +100,57 @@ std::uint64_t next_sequence(const std::filesystem::path& root) {
   return checkpoints.empty() ? 1 : checkpoints.back().sequence + 1;
 }
 
+std::uint64_t next_sequence(const Directory& root) {
+  auto checkpoints = list_checkpoints(root);
+  return checkpoints.empty() ? 1 : checkpoints.back().sequence + 1;
+}
+
 std::vector<std::string> apply_retention(const std::filesystem::path& root,
                                          const RetentionOptions& options) {
+  return apply_retention(open_root(root), options);
+}
+
+std::vector<std::string> apply_retention(const Directory& root, const RetentionOptions& options,
+                                         std::vector<std::string>* deleted) {
   // Re-checked: the fields are public and may have been changed after construction.
-  if (options.keep_last == 0) fail(root.string(), ": retention keep_last must be at least 1");
+  if (options.keep_last == 0)
+    fail(root.path().string(), ": retention keep_last must be at least 1");
   const std::vector<CheckpointInfo> checkpoints = list_checkpoints(root);
   // Read before deleting anything: a malformed `latest` stops retention instead of letting it
   // delete what might be the only good checkpoint.
   const std::optional<std::string> latest = read_latest(root);
-  std::vector<std::string> deleted;
-  if (checkpoints.size() <= options.keep_last) return deleted;
+  std::vector<std::string> out;
+  if (checkpoints.size() <= options.keep_last) return out;
   const std::size_t candidates = checkpoints.size() - options.keep_last;
   for (std::size_t i = 0; i < candidates; ++i) {
     const std::string& name = checkpoints[i].name;
     if (name == latest || options.in_use.count(name) != 0) continue;
     detail::remove_directory_atomically(root, name);
-    deleted.push_back(name);
+    out.push_back(name);
+    if (deleted != nullptr) deleted->push_back(name);
   }
-  return deleted;
+  return out;
 }
 
-std::vector<std::string> clean_stale_staging(const std::filesystem::path& root) {
-  std::vector<std::string> removed;
+std::vector<std::string> clean_stale_staging(const std::filesystem::path& root,
+                                             const StagingCleanupOptions& options) {
   std::error_code ec;
-  if (!std::filesystem::is_directory(root, ec)) return removed;
-  std::filesystem::directory_iterator it(root, ec);
-  if (ec) fail(root.string(), ": list checkpoint root: ", ec.message());
-  const long self = static_cast<long>(::getpid());
-  for (const auto& entry : it) {
-    const std::string name = entry.path().filename().string();
-    const std::optional<long> pid = detail::staging_dir_pid(name);
-    if (!pid || !entry.is_directory(ec)) continue;
-    const bool stale = *pid == self ? !detail::is_owned(name) : !process_alive(*pid);
-    if (!stale) continue;
-    detail::remove_tree(entry.path());
+  if (!std::filesystem::exists(root, ec)) return {};
+  return clean_stale_staging(open_root(root), options);
+}
+
+std::vector<std::string> clean_stale_staging(const Directory& root,
+                                             const StagingCleanupOptions& options) {
+  std::vector<std::string> removed;
+  for (const std::string& name : detail::list_directory(root.fd(), root.path())) {
+    const std::optional<detail::LeftoverName> leftover = detail::parse_leftover_name(name);
+    if (!leftover) continue;
+    const auto st = detail::stat_entry(root.fd(), name, root / name);
+    // Only what we create: a directory for staging, a regular file for `latest`. A link or
+    // anything else under such a name was planted, not left by us.
+    if (!st || (leftover->directory ? !S_ISDIR(st->st_mode) : !S_ISREG(st->st_mode))) continue;
+    if (!is_stale(root, name, *st, *leftover, options)) continue;
+    detail::remove_tree_at(root.fd(), name, root / name);
     removed.push_back(name);
   }
   std::sort(removed.begin(), removed.end());

@@ -22,11 +22,26 @@ constexpr std::size_t kChecksumChunk = 4 << 20;
 }  // namespace
 
 SafetensorsReader::SafetensorsReader(std::filesystem::path path) : path_(std::move(path)) {
-  detail::UniqueFd fd = detail::open_file(path_, O_RDONLY);
-  const std::uint64_t size = detail::file_size(fd.get(), path_);
+  const Directory dir =
+      Directory::open(detail::parent_directory(path_), Directory::Last::kMayBeLink);
+  detail::UniqueFd fd =
+      detail::open_regular_at(dir.fd(), path_.filename().string(), O_RDONLY, path_);
+  parse_header(fd.get());
+  fd_ = fd.release();
+}
+
+SafetensorsReader::SafetensorsReader(const Directory& dir, std::string_view file_name)
+    : path_(dir / file_name) {
+  detail::UniqueFd fd = detail::open_regular_at(dir.fd(), file_name, O_RDONLY, path_);
+  parse_header(fd.get());
+  fd_ = fd.release();
+}
+
+void SafetensorsReader::parse_header(int fd) {
+  const std::uint64_t size = detail::file_size(fd, path_);
   if (size < 8) fail(path_.string(), ": ", size, " bytes is too short for a safetensors file");
   std::array<std::byte, 8> prefix;
-  detail::pread_all(fd.get(), 0, prefix, path_);
+  detail::pread_all(fd, 0, prefix, path_);
   const std::uint64_t n = decode_header_length(prefix);
   // Both checks come before allocating n bytes: a corrupt length must not become a huge
   // allocation.
@@ -39,9 +54,8 @@ SafetensorsReader::SafetensorsReader(std::filesystem::path path) : path_(std::mo
          "-byte file");
   }
   std::vector<std::byte> header_json(n);
-  detail::pread_all(fd.get(), 8, header_json, path_);
+  detail::pread_all(fd, 8, header_json, path_);
   header_ = parse_safetensors_header(header_json, size - 8 - n, path_.string());
-  fd_ = fd.release();
 }
 
 SafetensorsReader::~SafetensorsReader() {

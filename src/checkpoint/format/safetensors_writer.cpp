@@ -7,6 +7,8 @@
 #include <fcntl.h>
 #include <unistd.h>
 
+#include <utility>
+
 namespace mixprec::checkpoint {
 namespace {
 
@@ -21,14 +23,30 @@ constexpr std::size_t kBufferSize = 1 << 20;
 
 SafetensorsWriter::SafetensorsWriter(std::filesystem::path path, std::vector<TensorSpec> tensors,
                                      std::map<std::string, std::string> metadata)
-    : path_(std::move(path)), specs_(std::move(tensors)) {
+    : SafetensorsWriter(
+          Directory::open(detail::parent_directory(path), Directory::Last::kMayBeLink),
+          path.filename().string(), std::move(tensors), std::move(metadata)) {
+  path_ = std::move(path);
+}
+
+SafetensorsWriter::SafetensorsWriter(const Directory& dir, std::string_view file_name,
+                                     std::vector<TensorSpec> tensors,
+                                     std::map<std::string, std::string> metadata)
+    : path_(dir / file_name), file_name_(file_name), specs_(std::move(tensors)) {
   const std::string header = encode_safetensors_header(specs_, metadata, path_.string());
   written_.reserve(specs_.size());
   for (const TensorSpec& spec : specs_) written_.push_back({spec.name, spec.byte_size(), 0});
 
   crash_point("safetensors: before create");
-  detail::UniqueFd fd = detail::open_file(path_, O_WRONLY | O_CREAT | O_EXCL);
+  detail::UniqueFd fd =
+      detail::open_regular_at(dir.fd(), file_name, O_WRONLY | O_CREAT | O_EXCL, path_);
+  detail::UniqueFd dir_copy(::fcntl(dir.fd(), F_DUPFD_CLOEXEC, 0));
+  if (dir_copy.get() < 0) {
+    ::unlinkat(dir.fd(), file_name_.c_str(), 0);
+    detail::fail_errno(dir.path(), "dup");
+  }
   fd_ = fd.release();
+  dir_fd_ = dir_copy.release();
   buffer_.reserve(kBufferSize);
   try {
     crash_point("safetensors: before header write");
@@ -37,18 +55,22 @@ SafetensorsWriter::SafetensorsWriter(std::filesystem::path path, std::vector<Ten
     crash_point("safetensors: after header write");
     advance_past_complete();
   } catch (...) {
-    ::close(fd_);
-    ::unlink(path_.c_str());
-    fd_ = -1;
+    remove_partial_file();
+    ::close(std::exchange(dir_fd_, -1));  // the destructor does not run after a throw here
     throw;
   }
 }
 
 SafetensorsWriter::~SafetensorsWriter() {
-  if (!closed_ && fd_ >= 0) {
-    ::close(fd_);
-    ::unlink(path_.c_str());
-  }
+  if (!closed_) remove_partial_file();
+  if (dir_fd_ >= 0) ::close(dir_fd_);
+}
+
+void SafetensorsWriter::remove_partial_file() {
+  if (fd_ < 0) return;
+  ::close(fd_);
+  fd_ = -1;
+  ::unlinkat(dir_fd_, file_name_.c_str(), 0);
 }
 
 void SafetensorsWriter::advance_past_complete() {

@@ -1,19 +1,44 @@
-// Hidden working directories of a checkpoint root: naming, ownership, crash-safe removal.
-// Shared by commit.cpp (which creates them) and retention.cpp (which cleans them up).
+// Hidden working entries of a checkpoint root: their names (root_layout.h), who wrote them,
+// which this process owns, and crash-safe removal of a directory. Shared by commit.cpp and
+// latest.cpp (which create them) and retention.cpp (which cleans them up).
 #pragma once
 
-#include <filesystem>
+#include "mixprec/checkpoint/format/directory.h"
+
 #include <optional>
 #include <string>
 #include <string_view>
 
 namespace mixprec::checkpoint::detail {
 
-// ".tmp-<name>-<pid>-<16 hex>" for this process, with fresh random digits.
+// Who writes a staging entry: host name (sanitized, ≤ 64 characters), the first 16 hex
+// digits of the kernel's boot id, and the pid.
+struct WriterIdentity {
+  std::string host;
+  std::string boot;
+  long pid = 0;
+  bool operator==(const WriterIdentity&) const = default;
+};
+
+// This process (the pid is read on every call, so a forked child is itself).
+WriterIdentity current_writer();
+
+// "<host>@<boot>-<pid>".
+std::string owner_tag(const WriterIdentity& writer);
+
+// ".tmp-<name cut to 64>@<owner>-<16 hex>" for this process, with fresh random digits.
 std::string make_staging_dir_name(std::string_view name);
 
-// The pid in a name made by make_staging_dir_name, or nullopt for any other name.
-std::optional<long> staging_dir_pid(std::string_view dir_name);
+// "latest.tmp-<owner>-<16 hex>" for this process.
+std::string make_latest_temp_name();
+
+// A name made by the two functions above (or a staging directory of an earlier version,
+// ".tmp-<name>-<pid>-<16 hex>", whose writer is unknown).
+struct LeftoverName {
+  bool directory = true;                 // staging directory, else a `latest` temporary file
+  std::optional<WriterIdentity> writer;  // nullopt for the earlier, host-less names
+};
+std::optional<LeftoverName> parse_leftover_name(std::string_view name);
 
 // Ownership by live CheckpointStaging objects of this process (thread-safe).
 void mark_owned(const std::string& dir_name);
@@ -22,9 +47,6 @@ bool is_owned(const std::string& dir_name);
 
 // Removes <root>/<name> so that no crash leaves it half-deleted under its own name: rename to
 // a fresh hidden staging name, fsync <root>, then delete recursively. Throws FormatError.
-void remove_directory_atomically(const std::filesystem::path& root, const std::string& name);
-
-// Recursive delete that reports the path and error instead of std::filesystem's exception.
-void remove_tree(const std::filesystem::path& dir);
+void remove_directory_atomically(const Directory& root, const std::string& name);
 
 }  // namespace mixprec::checkpoint::detail

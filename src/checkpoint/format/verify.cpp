@@ -12,6 +12,10 @@
 namespace mixprec::checkpoint {
 
 VerifyReport verify_checkpoint(const std::filesystem::path& dir) {
+  return verify_checkpoint(Directory::open(dir));
+}
+
+VerifyReport verify_checkpoint(const Directory& dir) {
   using detail::fail;
   const Manifest manifest = read_manifest(dir);
   VerifyReport report;
@@ -22,7 +26,9 @@ VerifyReport verify_checkpoint(const std::filesystem::path& dir) {
     for (std::size_t i = 0; i < entry.chunks.size(); ++i) {
       const Chunk& chunk = entry.chunks[i];
       auto it = readers.find(chunk.file);
-      if (it == readers.end()) it = readers.emplace(chunk.file, dir / chunk.file).first;
+      if (it == readers.end()) {
+        it = readers.try_emplace(chunk.file, dir, chunk.file).first;  // opened in `dir`
+      }
       const SafetensorsReader& reader = it->second;
       const std::string where = detail::concat(reader.path().string(), ": key '", key, "' chunk ",
                                                i, " (tensor '", chunk.tensor, "')");

@@ -2,6 +2,8 @@
 
 #include <gtest/gtest.h>
 
+#include <random>
+
 namespace mixprec::checkpoint {
 namespace {
 
@@ -78,6 +80,108 @@ TEST(Tiling, OverlapFoundWhenSweepDimensionDoesNotSeparate) {
   EXPECT_EQ(problem->kind, Kind::kOverlap);
   EXPECT_EQ(problem->first, 3u);
   EXPECT_EQ(problem->second, 4u);
+}
+
+// A rows × cols grid of 2 × 3 boxes over [2 rows, 3 cols]: the layout of tensor- and
+// data-parallel shards together. The old check compared each box with every box of its row
+// (quadratic in the row length); now a sweep keeps rows' column extents in an ordered map.
+std::vector<Box> grid_boxes(std::int64_t rows, std::int64_t cols) {
+  std::vector<Box> grid;
+  for (std::int64_t r = 0; r < rows; ++r) {
+    for (std::int64_t c = 0; c < cols; ++c) grid.push_back({{2 * r, 3 * c}, {2, 3}});
+  }
+  return grid;
+}
+
+TEST(Tiling, LargeGridsAreCheckedExactly) {
+  const std::int64_t n = 400;  // 160,000 boxes
+  const std::vector<std::int64_t> shape{2 * n, 3 * n};
+  std::vector<Box> grid = grid_boxes(n, n);
+  EXPECT_FALSE(check_tiling(grid, shape));
+
+  // One box of the last row grows a column into its right neighbour's.
+  std::vector<Box> overlapping = grid;
+  const std::size_t grown = static_cast<std::size_t>(n * n - 2);
+  overlapping[grown].shape[1] = 4;
+  auto overlap = check_tiling(overlapping, shape);
+  ASSERT_TRUE(overlap);
+  EXPECT_EQ(overlap->kind, Kind::kOverlap);
+  EXPECT_EQ(overlap->first, grown);
+  EXPECT_EQ(overlap->second, grown + 1);
+
+  // One box in the middle missing.
+  std::vector<Box> holed = grid;
+  holed.erase(holed.begin() + n * n / 2 + 7);
+  auto gap = check_tiling(holed, shape);
+  ASSERT_TRUE(gap);
+  EXPECT_EQ(gap->kind, Kind::kGap);
+  EXPECT_EQ(gap->covered, static_cast<std::uint64_t>(6 * n * n - 6));
+  EXPECT_EQ(gap->total, static_cast<std::uint64_t>(6 * n * n));
+
+  // Rows shifted against each other (a brick wall) still tile; one brick too long does not.
+  std::vector<Box> wall;
+  for (std::int64_t r = 0; r < 50; ++r) {
+    const std::int64_t shift = r % 2;
+    if (shift) wall.push_back({{r, 0}, {1, 1}});
+    for (std::int64_t c = shift; c + 2 <= 100; c += 2) wall.push_back({{r, c}, {1, 2}});
+    if (shift) wall.push_back({{r, 99}, {1, 1}});
+  }
+  EXPECT_FALSE(check_tiling(wall, {50, 100}));
+  wall[60].shape[1] = 3;
+  auto brick = check_tiling(wall, {50, 100});
+  ASSERT_TRUE(brick);
+  EXPECT_EQ(brick->kind, Kind::kOverlap);
+  EXPECT_EQ(brick->first, 60u);
+  EXPECT_EQ(brick->second, 61u);
+}
+
+// The quadratic definition, for cross-checking.
+bool any_overlap_brute_force(const std::vector<Box>& boxes) {
+  for (std::size_t i = 0; i < boxes.size(); ++i) {
+    for (std::size_t j = i + 1; j < boxes.size(); ++j) {
+      if (intersect(boxes[i], boxes[j])) return true;
+    }
+  }
+  return false;
+}
+
+// Random boxes in 1, 2 and 3 split dimensions (the three code paths): the kind found agrees
+// with the brute-force definition, and a reported pair really overlaps.
+TEST(Tiling, AgreesWithBruteForceOnRandomLayouts) {
+  std::mt19937 rng(7);
+  for (std::size_t rank = 1; rank <= 4; ++rank) {
+    for (int trial = 0; trial < 400; ++trial) {
+      std::vector<std::int64_t> shape(rank);
+      for (auto& d : shape) d = 1 + static_cast<std::int64_t>(rng() % 4);
+      std::vector<Box> boxes(1 + rng() % 6);
+      for (Box& b : boxes) {
+        for (std::size_t d = 0; d < rank; ++d) {
+          const std::int64_t lo =
+              static_cast<std::int64_t>(rng() % static_cast<unsigned>(shape[d]));
+          b.offset.push_back(lo);
+          b.shape.push_back(
+              static_cast<std::int64_t>(rng() % static_cast<unsigned>(shape[d] - lo + 1)));
+        }
+      }
+      std::uint64_t total = 1, covered = 0;
+      for (auto d : shape) total *= static_cast<std::uint64_t>(d);
+      for (const Box& b : boxes) covered += b.volume();
+      const bool overlaps = any_overlap_brute_force(boxes);
+      auto problem = check_tiling(boxes, shape);
+      if (overlaps) {
+        ASSERT_TRUE(problem);
+        ASSERT_EQ(problem->kind, Kind::kOverlap);
+        EXPECT_LT(problem->first, problem->second);
+        EXPECT_TRUE(intersect(boxes[problem->first], boxes[problem->second]));
+      } else if (covered != total) {
+        ASSERT_TRUE(problem);
+        EXPECT_EQ(problem->kind, Kind::kGap);
+        EXPECT_EQ(problem->covered, covered);
+      } else {
+        EXPECT_FALSE(problem);
+      }
+    }
+  }
 }
 
 }  // namespace

@@ -70,7 +70,7 @@ TEST(Commit, UncommittedStagingIsRemovedAndInvalidInputsRefused) {
   {
     CheckpointStaging staging(tmp.path(), "abandoned");
     staged = staging.dir();
-    EXPECT_TRUE(staged.filename().string().starts_with(".tmp-abandoned-"));
+    EXPECT_TRUE(staged.filename().string().starts_with(".tmp-abandoned@"));
     staging.write_file("x.bin", std::string_view("data"));
     EXPECT_FORMAT_ERROR(staging.write_file("x.bin", std::string_view("again")), "x.bin", "open",
                         "File exists");

@@ -4,12 +4,15 @@
 #include "mixprec/checkpoint/format/latest.h"
 
 #include "format_test_util.h"
+#include "staging_dirs.h"
 
 #include <sys/stat.h>
 #include <sys/wait.h>
 #include <unistd.h>
 
 #include <gtest/gtest.h>
+
+#include <chrono>
 
 namespace mixprec::checkpoint {
 namespace {
@@ -76,29 +79,99 @@ TEST(Retention, MalformedLatestStopsRetentionBeforeDeleting) {
   EXPECT_EQ(list_checkpoints(tmp.path()).size(), 3u);
 }
 
-TEST(StaleStaging, RemovesDeadAndUnownedKeepsLiveAndOwned) {
+// A pid that is certainly dead: a child we have already reaped.
+long dead_pid() {
+  const pid_t child = ::fork();
+  if (child == 0) ::_exit(0);
+  ::waitpid(child, nullptr, 0);
+  return child;
+}
+
+std::string staging_name(const std::string& host, const std::string& boot, long pid) {
+  return ".tmp-x@" + host + "@" + boot + "-" + std::to_string(pid) + "-0123456789abcdef";
+}
+
+// Sets the modification time of `path` (and what is directly in it) `age` into the past.
+void make_old(const std::filesystem::path& path, std::chrono::seconds age) {
+  const auto when = std::filesystem::file_time_type::clock::now() - age;
+  if (std::filesystem::is_directory(path)) {
+    for (const auto& e : std::filesystem::directory_iterator(path)) {
+      std::filesystem::last_write_time(e.path(), when);
+    }
+  }
+  std::filesystem::last_write_time(path, when);
+}
+
+// The rule of retention.h, case by case. The earlier code knew only "<name>-<pid>-<hex>" and
+// removed any directory whose pid was not alive here — on a shared filesystem, the live
+// staging of a writer on another host.
+TEST(StaleStaging, HostIdentityDecidesWhatIsStale) {
   TempDir tmp;
   const auto& root = tmp.path();
-  // A pid that is certainly dead: a child we have already reaped.
-  pid_t child = ::fork();
-  if (child == 0) ::_exit(0);
-  ASSERT_GT(child, 0);
-  ::waitpid(child, nullptr, 0);
-  const std::string dead = ".tmp-x-" + std::to_string(child) + "-0123456789abcdef";
-  const std::string live = ".tmp-x-" + std::to_string(::getppid()) + "-0123456789abcdef";
-  const std::string own_orphan = ".tmp-x-" + std::to_string(::getpid()) + "-0123456789abcdef";
+  const detail::WriterIdentity self = detail::current_writer();
+  const std::string other_boot =
+      self.boot == "ffffffffffffffff" ? "0000000000000000" : "ffffffffffffffff";
+  const std::string dead = staging_name(self.host, self.boot, dead_pid());
+  const std::string live = staging_name(self.host, self.boot, ::getppid());
+  const std::string own_orphan = staging_name(self.host, self.boot, ::getpid());
+  const std::string rebooted = staging_name(self.host, other_boot, ::getppid());
+  const std::string foreign_young = staging_name("other-host", self.boot, dead_pid());
+  const std::string foreign_old = staging_name("other-host2", self.boot, dead_pid());
+  const std::string legacy_young = ".tmp-x-" + std::to_string(dead_pid()) + "-0123456789abcdef";
+  const std::string legacy_old = ".tmp-y-" + std::to_string(dead_pid()) + "-0123456789abcdef";
+  const std::string latest_tmp_dead = "latest.tmp-" + self.host + "@" + self.boot + "-" +
+                                      std::to_string(dead_pid()) + "-0123456789abcdef";
   const std::string not_ours = ".tmp-x-notapid-0123456789abcdef";
-  for (const auto& d : {dead, live, own_orphan, not_ours}) {
+  for (const auto& d : {dead, live, own_orphan, rebooted, foreign_young, foreign_old, legacy_young,
+                        legacy_old, not_ours}) {
     std::filesystem::create_directories(root / d / "sub");
+    testing::write_file(root / d / "data", "x");
   }
+  testing::write_file(root / latest_tmp_dead, "c1\n");
+  testing::write_file(root / "latest.tmp", "planted\n");  // not a name we make: left alone
+  make_old(root / foreign_old, std::chrono::hours(2));
+  make_old(root / legacy_old, std::chrono::hours(2));
+  // Old but with a file written just now: a writer on another host still streaming into it.
+  const std::string foreign_busy = staging_name("other-host3", self.boot, dead_pid());
+  std::filesystem::create_directories(root / foreign_busy);
+  testing::write_file(root / foreign_busy / "data-00000.safetensors", "streaming");
+  std::filesystem::last_write_time(
+      root / foreign_busy, std::filesystem::file_time_type::clock::now() - std::chrono::hours(2));
   CheckpointStaging active(root, "active");
-  const auto removed = clean_stale_staging(root);
-  std::vector<std::string> expected{dead, own_orphan};
+
+  const auto removed = clean_stale_staging(root, StagingCleanupOptions{std::chrono::hours(1)});
+  std::vector<std::string> expected{dead,        own_orphan, rebooted,
+                                    foreign_old, legacy_old, latest_tmp_dead};
   std::sort(expected.begin(), expected.end());
   EXPECT_EQ(removed, expected);
-  EXPECT_TRUE(std::filesystem::exists(root / live));
-  EXPECT_TRUE(std::filesystem::exists(root / not_ours));
+  for (const auto& kept :
+       {live, foreign_young, foreign_busy, legacy_young, not_ours, std::string("latest.tmp")}) {
+    EXPECT_TRUE(std::filesystem::exists(root / kept)) << kept;
+  }
   EXPECT_TRUE(std::filesystem::exists(active.dir()));
+  EXPECT_FALSE(std::filesystem::exists(root / dead));
+}
+
+TEST(StaleStaging, NamesCarryTheWriterAndParseBack) {
+  const detail::WriterIdentity self = detail::current_writer();
+  EXPECT_FALSE(self.host.empty());
+  EXPECT_EQ(self.boot.size(), 16u);
+  const std::string name = detail::make_staging_dir_name(std::string(200, 'n'));
+  EXPECT_LT(name.size(), 255u) << "must fit NAME_MAX";
+  auto parsed = detail::parse_leftover_name(name);
+  ASSERT_TRUE(parsed);
+  EXPECT_TRUE(parsed->directory);
+  ASSERT_TRUE(parsed->writer);
+  EXPECT_EQ(*parsed->writer, self);
+  auto latest_tmp = detail::parse_leftover_name(detail::make_latest_temp_name());
+  ASSERT_TRUE(latest_tmp && latest_tmp->writer);
+  EXPECT_FALSE(latest_tmp->directory);
+  EXPECT_EQ(*latest_tmp->writer, self);
+  for (const char* other :
+       {"latest", "latest.tmp", "ckpt", ".tmp-", ".tmp-x@host@zz-1-0123456789abcdef",
+        ".tmp-@h@0123456789abcdef-1-0123456789abcdef"}) {
+    EXPECT_FALSE(detail::parse_leftover_name(other)) << other;
+  }
 }
 
 }  // namespace

@@ -46,9 +46,11 @@ struct TilingProblem {
 
 // Checks that `boxes` tile `global_shape` exactly: each fits in it, no two share an element,
 // and together they cover every element. Returns the first problem found, or nullopt.
-// Zero-volume boxes are allowed (they cover nothing) but must still fit. Cost is a sort plus
-// a sweep along the dimension with the most distinct offsets: O(n log n) for the usual
-// "split along one dim" layouts, O(n²) only for pathological ones. Never throws.
+// Zero-volume boxes are allowed (they cover nothing) but must still fit. Overlap and gap
+// detection are exact. Cost: O(n log n) when the boxes are split along at most two
+// dimensions (row, column and grid layouts: a sort, then a sweep along one split dimension
+// keeping the cut boxes' extents along the other in an ordered map); along three or more, the
+// sweep compares each box with every box the sweep line cuts. Never throws.
 std::optional<TilingProblem> check_tiling(const std::vector<Box>& boxes,
                                           const std::vector<std::int64_t>& global_shape);
 

@@ -1,26 +1,24 @@
-// Durable, atomic publication of a checkpoint directory.
-//
-// Layout of a checkpoint root:
-//
-//   <root>/<name>/                     committed checkpoints (manifest.json + data files)
-//   <root>/latest                      text file: the name of the newest committed checkpoint
-//                                      and a newline; replaced atomically (latest.h)
-//   <root>/.tmp-<name>-<pid>-<hex>/    staging (or being-deleted) directories; never loaded
+// Durable, atomic publication of one checkpoint directory in a root (layout: root_layout.h).
 //
 // Commit protocol, in order (every step is a crash point, see crash_point.h):
-//   1. files are written into <root>/.tmp-<name>-<pid>-<random>/ and each is fsynced;
+//   1. files are written into a fresh <root>/.tmp-<name>@<owner>-<hex>/ and each is fsynced;
 //   2. commit() fsyncs every file again (cheap when already synced) and the staging directory;
 //   3. renameat2(RENAME_NOREPLACE) moves it to <root>/<name>/ — the commit point: before it,
 //      nothing named <name> exists; after it, the complete directory does. An existing
 //      <root>/<name> is never replaced;
-//   4. <root> is fsynced so the rename survives power loss;
-//   5. `latest` is replaced atomically (write latest.tmp, fsync, rename, fsync <root>).
-// A crash before 3 leaves only a hidden .tmp- directory; between 3 and 5, a committed
-// checkpoint that `latest` does not name yet; `latest` always names a complete checkpoint.
+//   4. <root> is fsynced so the rename survives power loss: the checkpoint is now durable;
+//   5. `latest` is replaced atomically (latest.h) unless CommitOptions say otherwise.
+// A crash before 3 leaves only a hidden staging directory (cleaned by the next writer,
+// retention.h); between 3 and 5, a committed checkpoint that `latest` does not name yet
+// (found again by newest_checkpoint.h, and `latest` repaired by the next writer:
+// root_writer.h); `latest` always names a complete checkpoint.
 //
-// One writer per root at a time is assumed (one process, e.g. rank 0, commits); readers may
-// run concurrently and see either the old or the new state.
+// Everything is created and opened relative to the root's directory descriptor, never
+// through a symbolic link (directory.h). The caller must be the root's one writer: a
+// RootWriter (root_writer.h) holds the lock and runs this protocol for a whole save.
 #pragma once
+
+#include "mixprec/checkpoint/format/directory.h"
 
 #include <cstddef>
 #include <filesystem>
@@ -37,19 +35,23 @@ struct CommitOptions {
 // A checkpoint under construction. Create it, write files into dir(), then commit().
 class CheckpointStaging {
  public:
-  // Creates <root> if missing and a fresh staging directory in it. Throws FormatError if
-  // `name` is not a valid name (manifest.h: is_valid_file_name), if <root>/<name> already
-  // exists (checked again, atomically, at commit), or if a system call fails.
-  CheckpointStaging(std::filesystem::path root, std::string name);
+  // Creates <root> if missing (each new directory's entry fsynced) and a fresh staging
+  // directory in it. Throws FormatError if `name` is not a valid or is a reserved name
+  // (root_layout.h: check_checkpoint_name), if <root>/<name> already exists (checked again,
+  // atomically, at commit), or if a system call fails.
+  CheckpointStaging(const std::filesystem::path& root, std::string name);
+  // The same in an open root.
+  CheckpointStaging(const Directory& root, std::string name);
   // Uncommitted: removes the staging directory (best effort, never throws).
   ~CheckpointStaging();
   CheckpointStaging(const CheckpointStaging&) = delete;
   CheckpointStaging& operator=(const CheckpointStaging&) = delete;
 
-  const std::filesystem::path& root() const { return root_; }
+  const std::filesystem::path& root() const { return root_.path(); }
   const std::string& name() const { return name_; }
-  // The staging directory; write files here (e.g. with SafetensorsWriter).
-  const std::filesystem::path& dir() const { return dir_; }
+  // The staging directory; write files here (e.g. with SafetensorsWriter's Directory form).
+  const std::filesystem::path& dir() const { return dir_.path(); }
+  const Directory& directory() const { return dir_; }
   // dir() / file_name, after checking that file_name is a valid plain name.
   std::filesystem::path file(std::string_view file_name) const;
 
@@ -60,20 +62,18 @@ class CheckpointStaging {
   // Runs steps 2–5 and returns <root>/<name>. Only regular files may be in the staging
   // directory. Throws FormatError naming the path and the failed call; if <root>/<name>
   // appeared meanwhile the message says the checkpoint already exists and nothing is
-  // overwritten. After a throw the staging directory is still removed by the destructor.
+  // overwritten. A throw before the rename leaves the staging directory to the destructor;
+  // a throw after it (root fsync, `latest`) leaves committed() true: the checkpoint exists.
   std::filesystem::path commit(const CommitOptions& options = {});
 
   bool committed() const { return committed_; }
 
  private:
-  std::filesystem::path root_;
+  Directory root_;
   std::string name_;
-  std::filesystem::path dir_;
+  std::string dir_name_;  // the staging directory's name in the root
+  Directory dir_;
   bool committed_ = false;
 };
-
-// fsyncs the directory `dir` so that entries created, renamed or removed in it are durable.
-// Throws FormatError naming the directory.
-void fsync_directory(const std::filesystem::path& dir);
 
 }  // namespace mixprec::checkpoint

@@ -37,6 +37,7 @@
 #pragma once
 
 #include "mixprec/checkpoint/format/box.h"
+#include "mixprec/checkpoint/format/directory.h"
 #include "mixprec/checkpoint/format/dtype.h"
 
 #include <nlohmann/json.hpp>
@@ -101,11 +102,14 @@ Manifest parse_manifest(std::string_view json_text, std::string_view source);
 // Output is deterministic: keys sorted, two-space indentation, trailing newline.
 std::string manifest_to_json(const Manifest& manifest);
 
-// Reads and parses <dir>/manifest.json. Throws FormatError naming the path.
+// Reads and parses <dir>/manifest.json. Throws FormatError naming the path. The directory
+// and the file must be real (no links, FIFOs or devices: directory.h).
 Manifest read_manifest(const std::filesystem::path& checkpoint_dir);
+Manifest read_manifest(const Directory& checkpoint_dir);
 
 // The common state of a checkpoint: the inline object, or <dir>/<common_file> read, checked
 // against its recorded size and XXH3-64, and parsed. Throws FormatError/ChecksumError.
 nlohmann::json read_common(const std::filesystem::path& checkpoint_dir, const Manifest& manifest);
+nlohmann::json read_common(const Directory& checkpoint_dir, const Manifest& manifest);
 
 }  // namespace mixprec::checkpoint

@@ -6,6 +6,7 @@
 // (from the manifest); partial reads cannot and do not.
 #pragma once
 
+#include "mixprec/checkpoint/format/directory.h"
 #include "mixprec/checkpoint/format/safetensors_header.h"
 
 #include <cstddef>
@@ -20,8 +21,12 @@ namespace mixprec::checkpoint {
 class SafetensorsReader {
  public:
   // Opens `path` and validates its header. Throws FormatError naming the path (and tensor,
-  // field or offset) if the file is missing, truncated, or fails any header check.
+  // field or offset) if the file is missing, truncated, or fails any header check. `path`
+  // itself must be a regular file, never a link, FIFO or device (directory.h); the directory
+  // holding it is taken as given.
   explicit SafetensorsReader(std::filesystem::path path);
+  // The file `file_name` (a plain name) of an open checkpoint directory, the same way.
+  SafetensorsReader(const Directory& dir, std::string_view file_name);
   ~SafetensorsReader();
   SafetensorsReader(SafetensorsReader&&) noexcept;
   SafetensorsReader& operator=(SafetensorsReader&&) noexcept;
@@ -48,6 +53,8 @@ class SafetensorsReader {
   std::uint64_t checksum(std::string_view name) const;
 
  private:
+  // Validates the header of the open file `fd` (still owned by the caller) against its size.
+  void parse_header(int fd);
   void pread_exact(std::uint64_t file_offset, std::span<std::byte> out,
                    std::string_view tensor_name) const;
 

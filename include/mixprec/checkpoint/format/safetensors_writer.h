@@ -16,6 +16,7 @@
 #pragma once
 
 #include "mixprec/checkpoint/format/checksum.h"
+#include "mixprec/checkpoint/format/directory.h"
 #include "mixprec/checkpoint/format/safetensors_header.h"
 
 #include <cstddef>
@@ -41,7 +42,14 @@ class SafetensorsWriter {
   // Validates `tensors` (see encode_safetensors_header), creates `path` — which must not exist
   // (O_EXCL: a writer never clobbers a file) — and writes the header.
   // Throws FormatError naming the path or the offending tensor; on throw no file is left.
+  // The file is created with O_NOFOLLOW in the directory holding `path`, taken as given.
   SafetensorsWriter(std::filesystem::path path, std::vector<TensorSpec> tensors,
+                    std::map<std::string, std::string> metadata = {});
+  // The same for the file `file_name` (a plain name) in an open directory, e.g. a staging
+  // directory (commit.h: CheckpointStaging::directory()): created relative to it, so no
+  // rename or link swap of a path can redirect the write.
+  SafetensorsWriter(const Directory& dir, std::string_view file_name,
+                    std::vector<TensorSpec> tensors,
                     std::map<std::string, std::string> metadata = {});
   // Without a successful close(), the destructor closes and deletes the partial file
   // (best effort, never throws): a half-written file is never left looking complete.
@@ -71,7 +79,11 @@ class SafetensorsWriter {
   void flush_buffer();
   void write_out(std::span<const std::byte> bytes);
 
+  void remove_partial_file();
+
   std::filesystem::path path_;
+  std::string file_name_;
+  int dir_fd_ = -1;  // the directory holding the file, to remove a partial file again
   std::vector<TensorSpec> specs_;
   std::vector<WrittenTensor> written_;
   std::vector<std::byte> buffer_;  // coalesces small pieces into large write(2) calls

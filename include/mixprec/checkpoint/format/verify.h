@@ -4,6 +4,8 @@
 // and what the `verify` command runs. It reads every byte once, in bounded memory.
 #pragma once
 
+#include "mixprec/checkpoint/format/directory.h"
+
 #include <cstdint>
 #include <filesystem>
 
@@ -20,7 +22,9 @@ struct VerifyReport {
 // chunk's tensor exists with the key's dtype, the chunk's shape and byte length, and that its
 // XXH3-64 matches; that every tensor in those files is referenced by exactly one chunk; and
 // the common file's size and checksum. Throws FormatError (ChecksumError for a mismatch)
-// naming the file, key and tensor at fault.
+// naming the file, key and tensor at fault. The directory and every file must be real: a link,
+// FIFO or device is refused (directory.h).
 VerifyReport verify_checkpoint(const std::filesystem::path& dir);
+VerifyReport verify_checkpoint(const Directory& dir);
 
 }  // namespace mixprec::checkpoint
