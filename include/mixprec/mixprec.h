@@ -28,7 +28,9 @@
 // Mixed-precision optimizer.
 #include "mixprec/optim/float16_optimizer.h"
 #include "mixprec/optim/fused_kernels.h"
+#include "mixprec/optim/hyper_params.h"
 #include "mixprec/optim/loss_scaler.h"
+#include "mixprec/optim/master_remainder.h"
 #include "mixprec/optim/optimizer_state.h"
 
 #include <torch/optim/adam.h>
@@ -51,13 +53,25 @@
 #include "mixprec/checkpoint/format/checksum.h"
 #include "mixprec/checkpoint/format/commit.h"
 #include "mixprec/checkpoint/format/crash_point.h"
+#include "mixprec/checkpoint/format/directory.h"
 #include "mixprec/checkpoint/format/dtype.h"
 #include "mixprec/checkpoint/format/error.h"
 #include "mixprec/checkpoint/format/latest.h"
 #include "mixprec/checkpoint/format/manifest.h"
+#include "mixprec/checkpoint/format/newest_checkpoint.h"
 #include "mixprec/checkpoint/format/retention.h"
+#include "mixprec/checkpoint/format/root_layout.h"
+#include "mixprec/checkpoint/format/root_writer.h"
 #include "mixprec/checkpoint/format/safetensors_header.h"
 #include "mixprec/checkpoint/format/safetensors_reader.h"
 #include "mixprec/checkpoint/format/safetensors_writer.h"
 #include "mixprec/checkpoint/format/state_keys.h"
 #include "mixprec/checkpoint/format/verify.h"
+
+// Data parallelism on c10d: process groups, gradient reduction, the ZeRO-1 optimizer.
+#include "mixprec/dist/buffer_layout.h"
+#include "mixprec/dist/communicator.h"
+#include "mixprec/dist/distributed_optimizer.h"
+#include "mixprec/dist/grad_reducer.h"
+#include "mixprec/dist/init.h"
+#include "mixprec/dist/model_check.h"

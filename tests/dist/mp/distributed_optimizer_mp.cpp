@@ -158,8 +158,8 @@ TEST(DistributedOptimizer, DifferentDataPerRankMatchesPlainDp) {
 TEST(DistributedOptimizer, OverflowOnOneRankSkipsEveryRankAndBacksOffTogether) {
   const int n = world().size(), rank = world().rank();
   optim::LossScalerOptions scaling = optim::LossScalerOptions::fp16_dynamic();
-  scaling.initial_scale = 1024;
-  scaling.hysteresis = 1;
+  scaling.initial_scale(1024);
+  scaling.hysteresis(1);
   const Float16OptimizerOptions mixed = Float16OptimizerOptions().loss_scaler(scaling);
   const MakeOptions adamw = algorithms()[0].make;
   Trainer dp(Trainer::kPlainDp, adamw, mixed, at::kHalf),
