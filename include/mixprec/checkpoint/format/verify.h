@@ -18,9 +18,9 @@ struct VerifyReport {
 
 // Parses <dir>/manifest.json, opens each referenced safetensors file once and checks that each
 // chunk's tensor exists with the key's dtype, the chunk's shape and byte length, and that its
-// XXH3-64 matches; that every tensor in those files is referenced by exactly one chunk; and
-// the common file's size and checksum. Throws FormatError (ChecksumError for a mismatch)
-// naming the file, key and tensor at fault.
+// XXH3-64 matches, and so does each block checksum (manifest version 2); that every tensor in those
+// files is referenced by exactly one chunk; and the common file's size and checksum. Throws
+// FormatError (ChecksumError for a mismatch) naming the file, key and tensor at fault.
 VerifyReport verify_checkpoint(const std::filesystem::path& dir);
 
 }  // namespace mixprec::checkpoint
