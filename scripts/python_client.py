@@ -84,8 +84,10 @@ def read_manifest(ckpt):
     path = os.path.join(ckpt, "manifest.json")
     with open(path) as f:
         manifest = json.load(f)
-    if manifest.get("format") != "mixprec-checkpoint" or manifest.get("version") != 1:
-        raise ClientError(f"{path}: not a mixprec-checkpoint version 1 manifest")
+    # Version 2 only adds per-block checksums ("block_bytes", chunks' "block_xxh3"), which
+    # this reader does not need.
+    if manifest.get("format") != "mixprec-checkpoint" or manifest.get("version") not in (1, 2):
+        raise ClientError(f"{path}: not a mixprec-checkpoint version 1 or 2 manifest")
     return manifest
 
 
