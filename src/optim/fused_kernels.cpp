@@ -172,6 +172,16 @@ void validate_sgd(const at::Tensor& param, const at::Tensor& grad,
   check_scale(op, grad_scale_inv);
 }
 
+// The CPU kernels write through raw pointers, which LibTorch does not see. Each written
+// tensor's version counter is bumped as an in-place ATen op would, and before the write, so
+// whoever recorded a version sees the change even while the write is in progress: autograd
+// (a tensor saved for backward), a checkpoint's state dict (checkpoint/async_save.h).
+void mark_written(std::initializer_list<const at::Tensor*> tensors) {
+  for (const at::Tensor* t : tensors) {
+    if (t->defined() && !t->is_inference()) t->unsafeGetTensorImpl()->bump_version();
+  }
+}
+
 }  // namespace
 
 // Same ranges torch.optim.Adam(W) and SGD accept.
@@ -209,6 +219,7 @@ void fused_adam_step(const at::Tensor& param, const at::Tensor& grad, const at::
   }
   const int64_t n = param.numel();
   if (n == 0) return;
+  mark_written({&param, &exp_avg, &exp_avg_sq, &max_exp_avg_sq, &model_param});
 
   // Constants are derived in double and rounded to float once, as at::_fused_adam_ does.
   const double bias_correction1 = 1.0 - std::pow(hp.beta1, static_cast<double>(step));
@@ -252,6 +263,7 @@ void fused_sgd_step(const at::Tensor& param, const at::Tensor& grad,
   }
   const int64_t n = param.numel();
   if (n == 0) return;
+  mark_written({&param, &momentum_buffer, &model_param});
 
   detail::SgdConstants c;
   c.grad_scale_inv = static_cast<float>(grad_scale_inv);
@@ -316,6 +328,7 @@ void copy_master_to_model(const at::Tensor& master, const at::Tensor& model_para
     detail::copy_master_to_model_aten(master, model_param);
     return;
   }
+  mark_written({&model_param});
   const float* src = master.const_data_ptr<float>();
   uint16_t* dst = model_data(model_param);
   const auto format = model_format(model_param);
