@@ -15,6 +15,11 @@
 //           (training may continue) and until the commit. Staging is a host-memory copy, so
 //           its bound is the state's bytes at copy bandwidth (support/copy_bandwidth.h,
 //           measured in the same run over 256 MiB buffers).
+//   reshard the state saved by 3 data-parallel ranks, loaded by 2 (every rank needs part of
+//           the middle rank's chunks). Every byte a load uses is verified; the cost is in the
+//           bytes read (ReadStats): with whole-chunk checksums only (block 0, manifest version
+//           1) a partly needed chunk is read whole, with block checksums only the blocks the
+//           part touches. Reported per block size as bytes read over bytes used.
 //
 // Every read starts cold: the files were fsynced, so posix_fadvise(POSIX_FADV_DONTNEED) drops
 // their pages from the page cache before the timed read (no root needed for one's own files).
@@ -31,6 +36,7 @@
 #include "mixprec/checkpoint/async_save.h"
 #include "mixprec/checkpoint/format/verify.h"
 #include "mixprec/checkpoint/load.h"
+#include "mixprec/checkpoint/reshard.h"
 #include "mixprec/checkpoint/training_state.h"
 
 #include "support/copy_bandwidth.h"
@@ -309,6 +315,40 @@ void BM_OursAsyncSave(benchmark::State& bm) {
   bm.SetBytesProcessed(static_cast<int64_t>(bm.iterations() * s.bytes));
 }
 
+// Block size → bytes used and bytes read by both ranks of the 3 → 2 reshard.
+std::map<int64_t, std::pair<std::uint64_t, std::uint64_t>> reshard_bytes;
+
+void BM_OursReshard3to2(benchmark::State& bm) {
+  State& s = state();
+  const int64_t block = bm.range(0);
+  const fs::path root = s.dir / ("reshard-" + std::to_string(block));
+  if (!fs::exists(root)) {
+    std::vector<mixprec::ShardedStateDict> ranks;
+    for (int r = 0; r < 3; ++r) ranks.push_back(ckpt::shard_for_rank(s.dict, r, 3));
+    ckpt::SaveOptions options;
+    options.checksum_block_bytes = static_cast<std::uint64_t>(block);
+    ckpt::save_checkpoint(root, "step-1", {&ranks[0], &ranks[1], &ranks[2]}, options);
+  }
+  for (auto _ : bm) {
+    drop_cache(root / "step-1");
+    std::uint64_t used = 0, read = 0;
+    const auto t0 = Clock::now();
+    for (int r = 0; r < 2; ++r) {
+      ckpt::ReadStats stats;
+      ckpt::ReadOptions options = ckpt::read_options_for_rank(r, 2);
+      options.stats = &stats;
+      const mixprec::ShardedStateDict local = ckpt::read_checkpoint(root / "step-1", options);
+      benchmark::DoNotOptimize(local.tensors.size());
+      used += stats.bytes_used;
+      read += stats.bytes_read;
+    }
+    record_time(bm, "BM_OursReshard3to2/" + std::to_string(block), seconds_since(t0));
+    reshard_bytes[block] = {used, read};
+    bm.counters["read_overhead_pct"] = 100.0 * (static_cast<double>(read) / used - 1.0);
+  }
+  bm.SetBytesProcessed(static_cast<int64_t>(bm.iterations() * s.bytes));
+}
+
 #define MIXPREC_IO_BENCH(fn) \
   BENCHMARK(fn)->Iterations(1)->Repetitions(kRounds)->UseManualTime()->Unit(benchmark::kMillisecond)
 MIXPREC_IO_BENCH(BM_RawWrite);
@@ -319,6 +359,7 @@ MIXPREC_IO_BENCH(BM_OursSave);
 MIXPREC_IO_BENCH(BM_OursLoad);
 MIXPREC_IO_BENCH(BM_OursVerify);
 MIXPREC_IO_BENCH(BM_OursAsyncSave);
+MIXPREC_IO_BENCH(BM_OursReshard3to2)->Arg(0)->Arg(64 << 10)->Arg(1 << 20)->Arg(4 << 20);
 
 }  // namespace
 
@@ -378,5 +419,15 @@ int main(int argc, char** argv) {
   const double copy_gbs = mixprec::bench::copy_bandwidth(reporter).copy_gbs;
   std::printf("  staging bound       the state copied once at %.2f GB/s (read+written): %.2f s\n",
               copy_gbs, ratio(2.0 * s.bytes / 1e9, copy_gbs));
+  for (const auto& [block, bytes] : reshard_bytes) {
+    const auto [used, read] = bytes;
+    const std::string name = "BM_OursReshard3to2/" + std::to_string(block);
+    std::printf("  reshard 3->2        %s: read %.1f MiB for %.1f MiB used (+%.2f%%), %.2f GB/s\n",
+                block == 0 ? "whole-chunk checksums"
+                           : (std::to_string(block >> 10) + " KiB blocks").c_str(),
+                read / 1048576.0, used / 1048576.0,
+                100.0 * (static_cast<double>(read) / used - 1.0),
+                ratio(used / 1e9, best_seconds.count(name) ? best_seconds[name] : 0.0));
+  }
   return 0;
 }

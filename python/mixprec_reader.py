@@ -110,9 +110,12 @@ class Checkpoint:
         manifest_path = os.path.join(self.dir, "manifest.json")
         with open(manifest_path) as f:
             self.manifest = json.load(f)
+        # Version 2 only adds per-block checksums ("block_bytes", chunks' "block_xxh3"), which
+        # this reader does not need: safetensors reads whole tensors.
         if self.manifest.get("format") != "mixprec-checkpoint" or \
-                self.manifest.get("version") != 1:
-            raise CheckpointError(f"{manifest_path}: not a mixprec-checkpoint version 1 manifest")
+                self.manifest.get("version") not in (1, 2):
+            raise CheckpointError(
+                f"{manifest_path}: not a mixprec-checkpoint version 1 or 2 manifest")
         self.common = self._read_common()
 
     def _read_common(self):

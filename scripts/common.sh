@@ -58,21 +58,56 @@ ensure_venv() {
   fi
 }
 
-# Configures once (a build folder with a CMakeCache is reused), then builds incrementally.
-build_project() {
-  if [[ ! -f "$MIXPREC_BUILD/CMakeCache.txt" ]]; then
+# Configures build folder $1 once (a folder with a CMakeCache is reused; extra CMake
+# arguments follow), then builds it incrementally.
+configure_and_build() {
+  local dir="$1"
+  shift
+  if [[ ! -f "$dir/CMakeCache.txt" ]]; then
     local prefix
     prefix="$("$MIXPREC_VENV/bin/python" -c 'import torch.utils; print(torch.utils.cmake_prefix_path)' 2>/dev/null)"
     local launcher=()
     command -v ccache >/dev/null && launcher=(-DCMAKE_CXX_COMPILER_LAUNCHER=ccache)
-    log "configuring $MIXPREC_BUILD"
-    cmake -S "$MIXPREC_ROOT" -B "$MIXPREC_BUILD" -G Ninja -DCMAKE_BUILD_TYPE=Release \
+    log "configuring $dir"
+    cmake -S "$MIXPREC_ROOT" -B "$dir" -G Ninja \
       -DCMAKE_PREFIX_PATH="${CMAKE_PREFIX_PATH:+$CMAKE_PREFIX_PATH;}$prefix" \
-      -DMIXPREC_PYTHON="$MIXPREC_VENV/bin/python" "${launcher[@]}" >/dev/null
+      -DMIXPREC_PYTHON="$MIXPREC_VENV/bin/python" "${launcher[@]}" "$@" >/dev/null
   fi
   local start=$SECONDS
-  cmake --build "$MIXPREC_BUILD" --parallel "$(nproc)"
-  log "build finished in $((SECONDS - start)) s"
+  cmake --build "$dir" --parallel "$(nproc)"
+  log "build of $dir finished in $((SECONDS - start)) s"
+}
+
+build_project() {
+  configure_and_build "$MIXPREC_BUILD" -DCMAKE_BUILD_TYPE=Release
+}
+
+# The second build: the whole unit-test suite under AddressSanitizer and
+# UndefinedBehaviorSanitizer, linked with the same (uninstrumented) LibTorch from the wheel.
+# -O1 keeps the build and the run fast while ASan still sees every access; no benchmarks,
+# no demo, and no fuzz test (the normal build's ctest already runs it, under its own ASan).
+# MIXPREC_SANITIZE=0 skips it.
+MIXPREC_ASAN_BUILD="${MIXPREC_ASAN_BUILD:-$MIXPREC_ROOT/build-asan}"
+MIXPREC_SANITIZE="${MIXPREC_SANITIZE:-1}"
+MIXPREC_SANITIZER_FLAGS="-fsanitize=address,undefined -fno-sanitize-recover=all -fno-omit-frame-pointer"
+# GCC at -O1 with ASan reports maybe-uninitialized falsely, mostly inside LibTorch headers.
+MIXPREC_SANITIZER_WARNINGS="-Wno-maybe-uninitialized"
+
+build_sanitized() {
+  sanitizer_env  # the build runs the test binaries to list their tests
+  configure_and_build "$MIXPREC_ASAN_BUILD" -DCMAKE_BUILD_TYPE=RelWithDebInfo \
+    -DCMAKE_CXX_FLAGS_RELWITHDEBINFO="-O1 -g1 -DNDEBUG" \
+    -DCMAKE_CXX_FLAGS="$MIXPREC_SANITIZER_FLAGS $MIXPREC_SANITIZER_WARNINGS" \
+    -DCMAKE_EXE_LINKER_FLAGS="$MIXPREC_SANITIZER_FLAGS" \
+    -DCMAKE_SHARED_LINKER_FLAGS="$MIXPREC_SANITIZER_FLAGS" \
+    -DMIXPREC_BUILD_BENCH=OFF -DMIXPREC_BUILD_EXAMPLES=OFF -DMIXPREC_FUZZ_IN_TESTS=OFF
+}
+
+# Run-time options of the sanitized build (a caller's own ASAN_OPTIONS/UBSAN_OPTIONS win).
+# LeakSanitizer is on: the suite leaks nothing, LibTorch's one-time allocations included.
+sanitizer_env() {
+  export ASAN_OPTIONS="${ASAN_OPTIONS:-abort_on_error=1:detect_leaks=1:strict_string_checks=1:check_initialization_order=1:detect_stack_use_after_return=1}"
+  export UBSAN_OPTIONS="${UBSAN_OPTIONS:-print_stacktrace=1:halt_on_error=1}"
 }
 
 setup_all() {

@@ -19,6 +19,7 @@ ShardedTensor ShardedTensor::whole(at::Tensor tensor) {
   out.global_shape = tensor.sizes().vec();
   out.global_offset.assign(tensor.dim(), 0);
   out.local = tensor.is_contiguous() ? std::move(tensor) : tensor.contiguous();
+  if (!out.local.is_inference()) out.version = out.local._version();
   return out;
 }
 
@@ -43,6 +44,7 @@ ShardedStateDict ShardedStateDict::clone() const {
   for (const auto& [key, shard] : tensors) {
     ShardedTensor copy = shard;
     copy.local = shard.local.clone();
+    copy.version = copy.local.is_inference() ? -1 : copy.local._version();
     out.tensors.emplace(key, std::move(copy));
   }
   return out;

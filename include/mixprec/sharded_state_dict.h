@@ -26,6 +26,11 @@ struct ShardedTensor {
   std::vector<int64_t> global_shape;   // shape of the whole tensor
   std::vector<int64_t> global_offset;  // where `local` starts in it, per dimension
   int64_t replica_id = 0;              // 0 for the copy that is written; others are duplicates
+  // `local`'s version counter when this entry was made (whole() records it; -1: unchecked).
+  // State dicts alias live tensors, so savers refuse an entry whose tensor changed since
+  // (checkpoint/save.h): a training step between building a dict and saving it would mix
+  // two steps. An optimizer step bumps the version of every tensor it writes.
+  int64_t version = -1;
 
   // The whole tensor, held by one rank.
   static ShardedTensor whole(at::Tensor tensor);
@@ -41,7 +46,8 @@ struct ShardedStateDict {
   // tensor key or a top-level common key is already present (nothing added then).
   void merge(ShardedStateDict other);
   bool contains(const std::string& key) const { return tensors.count(key) != 0; }
-  // A deep copy: every tensor cloned (state dicts alias live state by default).
+  // A deep copy: every tensor cloned (state dicts alias live state by default), versions
+  // recorded afresh.
   ShardedStateDict clone() const;
   // The tensor under `key`; throws c10::Error naming the key if absent.
   const ShardedTensor& at(const std::string& key) const;

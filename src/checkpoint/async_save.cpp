@@ -17,11 +17,12 @@ namespace mixprec::checkpoint {
 // buffer per piece would cost more than the copy itself, on every save.
 struct AsyncCheckpointSaver::BufferPool {
   std::mutex mutex;
-  std::vector<at::Tensor> free;  // uint8 buffers of kPieceBytes
+  int64_t piece_bytes = 0;
+  std::vector<at::Tensor> free;  // uint8 buffers of piece_bytes
 
   at::Tensor take() {
     std::lock_guard<std::mutex> lock(mutex);
-    if (free.empty()) return at::empty({detail::kPieceBytes}, at::kByte);
+    if (free.empty()) return at::empty({piece_bytes}, at::kByte);
     at::Tensor buffer = std::move(free.back());
     free.pop_back();
     return buffer;
@@ -44,37 +45,49 @@ struct AsyncCheckpointSaver::Pipeline final : detail::PieceSource {
   std::size_t staged_bytes = 0;
   std::size_t peak_bytes = 0;
   std::size_t budget = 0;
-  bool producer_failed = false;  // the writer must stop
-  bool writer_done = false;      // the producer must stop
-  ShardedStateDict state;        // shapes only, for the writer
+  std::size_t piece_size = 0;
+  bool producer_failed = false;   // the writer must stop
+  bool producer_done = false;     // every piece is staged and the state was unchanged
+  bool writer_done = false;       // the producer must stop
+  bool writer_abandoned = false;  // the writer stopped because staging failed
+  ShardedStateDict state;         // shapes only, for the writer
   std::shared_ptr<BufferPool> pool;
   std::optional<SaveResult> result;
   std::exception_ptr error;
 
   // Called by save(): blocks while the budget is full, unless the writer has stopped.
   bool stage(const detail::Piece& piece) {
-    const at::Tensor source = detail::piece_on_host(piece);
-    const std::size_t bytes = source.nbytes();
+    const std::size_t bytes = static_cast<std::size_t>(piece.count * piece.tensor->element_size());
     {
       std::unique_lock<std::mutex> lock(mutex);
       changed.wait(lock, [&] {
-        return writer_done || staged.empty() || staged_bytes + detail::kPieceBytes <= budget;
+        return writer_done || staged.empty() || staged_bytes + piece_size <= budget;
       });
       if (writer_done) return false;
     }
     at::Tensor buffer = pool->take();
-    std::memcpy(buffer.data_ptr(), source.const_data_ptr(), bytes);
+    // Straight from the tensor (any layout, any device) into the staging buffer.
+    detail::copy_piece(
+        piece, buffer.narrow(0, 0, static_cast<int64_t>(bytes)).view(piece.tensor->scalar_type()));
     std::lock_guard<std::mutex> lock(mutex);
-    staged_bytes += detail::kPieceBytes;
+    staged_bytes += piece_size;
     peak_bytes = std::max(peak_bytes, staged_bytes);
     staged.push_back({std::move(buffer), bytes});
     changed.notify_all();
     return true;
   }
 
+  // Called by save() when staging ends: successfully, or not (the writer then abandons).
+  void producer_finished(bool ok) {
+    std::lock_guard<std::mutex> lock(mutex);
+    (ok ? producer_done : producer_failed) = true;
+    changed.notify_all();
+  }
+
   at::Tensor acquire(const detail::Piece& piece) override {
     std::unique_lock<std::mutex> lock(mutex);
     changed.wait(lock, [&] { return producer_failed || !staged.empty(); });
+    writer_abandoned = producer_failed;
     TORCH_CHECK(!producer_failed, "[mixprec::checkpoint::AsyncCheckpointSaver] staging of '",
                 piece.key, "' failed; the save is abandoned");
     const Staged& front = staged.front();
@@ -86,19 +99,37 @@ struct AsyncCheckpointSaver::Pipeline final : detail::PieceSource {
 
   void release(const detail::Piece&) override {
     std::lock_guard<std::mutex> lock(mutex);
-    staged_bytes -= detail::kPieceBytes;
+    staged_bytes -= piece_size;
     pool->give_back(std::move(staged.front().buffer));
     staged.pop_front();
     changed.notify_all();
   }
+
+  int64_t piece_bytes() const override { return static_cast<int64_t>(piece_size); }
+
+  // Nothing is committed until save() has staged the last piece and found the state
+  // unchanged: the writer may have written every byte before that check.
+  void finish() override {
+    std::unique_lock<std::mutex> lock(mutex);
+    changed.wait(lock, [&] { return producer_failed || producer_done; });
+    writer_abandoned = producer_failed;
+    TORCH_CHECK(!producer_failed,
+                "[mixprec::checkpoint::AsyncCheckpointSaver] staging failed; the save is "
+                "abandoned");
+  }
 };
 
 AsyncCheckpointSaver::AsyncCheckpointSaver(AsyncSaveOptions options)
-    : options_(options), pool_(std::make_shared<BufferPool>()) {
-  TORCH_CHECK(options_.staging_budget_bytes >= (std::size_t{64} << 20),
+    : options_(std::move(options)), pool_(std::make_shared<BufferPool>()) {
+  TORCH_CHECK(options_.piece_bytes >= 4096,
+              "[mixprec::checkpoint::AsyncCheckpointSaver] piece_bytes must be at least 4 KiB, "
+              "got ",
+              options_.piece_bytes);
+  TORCH_CHECK(options_.staging_budget_bytes >= options_.piece_bytes,
               "[mixprec::checkpoint::AsyncCheckpointSaver] staging_budget_bytes must be at least "
-              "64 MiB (one piece), got ",
-              options_.staging_budget_bytes);
+              "one piece (",
+              options_.piece_bytes, " bytes), got ", options_.staging_budget_bytes);
+  pool_->piece_bytes = static_cast<int64_t>(options_.piece_bytes);
 }
 
 AsyncCheckpointSaver::~AsyncCheckpointSaver() {
@@ -109,10 +140,19 @@ AsyncCheckpointSaver::~AsyncCheckpointSaver() {
   }
 }
 
+void AsyncCheckpointSaver::abandon() {
+  pipeline_->producer_finished(/*ok=*/false);
+  worker_.join();
+  // An error that only says staging failed is not reported again: save() throws the cause.
+  // One the writer hit on its own (before it noticed) is still reported by the next call.
+  if (pipeline_->writer_abandoned) pipeline_->error = nullptr;
+}
+
 void AsyncCheckpointSaver::save(const std::filesystem::path& root, const std::string& name,
                                 ShardedStateDict state, const SaveOptions& options) {
   wait();  // at most one in flight; surfaces the previous error
-  detail::check_savable({&state});
+  const std::vector<const ShardedStateDict*> ranks{&state};
+  detail::check_savable(ranks);  // includes: unchanged since the dict was built
 
   // The writer sees only shapes and dtypes (meta tensors): it reads bytes from the staged
   // copies, never from the caller's tensors, and holds none of them alive.
@@ -121,10 +161,12 @@ void AsyncCheckpointSaver::save(const std::filesystem::path& root, const std::st
   for (const auto& [key, shard] : state.tensors) {
     ShardedTensor meta = shard;
     meta.local = at::empty(shard.local.sizes(), shard.local.options().device(at::kMeta));
+    meta.version = -1;
     shapes_only.tensors.emplace(key, std::move(meta));
   }
   auto pipeline = std::make_shared<Pipeline>();
   pipeline->budget = options_.staging_budget_bytes;
+  pipeline->piece_size = options_.piece_bytes;
   pipeline->pool = pool_;
   pipeline->state = std::move(shapes_only);
   pipeline_ = pipeline;
@@ -143,17 +185,23 @@ void AsyncCheckpointSaver::save(const std::filesystem::path& root, const std::st
   });
   struct WriterStopped {};
   try {
-    detail::for_each_piece(state, 0, [&](const detail::Piece& piece) {
-      if (!pipeline->stage(piece)) throw WriterStopped{};
-    });
+    detail::for_each_piece(
+        state, 0,
+        [&](const detail::Piece& piece) {
+          if (!pipeline->stage(piece)) throw WriterStopped{};
+          if (options_.on_piece_staged) options_.on_piece_staged(piece.key);
+        },
+        static_cast<int64_t>(options_.piece_bytes));
+    detail::check_unchanged(ranks, "while it was being staged");
   } catch (const WriterStopped&) {
-    // The writer failed; wait() and the next save() report why.
+    // The writer failed on its own; wait() or the next save() reports why, once.
+    pipeline->producer_finished(/*ok=*/false);
+    return;
   } catch (...) {
-    std::lock_guard<std::mutex> lock(pipeline->mutex);
-    pipeline->producer_failed = true;
-    pipeline->changed.notify_all();
+    abandon();
     throw;
   }
+  pipeline->producer_finished(/*ok=*/true);
 }
 
 std::optional<SaveResult> AsyncCheckpointSaver::wait() {

@@ -49,49 +49,103 @@ std::filesystem::path resolve_checkpoint(const std::filesystem::path& path) {
 
 namespace {
 
-std::span<std::byte> bytes_of(at::Tensor& t) {
-  return {static_cast<std::byte*>(t.data_ptr()), t.nbytes()};
-}
+// The part of one chunk a read needs.
+struct PartToRead {
+  const Chunk* chunk;
+  const SafetensorsReader* reader;
+  Box part;  // global box: the chunk's box ∩ the wanted slice
+};
 
-// Copies the intersection `part` of chunk `chunk_box` (stored row-major in `reader` under
-// `tensor_name`) into `target`, whose global position is `target_box`. Reads only the bytes of
-// the intersection, in runs as long as the layouts allow.
-void read_part(const SafetensorsReader& reader, const std::string& tensor_name,
-               const Box& chunk_box, const Box& part, at::Tensor& target, const Box& target_box) {
-  const size_t rank = part.rank();
-  const int64_t elem = target.element_size();
-  if (rank == 0) {
-    reader.read_range(tensor_name, 0, bytes_of(target));
-    return;
-  }
-  // Trailing dims where the part spans the whole chunk and the whole target merge into runs.
-  size_t split = rank - 1;  // dims >= split form one contiguous run in both layouts
-  while (split > 0 && part.shape[split] == chunk_box.shape[split] &&
-         part.shape[split] == target_box.shape[split]) {
-    --split;
-  }
-  int64_t run = 1;
-  for (size_t d = split; d < rank; ++d) run *= part.shape[d];
-  std::vector<int64_t> chunk_stride(rank, 1), target_stride(rank, 1);
-  for (size_t d = rank - 1; d > 0; --d) {
-    chunk_stride[d - 1] = chunk_stride[d] * chunk_box.shape[d];
-    target_stride[d - 1] = target_stride[d] * target_box.shape[d];
-  }
-  std::vector<int64_t> index(split, 0);  // position within the part, dims < split
-  std::byte* base = static_cast<std::byte*>(target.data_ptr());
-  while (true) {
-    int64_t chunk_elem = 0, target_elem = 0;
-    for (size_t d = 0; d < rank; ++d) {
-      const int64_t g = part.offset[d] + (d < split ? index[d] : 0);
-      chunk_elem += (g - chunk_box.offset[d]) * chunk_stride[d];
-      target_elem += (g - target_box.offset[d]) * target_stride[d];
+// One key's wanted slice and the chunk parts that fill it, checked before anything is
+// allocated.
+struct KeyToRead {
+  const std::string* key;
+  const KeyEntry* entry;
+  Box want;
+  std::vector<PartToRead> parts;
+};
+
+// The byte runs of `part` within its chunk's row-major layout, each paired with its place in
+// `target` (global position `target_box`), produced one at a time in increasing chunk
+// offset. Trailing dims where the part spans both the whole chunk and the whole target merge
+// into one run.
+class PartRuns {
+ public:
+  PartRuns(const Box& chunk_box, const Box& part, at::Tensor& target, const Box& target_box)
+      : chunk_box_(chunk_box),
+        part_(part),
+        target_box_(target_box),
+        elem_(target.element_size()),
+        base_(static_cast<std::byte*>(target.data_ptr())) {
+    const size_t rank = part.rank();
+    if (rank == 0) {
+      split_ = 0;
+      run_ = 1;
+      return;
     }
-    reader.read_range(tensor_name, static_cast<uint64_t>(chunk_elem * elem),
-                      {base + target_elem * elem, static_cast<size_t>(run * elem)});
-    size_t d = split;
-    while (d > 0 && ++index[d - 1] == part.shape[d - 1]) index[--d] = 0;
-    if (d == 0) break;
+    split_ = rank - 1;
+    while (split_ > 0 && part.shape[split_] == chunk_box.shape[split_] &&
+           part.shape[split_] == target_box.shape[split_]) {
+      --split_;
+    }
+    for (size_t d = split_; d < rank; ++d) run_ *= part.shape[d];
+    chunk_stride_.assign(rank, 1);
+    target_stride_.assign(rank, 1);
+    for (size_t d = rank - 1; d > 0; --d) {
+      chunk_stride_[d - 1] = chunk_stride_[d] * chunk_box.shape[d];
+      target_stride_[d - 1] = target_stride_[d] * target_box.shape[d];
+    }
+    index_.assign(split_, 0);
   }
+
+  bool next(ByteRun& out) {
+    if (done_) return false;
+    int64_t chunk_elem = 0, target_elem = 0;
+    for (size_t d = 0; d < part_.rank(); ++d) {
+      const int64_t g = part_.offset[d] + (d < split_ ? index_[d] : 0);
+      chunk_elem += (g - chunk_box_.offset[d]) * chunk_stride_[d];
+      target_elem += (g - target_box_.offset[d]) * target_stride_[d];
+    }
+    out.offset = static_cast<uint64_t>(chunk_elem * elem_);
+    out.out = {base_ + target_elem * elem_, static_cast<size_t>(run_ * elem_)};
+    size_t d = split_;
+    while (d > 0 && ++index_[d - 1] == part_.shape[d - 1]) index_[--d] = 0;
+    done_ = d == 0;
+    return true;
+  }
+
+ private:
+  const Box& chunk_box_;
+  const Box& part_;
+  const Box& target_box_;
+  int64_t elem_;
+  std::byte* base_;
+  size_t split_ = 0;  // dims >= split_ form one contiguous run in both layouts
+  int64_t run_ = 1;   // elements per run
+  std::vector<int64_t> chunk_stride_, target_stride_;
+  std::vector<int64_t> index_;  // position within the part, dims < split_
+  bool done_ = false;
+};
+
+// A BOOL tensor's bytes must be 0 or 1: any other byte is not a bool (reading it is undefined
+// behaviour in C++ and gives inconsistent results in LibTorch's kernels).
+void check_bool_bytes(const at::Tensor& local, const Box& want, const PartToRead& p,
+                      const std::string& key, const std::filesystem::path& dir) {
+  at::Tensor view = local;
+  for (size_t d = 0; d < want.rank(); ++d) {
+    view = view.narrow(static_cast<int64_t>(d), p.part.offset[d] - want.offset[d], p.part.shape[d]);
+  }
+  const at::Tensor bytes = view.view(at::kByte);
+  const at::Tensor bad = bytes.gt(1);
+  if (!bad.any().item<bool>()) return;
+  const at::Tensor first = at::nonzero(bad)[0].contiguous();
+  std::vector<int64_t> index(first.data_ptr<int64_t>(), first.data_ptr<int64_t>() + first.numel());
+  for (size_t d = 0; d < index.size(); ++d) index[d] += p.part.offset[d];
+  const int value = bytes.masked_select(bad)[0].item<int>();  // row-major, as nonzero
+  throw FormatError("[mixprec::checkpoint] " + (dir / p.chunk->file).string() + ": tensor '" +
+                    p.chunk->tensor + "' of key '" + key + "': BOOL element " +
+                    dims_to_string(index) + " holds byte " + std::to_string(value) +
+                    "; a bool must be 0 or 1");
 }
 
 }  // namespace
@@ -113,51 +167,78 @@ ShardedStateDict read_checkpoint(const std::filesystem::path& dir, const ReadOpt
     TORCH_CHECK(manifest.keys.count(key), "[mixprec::checkpoint::read] ", dir.string(),
                 ": no key '", key, "' in the checkpoint");
   }
+
+  // Check every key's chunks before allocating anything: a damaged or hostile checkpoint must
+  // fail on what it says, not on an allocation sized by what it claims.
+  std::vector<KeyToRead> plan;
   for (const auto& [key, entry] : manifest.keys) {
     if (!options.keys.empty() && !options.keys.count(key)) continue;
-    Box want{std::vector<int64_t>(entry.shape.size(), 0), entry.shape};
+    KeyToRead k{&key, &entry, Box{std::vector<int64_t>(entry.shape.size(), 0), entry.shape}, {}};
     if (options.slice) {
-      if (auto slice = options.slice(key, entry.shape)) want = *slice;
+      if (auto slice = options.slice(key, entry.shape)) k.want = *slice;
     }
-    TORCH_CHECK(fits_in(want, entry.shape), "[mixprec::checkpoint::read] key '", key,
-                "': requested slice ", want.to_string(), " is outside its shape ",
+    TORCH_CHECK(fits_in(k.want, entry.shape), "[mixprec::checkpoint::read] key '", key,
+                "': requested slice ", k.want.to_string(), " is outside its shape ",
                 dims_to_string(entry.shape));
-    at::Tensor local = at::empty(want.shape, at::TensorOptions().dtype(to_scalar_type(entry.dtype)));
+    uint64_t covered = 0;
     for (const Chunk& chunk : entry.chunks) {
-      const std::optional<Box> part = intersect(chunk.box, want);
+      std::optional<Box> part = intersect(chunk.box, k.want);
       if (!part) continue;
       const SafetensorsReader& reader = reader_for(chunk.file);
       const TensorEntry& stored = reader.tensor(chunk.tensor);
       if (stored.dtype != entry.dtype || stored.shape != chunk.box.shape) {
-        throw FormatError(
-            "[mixprec::checkpoint] " + (dir / chunk.file).string() + ": tensor '" + chunk.tensor +
-            "' of key '" + key + "' is " + std::string(dtype_name(stored.dtype)) + " " +
-            dims_to_string(stored.shape) + ", the manifest says " +
-            std::string(dtype_name(entry.dtype)) + " " + dims_to_string(chunk.box.shape));
+        throw FormatError("[mixprec::checkpoint] " + (dir / chunk.file).string() + ": tensor '" +
+                          chunk.tensor + "' of key '" + key + "' is " +
+                          std::string(dtype_name(stored.dtype)) + " " + dims_to_string(stored.shape) +
+                          ", the manifest says " + std::string(dtype_name(entry.dtype)) + " " +
+                          dims_to_string(chunk.box.shape));
       }
-      if (part->shape == chunk.box.shape) {
-        // Whole chunk needed: read it in one go and verify its checksum.
-        if (part->shape == want.shape) {
-          reader.read(chunk.tensor, bytes_of(local), chunk.checksum);
-        } else {
-          at::Tensor whole = at::empty(chunk.box.shape, local.options());
-          reader.read(chunk.tensor, bytes_of(whole), chunk.checksum);
-          at::Tensor view = local;
-          for (size_t d = 0; d < want.rank(); ++d) {
-            view = view.narrow(d, chunk.box.offset[d] - want.offset[d], chunk.box.shape[d]);
-          }
-          view.copy_(whole);
-        }
-      } else {
-        read_part(reader, chunk.tensor, chunk.box, *part, local, want);
+      covered += part->volume();
+      k.parts.push_back({&chunk, &reader, std::move(*part)});
+    }
+    // The manifest's chunks tile the key (read_manifest checked it), so this holds unless
+    // that check is wrong; a gap would leave uninitialized memory in the result.
+    if (covered != k.want.volume()) {
+      throw FormatError("[mixprec::checkpoint] " + dir.string() + ": key '" + key +
+                        "': its chunks cover " + std::to_string(covered) + " of the " +
+                        std::to_string(k.want.volume()) + " elements of slice " +
+                        k.want.to_string());
+    }
+    plan.push_back(std::move(k));
+  }
+
+  ReadStats stats;
+  for (const KeyToRead& k : plan) {
+    const std::string& key = *k.key;
+    at::Tensor local =
+        at::empty(k.want.shape, at::TensorOptions().dtype(to_scalar_type(k.entry->dtype)));
+    for (const PartToRead& p : k.parts) {
+      // A chunk needed whole is checked against its own checksum; one needed in part against
+      // the checksums of the blocks the part touches (version 2), else again as a whole.
+      const bool whole = p.part.shape == p.chunk->box.shape;
+      TensorChecksums sums{p.chunk->checksum, 0, {}};
+      if (!whole && manifest.block_bytes > 0) {
+        sums.block_bytes = manifest.block_bytes;
+        sums.blocks = p.chunk->block_checksums;
       }
+      PartRuns runs(p.chunk->box, p.part, local, k.want);
+      try {
+        stats.bytes_read += p.reader->read_verified(
+            p.chunk->tensor, [&](ByteRun& run) { return runs.next(run); }, sums);
+      } catch (const ChecksumError& e) {
+        if (p.chunk->tensor == key) throw;
+        throw ChecksumError(std::string(e.what()) + " (key '" + key + "')");
+      }
+      stats.bytes_used += p.part.volume() * static_cast<uint64_t>(local.element_size());
+      if (k.entry->dtype == Dtype::BOOL) check_bool_bytes(local, k.want, p, key, dir);
     }
     ShardedTensor shard;
     shard.local = std::move(local);
-    shard.global_shape = entry.shape;
-    shard.global_offset = want.offset;
+    shard.global_shape = k.entry->shape;
+    shard.global_offset = k.want.offset;
     out.tensors.emplace(key, std::move(shard));
   }
+  if (options.stats != nullptr) *options.stats = stats;
   return out;
 }
 

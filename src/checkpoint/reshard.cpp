@@ -5,8 +5,8 @@
 namespace mixprec::checkpoint {
 
 Box dp_slice(const std::vector<int64_t>& global_shape, int64_t rank, int64_t world) {
-  TORCH_CHECK(world > 0 && rank >= 0 && rank < world, "[mixprec::checkpoint::dp_slice] rank ",
-              rank, " is not in [0, ", world, ")");
+  TORCH_CHECK(world > 0 && rank >= 0 && rank < world, "[mixprec::checkpoint::dp_slice] rank ", rank,
+              " is not in [0, ", world, ")");
   Box box{std::vector<int64_t>(global_shape.size(), 0), global_shape};
   if (global_shape.empty()) return box;
   const int64_t rows = global_shape[0];
@@ -27,6 +27,7 @@ ShardedStateDict shard_for_rank(const ShardedStateDict& whole, int64_t rank, int
     ShardedTensor part;
     part.global_shape = shard.global_shape;
     part.global_offset = box.offset;
+    part.version = shard.version;  // the slice is a view: it shares the version counter
     if (shard.global_shape.empty()) {
       part.local = shard.local;
       part.replica_id = rank;

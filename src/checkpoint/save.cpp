@@ -42,6 +42,9 @@ std::map<std::string, KeyPlan> plan_keys(const std::vector<const ShardedStateDic
   std::vector<std::string> problems;
   for (size_t r = 0; r < ranks.size(); ++r) {
     TORCH_CHECK(ranks[r] != nullptr, "[mixprec::checkpoint::save] rank ", r, " state is null");
+  }
+  detail::check_unchanged(ranks, "since the state dict was built");
+  for (size_t r = 0; r < ranks.size(); ++r) {
     for (const auto& [key, shard] : ranks[r]->tensors) {
       const std::string where = "key '" + key + "' (rank " + std::to_string(r) + ")";
       if (!shard.local.defined()) {
@@ -98,27 +101,33 @@ std::map<std::string, KeyPlan> plan_keys(const std::vector<const ShardedStateDic
 }
 
 // Streams one rank's replica-0 shards into its data file, piece by piece as `source` hands
-// them over; returns checksums by key.
-std::map<std::string, uint64_t> write_rank_file(const CheckpointStaging& staging, size_t rank,
-                                                const ShardedStateDict& state,
-                                                detail::PieceSource& source, uint64_t& bytes) {
+// them over; returns each key's checksums (whole and per block).
+std::map<std::string, WrittenTensor> write_rank_file(const CheckpointStaging& staging, size_t rank,
+                                                     const ShardedStateDict& state,
+                                                     detail::PieceSource& source,
+                                                     uint64_t block_bytes, uint64_t& bytes) {
   std::vector<TensorSpec> specs;
   for (const auto& [key, shard] : state.tensors) {
     if (shard.replica_id != 0) continue;
-    specs.push_back({key, to_checkpoint_dtype(shard.local.scalar_type()), shard.local.sizes().vec()});
+    specs.push_back(
+        {key, to_checkpoint_dtype(shard.local.scalar_type()), shard.local.sizes().vec()});
   }
-  std::map<std::string, uint64_t> checksums;
+  std::map<std::string, WrittenTensor> checksums;
   if (specs.empty()) return checksums;
   SafetensorsWriter writer(staging.directory(), data_file_name(rank), specs);
-  detail::for_each_piece(state, rank, [&](const detail::Piece& piece) {
-    const at::Tensor bytes_on_host = source.acquire(piece);
-    writer.write(piece.key, {static_cast<const std::byte*>(bytes_on_host.const_data_ptr()),
-                             bytes_on_host.nbytes()});
-    source.release(piece);
-  });
-  for (const auto& written : writer.close()) {
-    checksums[written.name] = written.checksum;
+  if (block_bytes > 0) writer.checksum_blocks(block_bytes);
+  detail::for_each_piece(
+      state, rank,
+      [&](const detail::Piece& piece) {
+        const at::Tensor bytes_on_host = source.acquire(piece);
+        writer.write(piece.key, {static_cast<const std::byte*>(bytes_on_host.const_data_ptr()),
+                                 bytes_on_host.nbytes()});
+        source.release(piece);
+      },
+      source.piece_bytes());
+  for (auto& written : writer.close()) {
     bytes += written.byte_size;
+    checksums[written.name] = std::move(written);
   }
   return checksums;
 }
@@ -126,9 +135,43 @@ std::map<std::string, uint64_t> write_rank_file(const CheckpointStaging& staging
 // Hands out the state's own memory: no copy for CPU contiguous tensors.
 class DirectSource final : public detail::PieceSource {
  public:
+  explicit DirectSource(const std::vector<const ShardedStateDict*>& ranks) : ranks_(ranks) {}
   at::Tensor acquire(const detail::Piece& piece) override { return detail::piece_on_host(piece); }
   void release(const detail::Piece&) override {}
+  // The bytes were read from live tensors: a step while they were written would mix steps.
+  void finish() override { detail::check_unchanged(ranks_, "while it was being written"); }
+
+ private:
+  const std::vector<const ShardedStateDict*>& ranks_;
 };
+
+// Copies the row-major elements [begin, begin + count) of `t` into the flat contiguous `out`
+// one sub-box at a time: a partial leading row, the whole rows, a partial trailing row (the
+// partial rows recursively). Each element is copied once.
+void copy_flat_range(const at::Tensor& t, int64_t begin, int64_t count, const at::Tensor& out) {
+  if (count == 0) return;
+  if (t.dim() <= 1 || t.is_contiguous()) {
+    out.copy_(t.reshape({-1}).narrow(0, begin, count));  // a view: t is contiguous or 1-D
+    return;
+  }
+  const int64_t row = t.numel() / t.size(0);
+  int64_t r = begin / row, offset = begin % row, done = 0;
+  if (offset != 0) {
+    const int64_t take = std::min(count, row - offset);
+    copy_flat_range(t.select(0, r), offset, take, out.narrow(0, 0, take));
+    done += take;
+    ++r;
+  }
+  const int64_t rows = (count - done) / row;
+  if (rows > 0) {
+    at::Tensor block = t.narrow(0, r, rows);
+    out.narrow(0, done, rows * row).view(block.sizes()).copy_(block);
+    done += rows * row;
+    r += rows;
+  }
+  if (done < count)
+    copy_flat_range(t.select(0, r), 0, count - done, out.narrow(0, done, count - done));
+}
 
 }  // namespace
 
@@ -139,25 +182,53 @@ void check_savable(const std::vector<const ShardedStateDict*>& ranks) {
   plan_keys(ranks);
 }
 
+void check_unchanged(const std::vector<const ShardedStateDict*>& ranks, const char* when) {
+  std::vector<std::string> changed;
+  for (const ShardedStateDict* state : ranks) {
+    for (const auto& [key, shard] : state->tensors) {
+      if (shard.version >= 0 && shard.local.defined() && !shard.local.is_inference() &&
+          shard.local._version() != shard.version) {
+        changed.push_back(key);
+      }
+    }
+  }
+  TORCH_CHECK(changed.empty(), "[mixprec::checkpoint::save] the state dict is not a consistent ",
+              "snapshot: ", changed.size(), " tensor(s) changed ", when, " (",
+              mixprec::detail::join(changed),
+              "); an optimizer step between building the state dict and saving it would store "
+              "moments of one step under the step count of another. Build the state dict "
+              "right before saving, and do not step until save() returns.");
+}
+
 void for_each_piece(const ShardedStateDict& state, size_t rank,
-                    const std::function<void(const Piece&)>& fn) {
+                    const std::function<void(const Piece&)>& fn, int64_t piece_bytes) {
   for (const auto& [key, shard] : state.tensors) {
     if (shard.replica_id != 0) continue;
     const int64_t numel = shard.local.numel();
-    const int64_t per_piece = std::max<int64_t>(1, kPieceBytes / shard.local.element_size());
+    const int64_t per_piece = std::max<int64_t>(1, piece_bytes / shard.local.element_size());
     for (int64_t begin = 0; begin < numel; begin += per_piece) {
       fn(Piece{rank, key, &shard.local, begin, std::min(per_piece, numel - begin)});
     }
   }
 }
 
+void copy_piece(const Piece& piece, const at::Tensor& out) {
+  TORCH_INTERNAL_ASSERT(out.is_contiguous() && out.numel() == piece.count &&
+                        out.scalar_type() == piece.tensor->scalar_type());
+  copy_flat_range(*piece.tensor, piece.begin, piece.count, out);
+}
+
 at::Tensor piece_on_host(const Piece& piece) {
-  return piece.tensor->reshape({-1}).narrow(0, piece.begin, piece.count).to(at::kCPU).contiguous();
+  const at::Tensor& t = *piece.tensor;
+  if (t.is_cpu() && t.is_contiguous()) return t.reshape({-1}).narrow(0, piece.begin, piece.count);
+  at::Tensor out = at::empty({piece.count}, t.options().device(at::kCPU));
+  copy_piece(piece, out);
+  return out;
 }
 
 SaveResult save_from_source(const std::filesystem::path& root, const std::string& name,
-                            const std::vector<const ShardedStateDict*>& ranks,
-                            PieceSource& source, const SaveOptions& options) {
+                            const std::vector<const ShardedStateDict*>& ranks, PieceSource& source,
+                            const SaveOptions& options) {
   TORCH_CHECK(!ranks.empty(), "[mixprec::checkpoint::save] no state to save");
   std::map<std::string, KeyPlan> plan = plan_keys(ranks);
 
@@ -167,19 +238,24 @@ SaveResult save_from_source(const std::filesystem::path& root, const std::string
   result.repaired_latest = writer.report().repaired_latest;
   result.warnings = writer.report().warnings;
   const std::unique_ptr<CheckpointStaging> staging = writer.stage(name);
-  std::vector<std::map<std::string, uint64_t>> checksums(ranks.size());
+  std::vector<std::map<std::string, WrittenTensor>> checksums(ranks.size());
   for (size_t r = 0; r < ranks.size(); ++r) {
-    checksums[r] = write_rank_file(*staging, r, *ranks[r], source, result.tensor_bytes);
+    checksums[r] = write_rank_file(*staging, r, *ranks[r], source, options.checksum_block_bytes,
+                                   result.tensor_bytes);
     result.files += checksums[r].empty() ? 0 : 1;
   }
+  source.finish();  // may abandon the save: nothing is committed yet
 
   Manifest manifest;
   manifest.sequence = writer.next_sequence();
+  manifest.block_bytes = options.checksum_block_bytes;
   for (auto& [key, kp] : plan) {
     KeyEntry entry{kp.dtype, kp.global_shape, {}};
     for (size_t i = 0; i < kp.chunks.size(); ++i) {
       Chunk chunk = kp.chunks[i];
-      chunk.checksum = checksums[kp.chunk_rank[i]].at(key);
+      WrittenTensor& written = checksums[kp.chunk_rank[i]].at(key);
+      chunk.checksum = written.checksum;
+      chunk.block_checksums = std::move(written.block_checksums);
       entry.chunks.push_back(std::move(chunk));
     }
     manifest.keys.emplace(key, std::move(entry));
@@ -205,7 +281,7 @@ SaveResult save_from_source(const std::filesystem::path& root, const std::string
 SaveResult save_checkpoint(const std::filesystem::path& root, const std::string& name,
                            const std::vector<const ShardedStateDict*>& ranks,
                            const SaveOptions& options) {
-  DirectSource source;
+  DirectSource source(ranks);
   return detail::save_from_source(root, name, ranks, source, options);
 }
 

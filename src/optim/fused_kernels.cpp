@@ -43,6 +43,7 @@ void fused_adam_step(const at::Tensor& param, const at::Tensor& grad, const at::
                            grad_scale_inv);
     return;
   }
+  detail::mark_written({&param, &exp_avg, &exp_avg_sq, &max_exp_avg_sq, &model_param});
   const detail::AdamConstants c = detail::adam_constants(hp, step, grad_scale_inv);
   detail::AdamBuffers b;
   b.param.param = param.data_ptr<float>();
@@ -74,6 +75,7 @@ void fused_sgd_step(const at::Tensor& param, const at::Tensor& grad,
                           grad_scale_inv);
     return;
   }
+  detail::mark_written({&param, &momentum_buffer, &model_param});
   const detail::SgdConstants c = detail::sgd_constants(hp, first_step, grad_scale_inv);
   detail::SgdBuffers b;
   b.param.param = param.data_ptr<float>();
@@ -125,6 +127,7 @@ void copy_master_to_model(const at::Tensor& master, const at::Tensor& model_para
     detail::copy_master_to_model_aten(master, model_param);
     return;
   }
+  detail::mark_written({&model_param});
   const float* src = master.const_data_ptr<float>();
   uint16_t* dst = detail::model_data(model_param);
   const auto format = detail::model_format(model_param);

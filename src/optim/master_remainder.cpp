@@ -56,6 +56,7 @@ void split_master_out(const at::Tensor& master, const at::Tensor& param,
     detail::split_master_aten(master, param, remainder);
     return;
   }
+  detail::mark_written({&param, &remainder});
   const float* src = master.const_data_ptr<float>();
   uint16_t* high = param_bits(param);
   int16_t* low = remainder_data(remainder);
@@ -87,6 +88,7 @@ void join_master_out(const at::Tensor& param, const at::Tensor& remainder,
     detail::join_master_aten(param, remainder, master);
     return;
   }
+  detail::mark_written({&master});
   const uint16_t* high = param_bits(param);
   const int16_t* low = remainder_data(remainder);
   float* dst = master.data_ptr<float>();
@@ -118,6 +120,7 @@ void fused_adam_step_remainder(const at::Tensor& param, const at::Tensor& remain
     detail::split_master_aten(master, param, remainder);
     return;
   }
+  detail::mark_written({&param, &remainder, &exp_avg, &exp_avg_sq, &max_exp_avg_sq});
   const detail::AdamConstants c = detail::adam_constants(hp, step, grad_scale_inv);
   detail::AdamBuffers b;
   b.param = held_master_streams(param, remainder);
@@ -147,6 +150,7 @@ void fused_sgd_step_remainder(const at::Tensor& param, const at::Tensor& remaind
     detail::split_master_aten(master, param, remainder);
     return;
   }
+  detail::mark_written({&param, &remainder, &momentum_buffer});
   const detail::SgdConstants c = detail::sgd_constants(hp, first_step, grad_scale_inv);
   detail::SgdBuffers b;
   b.param = held_master_streams(param, remainder);

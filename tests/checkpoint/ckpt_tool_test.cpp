@@ -121,7 +121,7 @@ TEST_F(CkptTool, InspectListsRolesDtypesAndTotals) {
   const ToolRun run = tool({"inspect", (dir_.path() / "root").string()});  // via `latest`
   ASSERT_EQ(run.status, 0) << run.err;
   EXPECT_TRUE(run.err.empty()) << run.err;
-  EXPECT_TRUE(run.has_line("^format +mixprec-checkpoint, version 1$")) << run.out;
+  EXPECT_TRUE(run.has_line("^format +mixprec-checkpoint, version 2$")) << run.out;
   EXPECT_TRUE(run.has_line("^sequence +1$")) << run.out;
   EXPECT_TRUE(run.has_line("^optimizer +adamw, step 2$")) << run.out;
   EXPECT_TRUE(run.has_line("^scaler +dynamic=false .*scale=1(\\.0)?( |$)")) << run.out;

@@ -202,9 +202,9 @@ std::vector<Corruption> corruptions() {
            std::ifstream in(d / "manifest.json");
            text.assign(std::istreambuf_iterator<char>(in), {});
          }
-         const auto at = text.find("\"version\": 1");
+         const auto at = text.find("\"version\": ");
          ASSERT_NE(at, std::string::npos);
-         text.replace(at, 12, "\"version\": 7");
+         text.replace(at + 11, 1, "7");  // the single-digit version number
          std::ofstream(d / "manifest.json", std::ios::trunc) << text;
        },
        "version"},

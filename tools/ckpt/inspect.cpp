@@ -52,7 +52,7 @@ void print_header(const fs::path& dir, const std::string& shown_as, const Manife
   out << "checkpoint   " << dir.string();
   if (fs::path(shown_as) != dir) out << "   (latest of " << shown_as << ")";
   out << "\nformat       " << checkpoint::kManifestFormat << ", version "
-      << checkpoint::kManifestVersion << "\nsequence     " << manifest.sequence
+      << checkpoint::manifest_version(manifest) << "\nsequence     " << manifest.sequence
       << "\nfiles        ";
   std::set<std::string> files;
   for (const auto& [key, entry] : manifest.keys) {

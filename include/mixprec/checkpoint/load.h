@@ -5,27 +5,49 @@
 // intersect the slice are touched, and from a chunk that is only partly needed only the
 // byte ranges of the intersection are read: memory is bounded by the local slice.
 //
-// Checksums: every chunk read whole is verified against the manifest's XXH3-64 (a mismatch
-// throws ChecksumError naming file, key and tensor). A chunk read only in part cannot be
-// verified without reading all of it; `verify_checkpoint` (format/verify.h) checks everything.
+// Checksums: every byte a read uses is verified before the read returns. A chunk needed
+// whole is checked against its XXH3-64. From a chunk needed only in part, the reader reads
+// whole each checksum block the part touches (manifest version 2: blocks of
+// SaveOptions::checksum_block_bytes, 1 MiB by default) and checks each block's XXH3-64, so it
+// reads at most one block more than it needs at each end of each contiguous range; with a
+// version-1 manifest (no block checksums) it reads and checks the whole chunk. A mismatch
+// throws ChecksumError naming file, tensor (and key, where they differ) and the block. A
+// corrupt byte that the read does not need is not read, so it is not noticed unless it shares
+// a block with needed bytes; `verify_checkpoint` (format/verify.h) checks every byte.
+//
+// Before allocating any result tensor, every requested key's slice and the chunks it
+// touches are checked (slice inside the shape, chunk tensors present with the manifest's
+// dtype and shape, chunks covering the slice), so a damaged manifest fails on what it says,
+// not on an allocation of the size it claims. BOOL data must hold only bytes 0 and 1.
 #pragma once
 
 #include "mixprec/checkpoint/format/box.h"
 #include "mixprec/sharded_state_dict.h"
 
+#include <cstdint>
 #include <filesystem>
 #include <functional>
 #include <optional>
+#include <set>
 #include <string>
 
 namespace mixprec::checkpoint {
 
+// What a read cost: all tensor bytes read from data files were verified against checksums.
+struct ReadStats {
+  std::uint64_t bytes_read = 0;  // tensor bytes read from data files (all verified)
+  std::uint64_t bytes_used = 0;  // of those, bytes that went into the result
+};
+
 struct ReadOptions {
   // The slice of key (global shape given) this reader needs; nullopt: the whole tensor.
-  std::function<std::optional<Box>(const std::string& key, const std::vector<int64_t>& global_shape)>
+  std::function<std::optional<Box>(const std::string& key,
+                                   const std::vector<int64_t>& global_shape)>
       slice;
   // Keys to read; empty: every key in the manifest.
   std::set<std::string> keys;
+  // If set, receives what the read cost (on success).
+  ReadStats* stats = nullptr;
 };
 
 // Which checkpoint a load of `path` reads, and why.
@@ -49,8 +71,8 @@ std::filesystem::path resolve_checkpoint(const std::filesystem::path& path);
 
 // Reads the checkpoint in `dir` (manifest, common state, the requested slices): `dir` and
 // every file in it must be real, not links, FIFOs or devices (format/directory.h). Throws
-// FormatError / ChecksumError naming file and key, or c10::Error for a slice outside a key's
-// global shape. Never returns partial data.
+// FormatError / ChecksumError naming file and key (FormatError for BOOL data other than 0/1),
+// or c10::Error for a slice outside a key's global shape. Never returns partial data.
 ShardedStateDict read_checkpoint(const std::filesystem::path& dir, const ReadOptions& options = {});
 
 }  // namespace mixprec::checkpoint

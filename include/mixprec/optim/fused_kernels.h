@@ -10,11 +10,19 @@
 // other devices fall back to ATen ops with the same semantics.
 //
 // Numerics (CPU): per element, the same FP32 operations in the same order as LibTorch's fused
-// CPU kernels (at::_fused_adam_, at::_fused_adamw_, at::_fused_sgd_), FMAs included, so the
-// results are bit-identical to theirs on CPUs with FMA (see tests/optim/fused_kernels_test.cpp
-// for the one exception, inside LibTorch's kernel). grad * grad_scale_inv is one FP32 multiply
-// (grad_scale_inv rounded to FP32). BF16/FP16 outputs equal at::Tensor::to() bit for bit, except
-// that NaN is written as a quiet NaN of the same sign.
+// CPU kernels (at::_fused_adam_, at::_fused_adamw_, at::_fused_sgd_: what torch.optim's
+// Adam/AdamW/SGD run with fused=True), FMAs included. On CPUs with FMA the results are
+// bit-identical to theirs except in the last numel % 8 elements of each tensor: there
+// LibTorch's kernel leaves its vector loop for a scalar loop that its compiler contracts the
+// other way (exp_avg_sq's update, SGD's momentum), one rounding apart per step, so its result
+// for an element depends on the tensor's length. These kernels run those elements through the
+// same vector code as all others (zero-padded), so an element's result never depends on where
+// it sits. tests/optim/fused_kernels_test.cpp checks the rest bit for bit and bounds the last
+// numel % 8 (2 ulps per step). Without FMA hardware each FMA rounds twice and only that bound
+// holds. grad * grad_scale_inv is one FP32 multiply (grad_scale_inv rounded to FP32). BF16/FP16
+// outputs equal at::Tensor::to() bit for bit, except that NaN is written as a quiet NaN of the
+// same sign. Every tensor a CPU kernel writes has its version counter bumped (before the write),
+// as an in-place ATen op's would be.
 #pragma once
 
 #include <ATen/core/Tensor.h>

@@ -5,6 +5,10 @@
 #define XXH_INLINE_ALL
 #include <xxhash.h>
 
+#include <algorithm>
+#include <stdexcept>
+#include <utility>
+
 namespace mixprec::checkpoint {
 
 struct Xxh3Hasher::State {
@@ -24,6 +28,32 @@ void Xxh3Hasher::update(std::span<const std::byte> bytes) {
 std::uint64_t Xxh3Hasher::digest() const { return XXH3_64bits_digest(&state_->xxh); }
 
 void Xxh3Hasher::reset() { (void)XXH3_64bits_reset(&state_->xxh); }
+
+BlockHasher::BlockHasher(std::uint64_t block_bytes) : block_bytes_(block_bytes) {
+  if (block_bytes == 0) throw std::invalid_argument("BlockHasher: block_bytes must be > 0");
+}
+
+void BlockHasher::update(std::span<const std::byte> bytes) {
+  while (!bytes.empty()) {
+    const std::size_t take =
+        static_cast<std::size_t>(std::min<std::uint64_t>(bytes.size(), block_bytes_ - in_block_));
+    hasher_.update(bytes.first(take));
+    bytes = bytes.subspan(take);
+    in_block_ += take;
+    if (in_block_ == block_bytes_) {
+      digests_.push_back(hasher_.digest());
+      hasher_.reset();
+      in_block_ = 0;
+    }
+  }
+}
+
+std::vector<std::uint64_t> BlockHasher::finish() {
+  if (in_block_ > 0) digests_.push_back(hasher_.digest());
+  hasher_.reset();
+  in_block_ = 0;
+  return std::exchange(digests_, {});
+}
 
 std::uint64_t xxh3_64(std::span<const std::byte> bytes) {
   return XXH3_64bits(bytes.data(), bytes.size());

@@ -28,8 +28,13 @@ std::uint64_t checksum_field(const json& obj, std::string_view context) {
   return *value;
 }
 
-Chunk parse_chunk(const json& value, const std::string& context) {
-  detail::check_members(value, context, {"file", "tensor", "offset", "shape", "bytes", "xxh3"});
+Chunk parse_chunk(const json& value, const std::string& context, bool with_blocks) {
+  if (with_blocks) {
+    detail::check_members(value, context,
+                          {"file", "tensor", "offset", "shape", "bytes", "xxh3", "block_xxh3"});
+  } else {
+    detail::check_members(value, context, {"file", "tensor", "offset", "shape", "bytes", "xxh3"});
+  }
   Chunk chunk;
   chunk.file = detail::string_field(value, "file", context);
   chunk.tensor = detail::string_field(value, "tensor", context);
@@ -37,10 +42,22 @@ Chunk parse_chunk(const json& value, const std::string& context) {
   chunk.box.shape = detail::dims_field(value, "shape", context);
   chunk.bytes = detail::u64_field(value, "bytes", context);
   chunk.checksum = checksum_field(value, context);
+  if (with_blocks) {
+    const json& blocks = value["block_xxh3"];
+    if (!blocks.is_array()) fail(context, ": field 'block_xxh3': expected an array");
+    chunk.block_checksums.reserve(blocks.size());
+    for (std::size_t i = 0; i < blocks.size(); ++i) {
+      const json& hex = blocks[i];
+      std::optional<std::uint64_t> v =
+          hex.is_string() ? checksum_from_hex(hex.get_ref<const std::string&>()) : std::nullopt;
+      if (!v) fail(context, ": field 'block_xxh3': entry ", i, " is not 16 lowercase hex digits");
+      chunk.block_checksums.push_back(*v);
+    }
+  }
   return chunk;
 }
 
-KeyEntry parse_key(const json& value, const std::string& context) {
+KeyEntry parse_key(const json& value, const std::string& context, bool with_blocks) {
   detail::check_members(value, context, {"dtype", "shape", "chunks"});
   KeyEntry entry;
   entry.dtype = detail::dtype_field(value, "dtype", context);
@@ -48,13 +65,13 @@ KeyEntry parse_key(const json& value, const std::string& context) {
   const json& chunks = value["chunks"];
   if (!chunks.is_array()) fail(context, ": field 'chunks': expected an array");
   for (std::size_t i = 0; i < chunks.size(); ++i) {
-    entry.chunks.push_back(parse_chunk(chunks[i], concat(context, ": chunk ", i)));
+    entry.chunks.push_back(parse_chunk(chunks[i], concat(context, ": chunk ", i), with_blocks));
   }
   return entry;
 }
 
-void validate_key(const std::string& key, const KeyEntry& entry, std::string_view source,
-                  std::set<std::pair<std::string, std::string>>& used) {
+void validate_key(const std::string& key, const KeyEntry& entry, std::uint64_t block_bytes,
+                  std::string_view source, std::set<std::pair<std::string, std::string>>& used) {
   const std::string context = concat(source, ": key '", key, "'");
   if (key.empty()) fail(source, ": a key has an empty name");
   std::uint64_t total = element_size(entry.dtype);
@@ -89,6 +106,11 @@ void validate_key(const std::string& key, const KeyEntry& entry, std::string_vie
       fail(where, ": field 'bytes' is ", c.bytes, " but shape ", c.box.to_string(), " of ",
            dtype_name(entry.dtype), " needs ", expected);
     }
+    const std::uint64_t blocks = block_bytes == 0 ? 0 : block_count(c.bytes, block_bytes);
+    if (c.block_checksums.size() != blocks) {
+      fail(where, ": field 'block_xxh3' has ", c.block_checksums.size(), " checksums, but ",
+           c.bytes, " bytes in blocks of ", block_bytes, " need ", blocks);
+    }
     boxes.push_back(c.box);
   }
   auto problem = check_tiling(boxes, entry.shape);
@@ -105,12 +127,22 @@ void validate_key(const std::string& key, const KeyEntry& entry, std::string_vie
   }
 }
 
-json chunk_to_json(const Chunk& c) {
-  return {{"file", c.file},       {"tensor", c.tensor}, {"offset", c.box.offset},
-          {"shape", c.box.shape}, {"bytes", c.bytes},   {"xxh3", checksum_to_hex(c.checksum)}};
+json chunk_to_json(const Chunk& c, bool with_blocks) {
+  json out = {{"file", c.file},       {"tensor", c.tensor}, {"offset", c.box.offset},
+              {"shape", c.box.shape}, {"bytes", c.bytes},   {"xxh3", checksum_to_hex(c.checksum)}};
+  if (with_blocks) {
+    json blocks = json::array();
+    for (std::uint64_t b : c.block_checksums) blocks.push_back(checksum_to_hex(b));
+    out["block_xxh3"] = std::move(blocks);
+  }
+  return out;
 }
 
 }  // namespace
+
+int manifest_version(const Manifest& manifest) {
+  return manifest.block_bytes > 0 ? kManifestVersion : kManifestVersionWithoutBlocks;
+}
 
 bool is_valid_file_name(std::string_view name) {
   if (name.empty() || name.size() > 200 || name.front() == '.') return false;
@@ -135,7 +167,9 @@ void validate_manifest(const Manifest& manifest, std::string_view source) {
     fail(source, ": field 'common_file': '", manifest.common_file->file,
          "' is not a plain file name in the directory");
   }
-  for (const auto& [key, entry] : manifest.keys) validate_key(key, entry, source, used);
+  for (const auto& [key, entry] : manifest.keys) {
+    validate_key(key, entry, manifest.block_bytes, source, used);
+  }
 }
 
 Manifest parse_manifest(std::string_view json_text, std::string_view source) {
@@ -151,14 +185,25 @@ Manifest parse_manifest(std::string_view json_text, std::string_view source) {
     fail(source, ": manifest version ", version, " is newer than this reader supports (",
          kManifestVersion, "); upgrade mixprec to load this checkpoint");
   }
-  if (version != static_cast<std::uint64_t>(kManifestVersion)) {
-    fail(source, ": manifest version ", version, " is not supported (expected ", kManifestVersion,
-         ")");
+  if (version != static_cast<std::uint64_t>(kManifestVersion) &&
+      version != static_cast<std::uint64_t>(kManifestVersionWithoutBlocks)) {
+    fail(source, ": manifest version ", version, " is not supported (expected ",
+         kManifestVersionWithoutBlocks, " or ", kManifestVersion, ")");
   }
-  detail::check_members(root, source, {"format", "version", "sequence", "keys"},
-                        {"common", "common_file"});
+  const bool with_blocks = version == static_cast<std::uint64_t>(kManifestVersion);
+  if (with_blocks) {
+    detail::check_members(root, source, {"format", "version", "sequence", "block_bytes", "keys"},
+                          {"common", "common_file"});
+  } else {
+    detail::check_members(root, source, {"format", "version", "sequence", "keys"},
+                          {"common", "common_file"});
+  }
   Manifest manifest;
   manifest.sequence = detail::u64_field(root, "sequence", source);
+  if (with_blocks) {
+    manifest.block_bytes = detail::u64_field(root, "block_bytes", source);
+    if (manifest.block_bytes == 0) fail(source, ": field 'block_bytes' must be ≥ 1");
+  }
   if (root.contains("common")) manifest.common = root["common"];
   if (root.contains("common_file")) {
     const std::string context = concat(source, ": field 'common_file'");
@@ -171,7 +216,7 @@ Manifest parse_manifest(std::string_view json_text, std::string_view source) {
   const json& keys = root["keys"];
   if (!keys.is_object()) fail(source, ": field 'keys': expected an object");
   for (const auto& [key, value] : keys.items()) {
-    manifest.keys.emplace(key, parse_key(value, concat(source, ": key '", key, "'")));
+    manifest.keys.emplace(key, parse_key(value, concat(source, ": key '", key, "'"), with_blocks));
   }
   validate_manifest(manifest, source);
   return manifest;
@@ -179,8 +224,11 @@ Manifest parse_manifest(std::string_view json_text, std::string_view source) {
 
 std::string manifest_to_json(const Manifest& manifest) {
   validate_manifest(manifest, "manifest");
-  json root = {
-      {"format", kManifestFormat}, {"version", kManifestVersion}, {"sequence", manifest.sequence}};
+  const bool with_blocks = manifest.block_bytes > 0;
+  json root = {{"format", kManifestFormat},
+               {"version", manifest_version(manifest)},
+               {"sequence", manifest.sequence}};
+  if (with_blocks) root["block_bytes"] = manifest.block_bytes;
   if (manifest.common) root["common"] = *manifest.common;
   if (manifest.common_file) {
     root["common_file"] = {{"file", manifest.common_file->file},
@@ -190,7 +238,7 @@ std::string manifest_to_json(const Manifest& manifest) {
   json keys = json::object();
   for (const auto& [key, entry] : manifest.keys) {
     json chunks = json::array();
-    for (const Chunk& c : entry.chunks) chunks.push_back(chunk_to_json(c));
+    for (const Chunk& c : entry.chunks) chunks.push_back(chunk_to_json(c, with_blocks));
     keys[key] = {{"dtype", dtype_name(entry.dtype)}, {"shape", entry.shape}, {"chunks", chunks}};
   }
   root["keys"] = std::move(keys);

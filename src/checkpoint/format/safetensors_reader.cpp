@@ -7,7 +7,9 @@
 #include <fcntl.h>
 #include <unistd.h>
 
+#include <algorithm>
 #include <array>
+#include <cstring>
 #include <vector>
 
 namespace mixprec::checkpoint {
@@ -132,18 +134,127 @@ void SafetensorsReader::read_range(std::string_view name, std::uint64_t offset,
   pread_exact(header_.data_offset() + t.begin + offset, out, name);
 }
 
-std::uint64_t SafetensorsReader::checksum(std::string_view name) const {
+std::uint64_t SafetensorsReader::read_verified(std::string_view name,
+                                               const std::function<bool(ByteRun&)>& next,
+                                               const TensorChecksums& sums) const {
+  const TensorEntry& t = tensor(name);
+  const std::uint64_t size = t.byte_size();
+  if (sums.block_bytes > 0 && sums.blocks.size() != block_count(size, sums.block_bytes)) {
+    fail(path_.string(), ": tensor '", name, "': ", sums.blocks.size(), " block checksums for ",
+         size, " bytes in blocks of ", sums.block_bytes);
+  }
+  const std::uint64_t block = sums.block_bytes > 0 ? sums.block_bytes : size;
+  const std::uint64_t base = header_.data_offset() + t.begin;
+
+  // `cur` is the first run not completely filled yet; runs are pulled one at a time, so a
+  // read of millions of tiny runs needs no list of them.
+  ByteRun cur;
+  bool have = false;
+  std::uint64_t pulled_end = 0;
+  std::size_t pulled = 0;
+  auto advance = [&] {
+    have = false;
+    for (ByteRun run; next(run); ++pulled) {
+      if (run.offset < pulled_end || run.offset > size || run.out.size() > size - run.offset) {
+        fail(path_.string(), ": tensor '", name, "': range ", pulled, " [", run.offset, ", +",
+             run.out.size(), ") overlaps the one before it or is outside its ", size, " bytes");
+      }
+      pulled_end = run.offset + run.out.size();
+      if (!run.out.empty()) {
+        cur = run;
+        have = true;
+        ++pulled;
+        return;
+      }
+    }
+  };
+  auto end_of = [](const ByteRun& run) { return run.offset + run.out.size(); };
+
+  std::vector<std::byte> scratch;  // for slices that are not wholly inside one run
+  Xxh3Hasher hasher;
+  std::uint64_t bytes_read = 0;
+  advance();
+  for (std::uint64_t b = have ? cur.offset / block : 0; have;) {
+    const std::uint64_t begin = b * block, end = std::min(size, begin + block);
+    hasher.reset();
+    for (std::uint64_t pos = begin; pos < end;) {
+      const std::size_t len =
+          static_cast<std::size_t>(std::min<std::uint64_t>(kChecksumChunk, end - pos));
+      std::span<std::byte> slice;
+      if (have && cur.offset <= pos && pos + len <= end_of(cur)) {
+        // Entirely wanted: read straight into place.
+        slice = cur.out.subspan(static_cast<std::size_t>(pos - cur.offset), len);
+        pread_exact(base + pos, slice, name);
+        if (end_of(cur) == pos + len) advance();
+      } else {
+        if (scratch.size() < len) scratch.resize(len);
+        slice = std::span(scratch).first(len);
+        pread_exact(base + pos, slice, name);
+        while (have && cur.offset < pos + len) {
+          const std::uint64_t lo = std::max(pos, cur.offset);
+          const std::uint64_t hi = std::min<std::uint64_t>(pos + len, end_of(cur));
+          std::memcpy(cur.out.data() + (lo - cur.offset), slice.data() + (lo - pos),
+                      static_cast<std::size_t>(hi - lo));
+          if (hi < end_of(cur)) break;  // continues in the next slice
+          advance();
+        }
+      }
+      hasher.update(slice);
+      bytes_read += len;
+      pos += len;
+    }
+    const std::uint64_t expected = sums.block_bytes > 0 ? sums.blocks[b] : sums.whole;
+    const std::uint64_t actual = hasher.digest();
+    if (actual != expected) {
+      const std::string which =
+          sums.block_bytes > 0
+              ? detail::concat(" in block ", b, " (bytes [", begin, ", ", end, ") of ", size, ")")
+              : std::string();
+      throw ChecksumError(detail::concat("[mixprec::checkpoint] ", path_.string(), ": tensor '",
+                                         name, "': checksum mismatch", which, ": expected xxh3 ",
+                                         checksum_to_hex(expected), ", got ",
+                                         checksum_to_hex(actual), " (data corrupt)"));
+    }
+    if (have) b = std::max(b + 1, cur.offset / block);
+  }
+  return bytes_read;
+}
+
+std::uint64_t SafetensorsReader::read_verified(std::string_view name, std::span<const ByteRun> runs,
+                                               const TensorChecksums& sums) const {
+  std::size_t i = 0;
+  return read_verified(
+      name,
+      [&](ByteRun& run) {
+        if (i == runs.size()) return false;
+        run = runs[i++];
+        return true;
+      },
+      sums);
+}
+
+TensorDigests SafetensorsReader::digests(std::string_view name, std::uint64_t block_bytes) const {
   const TensorEntry& t = tensor(name);
   Xxh3Hasher hasher;
+  std::optional<BlockHasher> blocks;
+  if (block_bytes > 0) blocks.emplace(block_bytes);
   std::vector<std::byte> buffer(std::min<std::uint64_t>(t.byte_size(), kChecksumChunk));
   for (std::uint64_t done = 0; done < t.byte_size();) {
     std::span<std::byte> piece(buffer.data(),
                                std::min<std::uint64_t>(buffer.size(), t.byte_size() - done));
     pread_exact(header_.data_offset() + t.begin + done, piece, name);
     hasher.update(piece);
+    if (blocks) blocks->update(piece);
     done += piece.size();
   }
-  return hasher.digest();
+  TensorDigests out;
+  out.whole = hasher.digest();
+  if (blocks) out.blocks = blocks->finish();
+  return out;
+}
+
+std::uint64_t SafetensorsReader::checksum(std::string_view name) const {
+  return digests(name, 0).whole;
 }
 
 }  // namespace mixprec::checkpoint

@@ -7,6 +7,7 @@
 #include <fcntl.h>
 #include <unistd.h>
 
+#include <algorithm>
 #include <utility>
 
 namespace mixprec::checkpoint {
@@ -18,6 +19,9 @@ using detail::fail;
 // Pieces smaller than this are gathered before write(2): optimizer state has many tiny
 // tensors (biases, norm scales), and one syscall each would dominate their cost.
 constexpr std::size_t kBufferSize = 1 << 20;
+// Hashing runs over slices of this size, so that with block checksums both hashers read each
+// slice while it is in cache: one trip through memory for both.
+constexpr std::size_t kHashSlice = 256 << 10;
 
 }  // namespace
 
@@ -77,9 +81,19 @@ void SafetensorsWriter::advance_past_complete() {
   while (current_ < specs_.size() && current_written_ == written_[current_].byte_size) {
     written_[current_].checksum = hasher_.digest();
     hasher_.reset();
+    if (block_hasher_) written_[current_].block_checksums = block_hasher_->finish();
     current_written_ = 0;
     ++current_;
   }
+}
+
+void SafetensorsWriter::checksum_blocks(std::uint64_t block_bytes) {
+  if (any_written_) {
+    fail(path_.string(), ": checksum_blocks() after the first write");
+  }
+  if (block_bytes == 0) fail(path_.string(), ": checksum_blocks(0): block size must be > 0");
+  block_hasher_.emplace(block_bytes);
+  // Tensors completed at construction (zero bytes) have no blocks: nothing to recompute.
 }
 
 void SafetensorsWriter::write(std::string_view name, std::span<const std::byte> piece) {
@@ -99,7 +113,12 @@ void SafetensorsWriter::write(std::string_view name, std::span<const std::byte> 
          current_written_, " runs past its declared size of ", target.byte_size, " bytes");
   }
   if (piece.empty()) return;
-  hasher_.update(piece);
+  any_written_ = true;
+  for (std::size_t at = 0; at < piece.size(); at += kHashSlice) {
+    const auto slice = piece.subspan(at, std::min(kHashSlice, piece.size() - at));
+    hasher_.update(slice);
+    if (block_hasher_) block_hasher_->update(slice);
+  }
   write_out(piece);
   current_written_ += piece.size();
   crash_point("safetensors: after tensor piece");

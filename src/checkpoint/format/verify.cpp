@@ -42,11 +42,21 @@ VerifyReport verify_checkpoint(const Directory& dir) {
         fail(where, ": shape is ", dims_to_string(t->shape), ", the manifest says ",
              dims_to_string(chunk.box.shape));
       }
-      const std::uint64_t actual = reader.checksum(chunk.tensor);
-      if (actual != chunk.checksum) {
-        throw ChecksumError(detail::concat(
-            "[mixprec::checkpoint] ", where, ": checksum mismatch: expected xxh3 ",
-            checksum_to_hex(chunk.checksum), ", got ", checksum_to_hex(actual), " (data corrupt)"));
+      const TensorDigests actual = reader.digests(chunk.tensor, manifest.block_bytes);
+      if (actual.whole != chunk.checksum) {
+        throw ChecksumError(detail::concat("[mixprec::checkpoint] ", where,
+                                           ": checksum mismatch: expected xxh3 ",
+                                           checksum_to_hex(chunk.checksum), ", got ",
+                                           checksum_to_hex(actual.whole), " (data corrupt)"));
+      }
+      // A resharded load trusts the block checksums alone: they must agree with the data too.
+      for (std::size_t b = 0; b < actual.blocks.size(); ++b) {
+        if (actual.blocks[b] != chunk.block_checksums.at(b)) {
+          throw ChecksumError(detail::concat("[mixprec::checkpoint] ", where,
+                                             ": checksum mismatch in block ", b, ": expected xxh3 ",
+                                             checksum_to_hex(chunk.block_checksums[b]), ", got ",
+                                             checksum_to_hex(actual.blocks[b]), " (data corrupt)"));
+        }
       }
       referenced[chunk.file].insert(chunk.tensor);
       report.bytes += t->byte_size();

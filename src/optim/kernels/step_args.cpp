@@ -134,6 +134,12 @@ void check_sgd_state(const char* op, const at::Tensor& param, const at::Tensor& 
   check_scale(op, grad_scale_inv);
 }
 
+void mark_written(std::initializer_list<const at::Tensor*> tensors) {
+  for (const at::Tensor* t : tensors) {
+    if (t->defined() && !t->is_inference()) t->unsafeGetTensorImpl()->bump_version();
+  }
+}
+
 GradFormat grad_format(const at::Tensor& grad) {
   switch (grad.scalar_type()) {
     case at::kBFloat16:

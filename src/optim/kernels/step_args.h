@@ -8,6 +8,7 @@
 #include <ATen/core/Tensor.h>
 
 #include <cstdint>
+#include <initializer_list>
 #include <utility>
 #include <vector>
 
@@ -45,6 +46,13 @@ void check_adam_state(const char* op, const at::Tensor& param, const at::Tensor&
 void check_sgd_state(const char* op, const at::Tensor& param, const at::Tensor& grad,
                      const at::Tensor& momentum_buffer, const SgdHyperParams& hp,
                      double grad_scale_inv);
+
+// The CPU kernels write through raw pointers, which LibTorch does not see. Each written
+// tensor's version counter is bumped as an in-place ATen op would, and before the write, so
+// whoever recorded a version sees the change even while the write is in progress: autograd
+// (a tensor saved for backward), a checkpoint's state dict (checkpoint/async_save.h), the
+// optimizer's check for outside writes. Undefined and inference tensors are skipped.
+void mark_written(std::initializer_list<const at::Tensor*> tensors);
 
 GradFormat grad_format(const at::Tensor& grad);
 // kNone for an undefined tensor, else kBF16 or kF16.

@@ -61,8 +61,8 @@ TEST(Manifest, CommonFileReferenceRoundTrips) {
 }
 
 TEST(Manifest, VersionAndFormatErrorsAreClear) {
-  EXPECT_FORMAT_ERROR(parse_edited([](json& j) { j["version"] = 2; }), "ckpt/manifest.json",
-                      "version 2 is newer", "upgrade");
+  EXPECT_FORMAT_ERROR(parse_edited([](json& j) { j["version"] = 3; }), "ckpt/manifest.json",
+                      "version 3 is newer", "upgrade");
   EXPECT_FORMAT_ERROR(parse_edited([](json& j) { j["version"] = 0; }), "version 0",
                       "not supported");
   EXPECT_FORMAT_ERROR(parse_edited([](json& j) { j["version"] = "1"; }), "field 'version'",

@@ -13,6 +13,7 @@
 #include <span>
 #include <string>
 #include <string_view>
+#include <vector>
 
 namespace mixprec::checkpoint {
 
@@ -37,6 +38,33 @@ class Xxh3Hasher {
   struct State;
   std::unique_ptr<State> state_;
 };
+
+// XXH3-64 of each consecutive `block_bytes` of a byte stream (the last block may be shorter),
+// so that a reader of part of the stream can verify exactly the blocks it reads
+// (manifest.h: "block_xxh3"). Feeding bytes in any number of pieces gives the same digests.
+class BlockHasher {
+ public:
+  // Throws std::invalid_argument if block_bytes is 0.
+  explicit BlockHasher(std::uint64_t block_bytes);
+
+  void update(std::span<const std::byte> bytes);
+  // The digests of every block so far, the unfinished last one included (none for an empty
+  // stream); then starts over for a new stream.
+  std::vector<std::uint64_t> finish();
+
+  std::uint64_t block_bytes() const { return block_bytes_; }
+
+ private:
+  std::uint64_t block_bytes_;
+  std::uint64_t in_block_ = 0;  // bytes of the current block fed so far
+  Xxh3Hasher hasher_;
+  std::vector<std::uint64_t> digests_;
+};
+
+// Number of blocks of `block_bytes` (≥ 1) that cover `bytes` bytes: ceil(bytes / block_bytes).
+constexpr std::uint64_t block_count(std::uint64_t bytes, std::uint64_t block_bytes) {
+  return bytes / block_bytes + (bytes % block_bytes != 0 ? 1 : 0);
+}
 
 // One-shot XXH3-64 of `bytes`.
 std::uint64_t xxh3_64(std::span<const std::byte> bytes);

@@ -2,8 +2,9 @@
 //
 // Opening parses and strictly validates the header against the file's actual size; after
 // that, reads use pread(2), so one reader can serve several threads and a resharding loader
-// fetches only the byte ranges it needs. Whole-tensor reads can verify an expected XXH3-64
-// (from the manifest); partial reads cannot and do not.
+// fetches only the byte ranges it needs. read() can verify a whole tensor's expected XXH3-64
+// (from the manifest); read_verified() reads any set of byte ranges and verifies every byte
+// it reads, using per-block checksums where the manifest has them (manifest.h, version 2).
 #pragma once
 
 #include "mixprec/checkpoint/format/directory.h"
@@ -12,11 +13,34 @@
 #include <cstddef>
 #include <cstdint>
 #include <filesystem>
+#include <functional>
 #include <optional>
 #include <span>
 #include <string_view>
+#include <vector>
 
 namespace mixprec::checkpoint {
+
+// One contiguous range of a tensor's bytes wanted by read_verified: bytes
+// [offset, offset + out.size()) of the tensor go to `out`.
+struct ByteRun {
+  std::uint64_t offset = 0;
+  std::span<std::byte> out;
+};
+
+// The checksums a tensor's bytes are verified against: one XXH3-64 per `block_bytes` bytes
+// (the last block may be shorter), or with block_bytes == 0 only the whole tensor's.
+struct TensorChecksums {
+  std::uint64_t whole = 0;
+  std::uint64_t block_bytes = 0;
+  std::span<const std::uint64_t> blocks;
+};
+
+// The digests of a tensor's bytes computed in one pass (for verification tools).
+struct TensorDigests {
+  std::uint64_t whole = 0;
+  std::vector<std::uint64_t> blocks;  // one per block_bytes; empty when block_bytes == 0
+};
 
 class SafetensorsReader {
  public:
@@ -49,8 +73,27 @@ class SafetensorsReader {
   // tensor's first byte). Throws FormatError if the range is outside the tensor. No checksum.
   void read_range(std::string_view name, std::uint64_t offset, std::span<std::byte> out) const;
 
+  // Fills the runs `next` produces (in increasing offset order, not overlapping, inside the
+  // tensor; `next` returns false after the last) from tensor `name`, and verifies every byte
+  // it reads. With sums.block_bytes > 0 it reads whole each checksum block the runs touch
+  // and checks it against sums.blocks; with block_bytes == 0 it reads the whole tensor and
+  // checks sums.whole. A mismatch throws ChecksumError naming the file, the tensor and, for a
+  // block, its index and byte range; the runs' memory then holds unverified bytes (discard
+  // it). Memory: one 4 MiB buffer besides the runs, however many runs there are. Returns the
+  // number of tensor bytes read. Throws FormatError if a run is out of order or outside the
+  // tensor, or if sums.blocks does not hold one checksum per block.
+  std::uint64_t read_verified(std::string_view name, const std::function<bool(ByteRun&)>& next,
+                              const TensorChecksums& sums) const;
+  // The same for a list of runs.
+  std::uint64_t read_verified(std::string_view name, std::span<const ByteRun> runs,
+                              const TensorChecksums& sums) const;
+
   // XXH3-64 of tensor `name`'s bytes, streamed through a bounded buffer (for verify tools).
   std::uint64_t checksum(std::string_view name) const;
+
+  // The whole-tensor XXH3-64 and, with block_bytes > 0, the per-block ones, in one pass
+  // through a bounded buffer.
+  TensorDigests digests(std::string_view name, std::uint64_t block_bytes) const;
 
  private:
   // Validates the header of the open file `fd` (still owned by the caller) against its size.

@@ -3,8 +3,9 @@
 // The caller declares every tensor up front, so the header — which precedes the data — is
 // written first and the data can then be streamed without holding the whole file in memory.
 // Tensors are written in the declared order; each tensor's bytes may come in any number of
-// pieces. The XXH3-64 of each tensor is computed while its bytes go out, so verifying a
-// checkpoint later never needs a second pass at save time.
+// pieces. The XXH3-64 of each tensor — and, after checksum_blocks(), of each fixed-size block
+// of it — is computed while its bytes go out, so verifying a checkpoint later never needs a
+// second pass at save time.
 //
 // Durability: close() fsyncs the file before closing it. Making the file's directory entry
 // durable is the job of the directory commit (commit.h), which fsyncs the directory.
@@ -23,6 +24,7 @@
 #include <cstdint>
 #include <filesystem>
 #include <map>
+#include <optional>
 #include <span>
 #include <string>
 #include <string_view>
@@ -35,6 +37,7 @@ struct WrittenTensor {
   std::string name;
   std::uint64_t byte_size = 0;
   std::uint64_t checksum = 0;
+  std::vector<std::uint64_t> block_checksums = {};  // after checksum_blocks(), else empty
 };
 
 class SafetensorsWriter {
@@ -56,6 +59,10 @@ class SafetensorsWriter {
   ~SafetensorsWriter();
   SafetensorsWriter(const SafetensorsWriter&) = delete;
   SafetensorsWriter& operator=(const SafetensorsWriter&) = delete;
+
+  // Also computes the XXH3-64 of every `block_bytes` (> 0) of each tensor (BlockHasher in
+  // checksum.h). Call before the first write(); throws FormatError otherwise.
+  void checksum_blocks(std::uint64_t block_bytes);
 
   // Appends `piece` to tensor `name`, which must be the tensor currently being written: the
   // first declared tensor whose bytes are not all written yet (zero-byte tensors are complete
@@ -90,6 +97,8 @@ class SafetensorsWriter {
   std::size_t current_ = 0;
   std::uint64_t current_written_ = 0;
   Xxh3Hasher hasher_;
+  std::optional<BlockHasher> block_hasher_;
+  bool any_written_ = false;
   int fd_ = -1;
   bool closed_ = false;
 };

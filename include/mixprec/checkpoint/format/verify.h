@@ -20,10 +20,10 @@ struct VerifyReport {
 
 // Parses <dir>/manifest.json, opens each referenced safetensors file once and checks that each
 // chunk's tensor exists with the key's dtype, the chunk's shape and byte length, and that its
-// XXH3-64 matches; that every tensor in those files is referenced by exactly one chunk; and
-// the common file's size and checksum. Throws FormatError (ChecksumError for a mismatch)
-// naming the file, key and tensor at fault. The directory and every file must be real: a link,
-// FIFO or device is refused (directory.h).
+// XXH3-64 matches, and so does each block checksum (manifest version 2); that every tensor in
+// those files is referenced by exactly one chunk; and the common file's size and checksum.
+// Throws FormatError (ChecksumError for a mismatch) naming the file, key and tensor at fault.
+// The directory and every file must be real: a link, FIFO or device is refused (directory.h).
 VerifyReport verify_checkpoint(const std::filesystem::path& dir);
 VerifyReport verify_checkpoint(const Directory& dir);
 

@@ -1,0 +1,117 @@
+// read_checkpoint on damaged or hostile checkpoints: what the manifest claims is checked
+// before anything is allocated, and BOOL data must be 0 or 1.
+#include "mixprec/checkpoint/load.h"
+
+#include "mixprec/checkpoint/format/commit.h"
+#include "mixprec/checkpoint/format/error.h"
+#include "mixprec/checkpoint/format/manifest.h"
+#include "mixprec/checkpoint/format/safetensors_reader.h"
+#include "mixprec/checkpoint/format/safetensors_writer.h"
+#include "mixprec/checkpoint/reshard.h"
+#include "mixprec/checkpoint/save.h"
+
+#include "checkpoint/format/format_test_util.h"
+
+#include <ATen/ATen.h>
+#include <gtest/gtest.h>
+
+namespace mixprec::checkpoint {
+namespace {
+
+namespace fs = std::filesystem;
+using testing::TempDir;
+
+std::string format_error(const std::function<void()>& fn) {
+  try {
+    fn();
+  } catch (const FormatError& e) {
+    return e.what();
+  } catch (const std::exception& e) {
+    ADD_FAILURE() << "expected a FormatError, got: " << e.what();
+    return {};
+  }
+  ADD_FAILURE() << "expected a FormatError";
+  return {};
+}
+
+// A manifest that claims a 256 TiB key (more than any address space) whose only chunk is a
+// 4-element tensor. Reading it must fail on the mismatch, before allocating the slice: an
+// allocation first would fail (or, with overcommit, succeed lazily) on a size the file
+// never justified.
+TEST(ReadCheckpoint, ChunksAreCheckedBeforeTheSliceIsAllocated) {
+  TempDir root;
+  CheckpointStaging staging(root.path(), "claims");
+  SafetensorsWriter writer(staging.file("d.safetensors"), {{"x", Dtype::F32, {4}}});
+  writer.write("x", testing::pattern_bytes(16, 1));
+  const WrittenTensor x = writer.close()[0];
+  Manifest m;
+  m.sequence = 1;
+  m.common = nlohmann::json::object();
+  const int64_t huge = int64_t{1} << 46;  // × 4 bytes = 2^48
+  m.keys["small"] = {Dtype::F32, {4}, {{"d.safetensors", "x", {{0}, {4}}, 16, x.checksum}}};
+  m.keys["huge"] = {
+      Dtype::F32, {huge}, {{"d.safetensors", "x#", {{0}, {huge}}, uint64_t{1} << 48, x.checksum}}};
+  staging.write_file(kManifestFileName, manifest_to_json(m));
+  const fs::path dir = staging.commit({});
+
+  std::string msg = format_error([&] { read_checkpoint(dir); });
+  EXPECT_NE(msg.find("d.safetensors"), std::string::npos) << msg;
+  EXPECT_NE(msg.find("no tensor 'x#'"), std::string::npos) << msg;
+
+  // The tensor exists but is not what the manifest says.
+  m.keys["huge"].chunks[0].tensor = std::string(1, 'x');
+  m.keys.erase("small");
+  testing::write_file(dir / kManifestFileName, manifest_to_json(m));
+  msg = format_error([&] { read_checkpoint(dir); });
+  EXPECT_NE(msg.find("tensor 'x' of key 'huge' is F32[4], the manifest says F32[70368744177664]"),
+            std::string::npos)
+      << msg;
+}
+
+// Recomputes every checksum of `dir`'s manifest from the data, so that edited data passes
+// the checksums and reaches the content checks.
+void rechecksum(const fs::path& dir) {
+  Manifest m = read_manifest(dir);
+  for (auto& [key, entry] : m.keys) {
+    for (Chunk& c : entry.chunks) {
+      const TensorDigests d = SafetensorsReader(dir / c.file).digests(c.tensor, m.block_bytes);
+      c.checksum = d.whole;
+      c.block_checksums = d.blocks;
+    }
+  }
+  testing::write_file(dir / kManifestFileName, manifest_to_json(m));
+}
+
+TEST(ReadCheckpoint, BoolTensorsMustHoldOnlyZeroAndOne) {
+  TempDir root;
+  ShardedStateDict state;
+  state.tensors.emplace("mask", ShardedTensor::whole(at::rand({3, 5}).gt(0.5)));
+  state.tensors.emplace("flag", ShardedTensor::whole(at::scalar_tensor(true)));
+  const fs::path dir = save_checkpoint(root.path(), "c", state).dir;
+  EXPECT_TRUE(at::equal(read_checkpoint(dir).at("mask").local, state.at("mask").local));
+
+  // Element [1, 2] of "mask" becomes the byte 2, with checksums that match the new bytes.
+  const fs::path file = dir / "data-00000.safetensors";
+  const SafetensorsHeader h = SafetensorsReader(file).header();
+  std::string bytes = testing::read_file(file);
+  bytes[h.data_offset() + h.find("mask")->begin + 1 * 5 + 2] = 2;
+  testing::write_file(file, bytes);
+  rechecksum(dir);
+
+  const std::string msg = format_error([&] { read_checkpoint(dir); });
+  EXPECT_NE(msg.find("data-00000.safetensors"), std::string::npos) << msg;
+  EXPECT_NE(msg.find("key 'mask'"), std::string::npos) << msg;
+  EXPECT_NE(msg.find("BOOL element [1, 2] holds byte 2"), std::string::npos) << msg;
+  // A slice that does not contain the element reads fine; one that does is refused.
+  ReadOptions rows_2 = read_options_for_rank(1, 2);  // row 2 of 3
+  rows_2.keys = {"mask"};
+  EXPECT_TRUE(at::equal(read_checkpoint(dir, rows_2).at("mask").local,
+                        state.at("mask").local.narrow(0, 2, 1)));
+  ReadOptions rows_01 = read_options_for_rank(0, 2);
+  rows_01.keys = {"mask"};
+  EXPECT_NE(format_error([&] { read_checkpoint(dir, rows_01); }).find("BOOL element [1, 2]"),
+            std::string::npos);
+}
+
+}  // namespace
+}  // namespace mixprec::checkpoint
