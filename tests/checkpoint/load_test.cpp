@@ -63,7 +63,7 @@ TEST(ReadCheckpoint, ChunksAreCheckedBeforeTheSliceIsAllocated) {
   m.keys.erase("small");
   testing::write_file(dir / kManifestFileName, manifest_to_json(m));
   msg = format_error([&] { read_checkpoint(dir); });
-  EXPECT_NE(msg.find("tensor 'x' of key 'huge' is F32[4], the manifest says F32[70368744177664]"),
+  EXPECT_NE(msg.find("tensor 'x' of key 'huge' is F32 [4], the manifest says F32 [70368744177664]"),
             std::string::npos)
       << msg;
 }
