@@ -326,7 +326,7 @@ void BM_OursReshard3to2(benchmark::State& bm) {
     std::vector<mixprec::ShardedStateDict> ranks;
     for (int r = 0; r < 3; ++r) ranks.push_back(ckpt::shard_for_rank(s.dict, r, 3));
     ckpt::SaveOptions options;
-    options.checksum_block_bytes = static_cast<std::uint64_t>(block);
+    options.checksum_block_bytes(static_cast<std::uint64_t>(block));
     ckpt::save_checkpoint(root, "step-1", {&ranks[0], &ranks[1], &ranks[2]}, options);
   }
   for (auto _ : bm) {

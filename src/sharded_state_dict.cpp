@@ -154,7 +154,7 @@ CheckedModelState check_model_sharded_state_dict(const torch::nn::Module& model,
   for (const auto& [key, value] : state.tensors) {
     if (!own.count(key)) report.unexpected_keys.push_back(key);
   }
-  if (options.strict) {
+  if (options.strict()) {
     for (const auto& key : report.missing_keys) problems.push_back("missing key '" + key + "'");
     std::vector<std::string> names;
     for (const auto& [k, v] : own) names.push_back(k);

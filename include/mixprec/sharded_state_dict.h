@@ -8,6 +8,7 @@
 #pragma once
 
 #include <ATen/core/Tensor.h>
+#include <torch/arg.h>
 #include <nlohmann/json.hpp>
 
 #include <cstdint>
@@ -66,7 +67,7 @@ struct LoadReport {
 struct LoadOptions {
   // Strict: any missing or unexpected key is an error listing all of them. Non-strict: what
   // matches is loaded and the rest is reported. Shape and dtype errors are errors either way.
-  bool strict = true;
+  TORCH_ARG(bool, strict) = true;
 };
 
 // The model's parameters and buffers under their fully qualified names (tied tensors once,

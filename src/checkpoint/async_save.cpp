@@ -121,15 +121,15 @@ struct AsyncCheckpointSaver::Pipeline final : detail::PieceSource {
 
 AsyncCheckpointSaver::AsyncCheckpointSaver(AsyncSaveOptions options)
     : options_(std::move(options)), pool_(std::make_shared<BufferPool>()) {
-  TORCH_CHECK(options_.piece_bytes >= 4096,
+  TORCH_CHECK(options_.piece_bytes() >= 4096,
               "[mixprec::checkpoint::AsyncCheckpointSaver] piece_bytes must be at least 4 KiB, "
               "got ",
-              options_.piece_bytes);
-  TORCH_CHECK(options_.staging_budget_bytes >= options_.piece_bytes,
+              options_.piece_bytes());
+  TORCH_CHECK(options_.staging_budget_bytes() >= options_.piece_bytes(),
               "[mixprec::checkpoint::AsyncCheckpointSaver] staging_budget_bytes must be at least "
               "one piece (",
-              options_.piece_bytes, " bytes), got ", options_.staging_budget_bytes);
-  pool_->piece_bytes = static_cast<int64_t>(options_.piece_bytes);
+              options_.piece_bytes(), " bytes), got ", options_.staging_budget_bytes());
+  pool_->piece_bytes = static_cast<int64_t>(options_.piece_bytes());
 }
 
 AsyncCheckpointSaver::~AsyncCheckpointSaver() {
@@ -165,8 +165,8 @@ void AsyncCheckpointSaver::save(const std::filesystem::path& root, const std::st
     shapes_only.tensors.emplace(key, std::move(meta));
   }
   auto pipeline = std::make_shared<Pipeline>();
-  pipeline->budget = options_.staging_budget_bytes;
-  pipeline->piece_size = options_.piece_bytes;
+  pipeline->budget = options_.staging_budget_bytes();
+  pipeline->piece_size = options_.piece_bytes();
   pipeline->pool = pool_;
   pipeline->state = std::move(shapes_only);
   pipeline_ = pipeline;
@@ -189,9 +189,9 @@ void AsyncCheckpointSaver::save(const std::filesystem::path& root, const std::st
         state, 0,
         [&](const detail::Piece& piece) {
           if (!pipeline->stage(piece)) throw WriterStopped{};
-          if (options_.on_piece_staged) options_.on_piece_staged(piece.key);
+          if (options_.on_piece_staged()) options_.on_piece_staged()(piece.key);
         },
-        static_cast<int64_t>(options_.piece_bytes));
+        static_cast<int64_t>(options_.piece_bytes()));
     detail::check_unchanged(ranks, "while it was being staged");
   } catch (const WriterStopped&) {
     // The writer failed on its own; wait() or the next save() reports why, once.

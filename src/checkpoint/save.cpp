@@ -233,14 +233,14 @@ SaveResult save_from_source(const std::filesystem::path& root, const std::string
   std::map<std::string, KeyPlan> plan = plan_keys(ranks);
 
   SaveResult result;
-  RootWriter writer(root, WriterOptions{options.lock_timeout, options.stale_staging_timeout});
+  RootWriter writer(root, WriterOptions{options.lock_timeout(), options.stale_staging_timeout()});
   result.cleaned_staging = writer.report().cleaned_staging;
   result.repaired_latest = writer.report().repaired_latest;
   result.warnings = writer.report().warnings;
   const std::unique_ptr<CheckpointStaging> staging = writer.stage(name);
   std::vector<std::map<std::string, WrittenTensor>> checksums(ranks.size());
   for (size_t r = 0; r < ranks.size(); ++r) {
-    checksums[r] = write_rank_file(*staging, r, *ranks[r], source, options.checksum_block_bytes,
+    checksums[r] = write_rank_file(*staging, r, *ranks[r], source, options.checksum_block_bytes(),
                                    result.tensor_bytes);
     result.files += checksums[r].empty() ? 0 : 1;
   }
@@ -248,7 +248,7 @@ SaveResult save_from_source(const std::filesystem::path& root, const std::string
 
   Manifest manifest;
   manifest.sequence = writer.next_sequence();
-  manifest.block_bytes = options.checksum_block_bytes;
+  manifest.block_bytes = options.checksum_block_bytes();
   for (auto& [key, kp] : plan) {
     KeyEntry entry{kp.dtype, kp.global_shape, {}};
     for (size_t i = 0; i < kp.chunks.size(); ++i) {
@@ -268,7 +268,7 @@ SaveResult save_from_source(const std::filesystem::path& root, const std::string
   // Last: the table of contents.
   staging->write_file(kManifestFileName, manifest_to_json(manifest));
   PublishReport published = writer.publish(
-      *staging, PublishOptions{options.update_latest, options.keep_last, options.in_use});
+      *staging, PublishOptions{options.update_latest(), options.keep_last(), options.in_use()});
   result.dir = std::move(published.dir);
   result.deleted = std::move(published.deleted);
   result.warnings.insert(result.warnings.end(), published.warnings.begin(),

@@ -192,7 +192,7 @@ CheckedOptimizerState Float16Optimizer::check_parsed(Parsed&& saved,
       problems.push_back(e.what_without_backtrace());
     }
   }
-  if (options.strict) {
+  if (options.strict()) {
     for (const auto& key : report.missing_keys) problems.push_back("missing " + key);
     for (const auto& key : report.unexpected_keys) problems.push_back("unexpected " + key);
   }

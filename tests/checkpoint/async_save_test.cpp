@@ -78,14 +78,14 @@ TEST(AsyncSave, StepDuringStagingIsRefusedAndNothingIsCommitted) {
   TrainingSetup a(at::kBFloat16);
   a.step();
   AsyncSaveOptions options;
-  options.piece_bytes = 4096;  // the state spans many pieces
-  options.staging_budget_bytes = 4 * 4096;
+  options.piece_bytes(4096);  // the state spans many pieces
+  options.staging_budget_bytes(4 * 4096);
   int staged = 0;
   bool step_now = true;
-  options.on_piece_staged = [&](const std::string&) {
+  options.on_piece_staged([&](const std::string&) {
     // Stands in for another thread of the training loop stepping while save() stages.
     if (++staged == 2 && step_now) a.step();
-  };
+  });
   AsyncCheckpointSaver saver(options);
   const std::string msg =
       error_of([&] { saver.save(root.path, "torn", training_state_dict(*a.model, *a.optimizer)); });
@@ -147,8 +147,8 @@ TEST(AsyncSave, NonContiguousStateFarAboveTheBudgetIsStagedPieceByPiece) {
   }
   state.tensors.emplace("scalar", ShardedTensor::whole(at::scalar_tensor(2.5)));
   AsyncSaveOptions options;
-  options.piece_bytes = 16 << 10;
-  options.staging_budget_bytes = 64 << 10;  // 12 MiB of state through 64 KiB
+  options.piece_bytes(16 << 10);
+  options.staging_budget_bytes(64 << 10);  // 12 MiB of state through 64 KiB
   AsyncCheckpointSaver saver(options);
   {
     CountingAllocator counting;
@@ -156,10 +156,10 @@ TEST(AsyncSave, NonContiguousStateFarAboveTheBudgetIsStagedPieceByPiece) {
     saver.wait();
     // Only piece-sized staging buffers: no tensor is ever flattened (copied) whole, so the
     // work is linear in the state's size.
-    EXPECT_LE(counting.largest(), options.piece_bytes);
-    EXPECT_LE(counting.total(), options.staging_budget_bytes);
+    EXPECT_LE(counting.largest(), options.piece_bytes());
+    EXPECT_LE(counting.total(), options.staging_budget_bytes());
   }
-  EXPECT_LE(saver.peak_staged_bytes(), options.staging_budget_bytes);
+  EXPECT_LE(saver.peak_staged_bytes(), options.staging_budget_bytes());
   EXPECT_GT(saver.peak_staged_bytes(), 0u);
   const ShardedStateDict back = read_checkpoint(root.path / "strided");
   for (int i = 0; i < 6; ++i) {
@@ -170,11 +170,11 @@ TEST(AsyncSave, NonContiguousStateFarAboveTheBudgetIsStagedPieceByPiece) {
 
 TEST(AsyncSave, PieceAndBudgetOptionsAreValidated) {
   AsyncSaveOptions small_piece;
-  small_piece.piece_bytes = 100;
+  small_piece.piece_bytes(100);
   EXPECT_THROW(AsyncCheckpointSaver{small_piece}, c10::Error);
   AsyncSaveOptions small_budget;
-  small_budget.piece_bytes = 1 << 20;
-  small_budget.staging_budget_bytes = 1 << 19;
+  small_budget.piece_bytes(1 << 20);
+  small_budget.staging_budget_bytes(1 << 19);
   EXPECT_THROW(AsyncCheckpointSaver{small_budget}, c10::Error);
 }
 

@@ -165,7 +165,7 @@ struct ThreeRankSave {
     std::vector<ShardedStateDict> ranks;
     for (int r = 0; r < 3; ++r) ranks.push_back(shard_for_rank(whole, r, 3));
     SaveOptions options;
-    options.checksum_block_bytes = block_bytes;
+    options.checksum_block_bytes(block_bytes);
     dir = save_checkpoint(root.path, "c", {&ranks[0], &ranks[1], &ranks[2]}, options).dir;
   }
 

@@ -32,7 +32,7 @@ TEST(Save, ACommittedCheckpointLatestDoesNotNameIsLoadedAndRepaired) {
   save_training_state(root.path(), "step-1", *a.model, *a.optimizer);
   a.step();
   SaveOptions no_latest;
-  no_latest.update_latest = false;
+  no_latest.update_latest(false);
   save_training_state(root.path(), "step-2", *a.model, *a.optimizer, {{"at", 2}}, no_latest);
   ASSERT_EQ(read_latest(root.path()), "step-1");
 
@@ -68,7 +68,7 @@ TEST(Save, ReportsTheRepairOfLatest) {
   TrainingSetup a(at::kBFloat16);
   save_training_state(root.path(), "step-1", *a.model, *a.optimizer);
   SaveOptions no_latest;
-  no_latest.update_latest = false;
+  no_latest.update_latest(false);
   save_training_state(root.path(), "step-2", *a.model, *a.optimizer, {}, no_latest);
   const SaveResult saved = save_training_state(root.path(), "step-3", *a.model, *a.optimizer);
   EXPECT_EQ(saved.repaired_latest, "step-2");
@@ -106,7 +106,7 @@ TEST(Save, ASecondWriterIsRefusedOrWaits) {
       },
       FormatError);
   SaveOptions wait;
-  wait.lock_timeout = std::chrono::milliseconds(30);
+  wait.lock_timeout(std::chrono::milliseconds(30));
   EXPECT_THROW(save_training_state(root.path(), "step-1", *a.model, *a.optimizer, {}, wait),
                FormatError);
   EXPECT_FALSE(fs::exists(root.path() / "step-1"));
@@ -121,7 +121,7 @@ TEST(Save, FailuresAfterTheDurableCommitAreWarnings) {
   fs::remove(root.path() / "latest");
   fs::create_directories(root.path() / "latest" / "x");
   SaveOptions keep;
-  keep.keep_last = 1;
+  keep.keep_last(1);
   const SaveResult saved =
       save_training_state(root.path(), "step-2", *a.model, *a.optimizer, {}, keep);
   EXPECT_NO_THROW(verify_checkpoint(saved.dir));

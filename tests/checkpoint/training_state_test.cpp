@@ -278,7 +278,7 @@ TEST(TrainingState, KeepLastKRetention) {
   TempRoot root;
   TrainingSetup a(at::kBFloat16);
   SaveOptions options;
-  options.keep_last = 2;
+  options.keep_last(2);
   for (int i = 0; i < 4; ++i) {
     a.step();
     save_training_state(root.path, "step-" + std::to_string(i), *a.model, *a.optimizer, {},
@@ -297,7 +297,7 @@ TEST(AsyncSave, SameBytesAsSyncAndIndependentOfLaterSteps) {
   TrainingSetup a(at::kBFloat16);
   a.step();
   save_training_state(root.path, "sync", *a.model, *a.optimizer);
-  AsyncCheckpointSaver saver({64u << 20});
+  AsyncCheckpointSaver saver(AsyncSaveOptions().staging_budget_bytes(64u << 20));
   saver.save(root.path, "async", training_state_dict(*a.model, *a.optimizer));
   for (int i = 0; i < 3; ++i) a.step();  // training goes on while the writer works
   const auto result = saver.wait();
@@ -323,7 +323,7 @@ TEST(AsyncSave, ErrorsSurfaceOnWaitAndNextSave) {
 }
 
 TEST(AsyncSave, BudgetBelowOnePieceIsRefused) {
-  EXPECT_THROW(AsyncCheckpointSaver({1u << 20}), c10::Error);
+  EXPECT_THROW(AsyncCheckpointSaver(AsyncSaveOptions().staging_budget_bytes(1u << 20)), c10::Error);
 }
 
 }  // namespace

@@ -149,7 +149,7 @@ TEST(OptimizerLoad, CheckChangesNothingAndApplyInstallsWhatWasChecked) {
   Trained<torch::optim::AdamWOptions> target(torch::optim::AdamWOptions(1e-3));
   const Snapshot before(target);
   CheckedOptimizerState checked =
-      target.opt->check_sharded_state_dict(saved, LoadOptions{.strict = false});
+      target.opt->check_sharded_state_dict(saved, LoadOptions().strict(false));
   EXPECT_EQ(checked.report().missing_keys,
             std::vector<std::string>{"optimizer.state.exp_avg.gate"});
   before.expect_same_as(target);

@@ -313,7 +313,7 @@ TEST(OptimizerStateDictErrors, MissingKeyStrictErrorsNonStrictReports) {
   auto opt_ptr = mixprec::testing::make_optimizer(model, torch::optim::AdamWOptions(1e-3));
   Float16Optimizer& opt = *opt_ptr;
   bad.tensors.erase("optimizer.state.exp_avg.gate");
-  const LoadReport report = opt.load_sharded_state_dict(bad, LoadOptions{.strict = false});
+  const LoadReport report = opt.load_sharded_state_dict(bad, LoadOptions().strict(false));
   EXPECT_EQ(report.missing_keys, (std::vector<std::string>{"optimizer.state.fp32_param.post.weight",
                                                            "optimizer.state.exp_avg.gate",
                                                            "optimizer.state.exp_avg_sq.gate"}))
@@ -335,7 +335,7 @@ TEST(OptimizerStateDictErrors, PartialMomentsStartFreshInNonStrictMode) {
   bad.tensors.erase("optimizer.state.exp_avg_sq.gate");
   Interleaved model;
   auto opt = mixprec::testing::make_optimizer(model, torch::optim::AdamWOptions(1e-3));
-  const LoadReport report = opt->load_sharded_state_dict(bad, LoadOptions{.strict = false});
+  const LoadReport report = opt->load_sharded_state_dict(bad, LoadOptions().strict(false));
   EXPECT_EQ(report.missing_keys, std::vector<std::string>{"optimizer.state.exp_avg_sq.gate"});
   EXPECT_FALSE(opt->sharded_state_dict().contains("optimizer.state.exp_avg.gate"));
   set_grads(*model, 3);

@@ -30,6 +30,8 @@
 
 #include "mixprec/checkpoint/save.h"
 
+#include <torch/arg.h>
+
 #include <exception>
 #include <functional>
 #include <memory>
@@ -39,13 +41,14 @@
 namespace mixprec::checkpoint {
 
 struct AsyncSaveOptions {
-  std::size_t staging_budget_bytes = std::size_t{1} << 30;  // ≥ piece_bytes
+  // Most bytes staged but not yet written at once; ≥ piece_bytes.
+  TORCH_ARG(std::size_t, staging_budget_bytes) = std::size_t{1} << 30;
   // Size of one staging buffer (the unit of staging and writing). The default, 64 MiB, keeps
   // write(2) at full speed; smaller pieces let tests put a small budget under pressure.
-  std::size_t piece_bytes = std::size_t{64} << 20;  // ≥ 4 KiB
+  TORCH_ARG(std::size_t, piece_bytes) = std::size_t{64} << 20;  // ≥ 4 KiB
   // Called on the thread that calls save() after each piece is staged, with the piece's key
   // (progress reporting; tests use it to step the optimizer in the middle of staging).
-  std::function<void(const std::string& key)> on_piece_staged;
+  TORCH_ARG(std::function<void(const std::string& key)>, on_piece_staged);
 };
 
 class AsyncCheckpointSaver {

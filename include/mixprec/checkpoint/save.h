@@ -18,6 +18,8 @@
 
 #include "mixprec/sharded_state_dict.h"
 
+#include <torch/arg.h>
+
 #include <chrono>
 #include <cstdint>
 #include <filesystem>
@@ -36,18 +38,21 @@ namespace mixprec::checkpoint {
 inline constexpr std::uint64_t kDefaultChecksumBlockBytes = std::uint64_t{1} << 20;
 
 struct SaveOptions {
-  bool update_latest = true;     // point <root>/latest at the new checkpoint
-  std::size_t keep_last = 0;     // > 0: keep-last-K retention after the commit
-  std::set<std::string> in_use;  // names retention must not delete (e.g. the one resumed from)
+  // Point <root>/latest at the new checkpoint.
+  TORCH_ARG(bool, update_latest) = true;
+  // > 0: keep-last-K retention after the commit.
+  TORCH_ARG(std::size_t, keep_last) = 0;
+  // Names retention must not delete (e.g. the one resumed from).
+  TORCH_ARG(std::set<std::string>, in_use);
   // How long to wait while another writer holds the root's lock; 0: fail at once.
-  std::chrono::milliseconds lock_timeout{0};
+  TORCH_ARG(std::chrono::milliseconds, lock_timeout) = std::chrono::milliseconds{0};
   // Staging of another host younger than this is never removed (format/retention.h).
-  std::chrono::seconds stale_staging_timeout{3600};
+  TORCH_ARG(std::chrono::seconds, stale_staging_timeout) = std::chrono::seconds{3600};
   // Besides each chunk's XXH3-64, one per this many bytes of it (manifest version 2), so that
   // a resharded load verifies exactly the blocks it reads: it reads at most one block more
   // than it needs at each end of a partly needed chunk. 0: no block checksums (manifest
   // version 1, readable by older mixprec; a partial read then reads the whole chunk).
-  std::uint64_t checksum_block_bytes = kDefaultChecksumBlockBytes;
+  TORCH_ARG(std::uint64_t, checksum_block_bytes) = kDefaultChecksumBlockBytes;
 };
 
 struct SaveResult {
