@@ -38,6 +38,8 @@ const std::vector<Flag>& flags() {
       {"precision", "precision", &C::precision, "bf16|fp16",
        "dtype of everything not kept FP32; fp16 adds dynamic loss scaling", kFixed},
       {"precision", "fp8", &C::fp8, "off|e4m3|hybrid", "FP8 recipe for the expert GEMMs", kFixed},
+      {"precision", "loss-scale", &C::loss_scale, "F",
+       "fp16: initial dynamic loss scale (halved after overflows, doubled after 1000 clean steps)"},
       {"data", "data", &C::data, "FILE",
        "a text file to train on (default: Python's pydoc "
        "topics, found through the venv's python)",
@@ -238,6 +240,7 @@ void validate(const TrainConfig& c) {
       c.progress == "auto" || c.progress == "bar" || c.progress == "lines" || c.progress == "none",
       "--progress must be auto, bar, lines or none, got '" + c.progress + "'");
   check(c.lr > 0, "--lr must be positive");
+  check(c.loss_scale >= 1, "--loss-scale must be at least 1");
   check(c.warmup >= 0, "--warmup must not be negative");
   check(c.min_lr_ratio >= 0 && c.min_lr_ratio <= 1, "--min-lr-ratio must lie in [0, 1]");
   check(c.weight_decay >= 0, "--weight-decay must not be negative");

@@ -37,6 +37,7 @@ struct TrainConfig {
   // "e4m3" or "hybrid" (E4M3 forward, E5M2 gradients).
   std::string precision = "bf16";
   std::string fp8 = "hybrid";
+  double loss_scale = 65536;  // FP16: the dynamic loss scale to start from
 
   // Data: a text file, or "" for the built-in corpus (Python's pydoc topics).
   std::string data;

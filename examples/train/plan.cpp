@@ -2,6 +2,8 @@
 
 #include "mixprec/quant/quant_state.h"
 
+#include <algorithm>
+
 namespace train {
 
 Precision precision_from(const TrainConfig& config) {
@@ -9,7 +11,11 @@ Precision precision_from(const TrainConfig& config) {
   p.dtype = config.precision == "fp16" ? at::kHalf : at::kBFloat16;
   // FP16 has 5 exponent bits: small gradients underflow unless the loss is scaled up first;
   // BF16 has FP32's range and needs no scaling.
-  if (p.dtype == at::kHalf) p.scaler = mixprec::optim::LossScalerOptions::fp16_dynamic();
+  if (p.dtype == at::kHalf) {
+    p.scaler = mixprec::optim::LossScalerOptions::fp16_dynamic();
+    p.scaler.initial_scale = config.loss_scale;
+    p.scaler.max_scale = std::max(p.scaler.max_scale, config.loss_scale);
+  }
   using mixprec::quant::Fp8Recipe;
   p.quant.fp8 = config.fp8 == "e4m3"     ? Fp8Recipe::kE4M3
                 : config.fp8 == "hybrid" ? Fp8Recipe::kHybrid

@@ -86,6 +86,15 @@ TEST(TrainRun, WithoutDataItTrainsOnThePythonDocs) {
   EXPECT_TRUE(std::regex_match(runs[0].filename().string(), std::regex("[0-9]{8}-[0-9]{6}")));
   EXPECT_EQ(count_lines(runs[0] / "metrics.jsonl"), 2u);
   EXPECT_TRUE(fs::exists(runs[0] / "checkpoints/step-000002/manifest.json"));
+
+  // --resume with no directory continues the newest run under runs/, its shape taken from the
+  // checkpoint (no model flags repeated), its metrics appended to.
+  const ProgramRun resumed = run_program(
+      dir.path(), {"--resume", "--steps", "4", "--threads", "1", "--sample-tokens", "0"});
+  ASSERT_EQ(resumed.status, 0) << resumed.err;
+  EXPECT_NE(resumed.out.find("1 layer, d_model 32"), std::string::npos) << resumed.out;
+  EXPECT_EQ(count_lines(runs[0] / "metrics.jsonl"), 4u);
+  EXPECT_TRUE(fs::exists(runs[0] / "checkpoints/step-000004/manifest.json"));
 }
 
 TEST(TrainRun, GradientAccumulationAndAsyncSaveTrainTheSameSteps) {
