@@ -1,8 +1,8 @@
 // The training data: bytes of text, a train/validation split, and deterministic batches.
 //
 // Tokens are bytes (vocabulary 256): no tokenizer to build or ship, any text file works.
-// The default corpus is the English text of Python's documentation topics
-// (pydoc_data/topics.py, ~750 KB), which every machine that ran the project's set-up has.
+// The default corpus is the English text of Python's documentation topics (pydoc_corpus.h),
+// which every machine that ran the project's set-up has.
 //
 // Batches are drawn by index: batch i is a pure function of (seed, split, i), so a run that
 // resumes at step s draws exactly the batches the uninterrupted run would have drawn, with no
@@ -16,15 +16,6 @@
 #include <string>
 
 namespace train {
-
-// Where the default corpus lives: asks the project's Python (the venv's, known at build time,
-// or MIXPREC_PYTHON / python3 on PATH) for pydoc_data.topics, falling back to the standard
-// library folders of the interpreters that venv was made from. Throws UsageError if none has it.
-std::filesystem::path default_corpus_path();
-
-// The text of a pydoc_data/topics.py file: its dict's string values, decoded from Python
-// literals and joined by blank lines. Returns "" if `source` does not look like that file.
-std::string decode_pydoc_topics(const std::string& source);
 
 struct Corpus {
   std::string source;  // the file it came from, for messages and the summary

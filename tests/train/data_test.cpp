@@ -2,6 +2,7 @@
 // and batches that depend only on (seed, stream, index).
 #include "data.h"
 #include "config.h"
+#include "pydoc_corpus.h"
 #include "train/train_program.h"
 
 #include <ATen/ATen.h>
