@@ -56,6 +56,11 @@ ensure_venv() {
     log "installing safetensors and numpy (test oracles)"
     "$MIXPREC_VENV/bin/pip" install -q safetensors numpy
   fi
+  # scripts/plot_metrics.py draws mixprec-train's loss curves.
+  if ! "$MIXPREC_VENV/bin/python" -c "import matplotlib" 2>/dev/null; then
+    log "installing matplotlib (scripts/plot_metrics.py)"
+    "$MIXPREC_VENV/bin/pip" install -q matplotlib
+  fi
 }
 
 # Configures build folder $1 once (a folder with a CMakeCache is reused; extra CMake

@@ -1,0 +1,337 @@
+// The main job's training step against its peers: tokens/s and peak memory.
+//
+//   bench_train [--steps N] [--warmup N] [--repeats N] [--threads N] [mixprec-train model flags]
+//
+// Model flags (--layers, --d-model, --heads, --experts, --top-k, --seq-len, --batch) change the
+// model of every configuration, the Python peer's included; without them it is mixprec-train's
+// default model.
+//
+// Measures, each in a process of its own so that memory peaks do not mix:
+//   mixprec bf16 + fp8     mixprec-train's step as it runs by default (train_step: BF16 weights,
+//                          FP32 router/bias/norms, FP8 fake-quantized expert GEMMs, AdamW with
+//                          FP32 masters through Float16Optimizer)
+//   mixprec bf16           the same with --fp8 off
+//   libtorch fp32          the same model, FP32 parameters, torch::optim::AdamW
+//   pytorch autocast bf16  bench/train_bench.py: the same model in PyTorch, torch.autocast
+//                          (bfloat16) and AdamW(fused=True) — what a Python user would write
+// and prints one table: tokens/s from the median step time, a forward/backward/optimizer
+// split, resident memory once everything is built ("setup": runtime, data, model, optimizer),
+// its peak over training (VmHWM), and the difference ("training": activations, gradients,
+// optimizer state created on the first step, kernel caches). The model is mixprec-train's default
+// (2 layers, d_model 128, 4 experts top-2, batch 16 x 128 bytes of Python's pydoc topics).
+//
+// Every child runs with OMP_WAIT_POLICY=PASSIVE (as mixprec-train does): on a shared machine
+// spinning OpenMP workers make step times meaningless.
+#include "config.h"
+#include "data.h"
+#include "gpt.h"
+#include "loop.h"
+#include "optimizer.h"
+#include "plan.h"
+
+#include <ATen/ATen.h>
+#include <ATen/Parallel.h>
+#include <torch/nn/utils/clip_grad.h>
+#include <torch/optim/adamw.h>
+#include <torch/types.h>
+#include <nlohmann/json.hpp>
+
+#include <algorithm>
+#include <chrono>
+#include <cstdio>
+#include <filesystem>
+#include <fstream>
+#include <functional>
+#include <memory>
+#include <string>
+#include <vector>
+
+namespace {
+
+using Clock = std::chrono::steady_clock;
+using train::TrainConfig;
+
+struct Options {
+  int64_t steps = 30;
+  int64_t warmup = 5;
+  int64_t threads = 0;
+  int64_t repeats = 3;             // runs of each configuration; the fastest counts
+  std::string child;               // the configuration this process measures; empty: the parent
+  std::vector<std::string> model;  // mixprec-train flags for the model (--batch 64, …)
+  TrainConfig config;              // the default configuration with those flags applied
+};
+
+// A field of /proc/self/status in MiB: VmHWM (peak resident set) or VmRSS (current).
+double status_mib(const std::string& field) {
+  std::ifstream status("/proc/self/status");
+  for (std::string line; std::getline(status, line);) {
+    if (line.rfind(field + ":", 0) == 0) return std::stod(line.substr(field.size() + 1)) / 1024.0;
+  }
+  return 0;
+}
+
+double median(std::vector<double> v) {
+  std::sort(v.begin(), v.end());
+  return v.empty() ? 0 : v[v.size() / 2];
+}
+
+// Times of one step's three phases; the step's total is their sum.
+struct PhaseTimes {
+  std::vector<double> forward, backward, optimizer, total;
+  void add(double f, double b, double o) {
+    forward.push_back(f), backward.push_back(b), optimizer.push_back(o), total.push_back(f + b + o);
+  }
+};
+
+// Runs warmup + steps of `step` and reports the medians as one JSON line on stdout.
+void measure(const Options& o, const std::string& name, const TrainConfig& config,
+             const std::function<void(int64_t, PhaseTimes&)>& step) {
+  PhaseTimes warm, timed;
+  const double before_mib = status_mib("VmRSS");  // runtime, data, model and optimizer built
+  for (int64_t i = 0; i < o.warmup; ++i) step(i, warm);
+  for (int64_t i = 0; i < o.steps; ++i) step(o.warmup + i, timed);
+  const double step_s = median(timed.total);
+  const nlohmann::json out = {
+      {"config", name},
+      {"tokens_per_s", static_cast<double>(config.tokens_per_step()) / step_s},
+      {"step_ms", step_s * 1e3},
+      {"forward_ms", median(timed.forward) * 1e3},
+      {"backward_ms", median(timed.backward) * 1e3},
+      {"optimizer_ms", median(timed.optimizer) * 1e3},
+      {"peak_rss_mib", status_mib("VmHWM")},
+      {"setup_rss_mib", before_mib},
+      {"threads", at::get_num_threads()}};
+  std::printf("%s\n", out.dump().c_str());
+}
+
+double since(Clock::time_point t) {
+  return std::chrono::duration<double>(Clock::now() - t).count();
+}
+
+at::Tensor cross_entropy(const at::Tensor& logits, const at::Tensor& targets) {
+  return at::cross_entropy_loss(logits.reshape({-1, logits.size(-1)}), targets.reshape(-1));
+}
+
+// mixprec-train's own step. The headline time is train_step itself; the phase split comes from
+// the same calls made one by one.
+void run_mixprec(const Options& o, const std::string& fp8) {
+  TrainConfig config = o.config;
+  config.fp8 = fp8;
+  const train::Corpus corpus = train::load_corpus("", config.val_fraction, config.seq_len);
+  const train::BatchSampler batches(corpus.train, config.seq_len, config.seed, 0);
+  at::manual_seed(config.seed);
+  const train::Precision precision = train::precision_from(config);
+  train::MixedModel model =
+      train::apply_precision(train::Gpt(train::gpt_config(config, precision.quant)), precision);
+  auto optimizer = train::make_single_process_optimizer(*model.module, config, precision);
+  model.module->train();
+  PhaseTimes split;
+  measure(o, fp8 == "off" ? "mixprec bf16" : "mixprec bf16 + fp8 " + fp8, config,
+          [&](int64_t i, PhaseTimes& times) {
+            const auto start = Clock::now();
+            train::train_step(config, model, *optimizer, batches, i, config.lr);
+            const double total = since(start);
+            // The split, measured on a separate step of the same kind.
+            const train::Batch b = batches.batch(i, config.batch, 0, config.batch);
+            optimizer->zero_grad();
+            auto t = Clock::now();
+            auto [logits, aux] = model.forward(b.inputs);
+            const at::Tensor loss = cross_entropy(logits, b.targets) + config.aux_loss_coef * aux;
+            const double f = since(t);
+            t = Clock::now();
+            (loss * optimizer->loss_scale()).backward();
+            const double bw = since(t);
+            t = Clock::now();
+            optimizer->step();
+            model.gpt->update_expert_biases(config.bias_update_rate);
+            const double op = since(t);
+            // Report the real step's total, split in the proportions just measured.
+            const double scale = total / (f + bw + op);
+            times.add(f * scale, bw * scale, op * scale);
+          });
+}
+
+// The same model in FP32 with LibTorch's own AdamW: what a LibTorch user has without mixprec.
+void run_fp32(const Options& o) {
+  TrainConfig config = o.config;
+  config.fp8 = "off";
+  const train::Corpus corpus = train::load_corpus("", config.val_fraction, config.seq_len);
+  const train::BatchSampler batches(corpus.train, config.seq_len, config.seed, 0);
+  at::manual_seed(config.seed);
+  train::Gpt gpt(train::gpt_config(config, {}));
+  gpt->train();
+  std::vector<at::Tensor> decay, no_decay, all;
+  for (const auto& p : gpt->named_parameters()) {
+    const bool d = p.value().dim() >= 2 && p.key().find("router") == std::string::npos;
+    (d ? decay : no_decay).push_back(p.value());
+    all.push_back(p.value());
+  }
+  const auto adamw = torch::optim::AdamWOptions(config.lr).betas({0.9, 0.95}).eps(1e-8);
+  std::vector<torch::optim::OptimizerParamGroup> groups;
+  groups.emplace_back(decay,
+                      std::make_unique<torch::optim::AdamWOptions>(
+                          torch::optim::AdamWOptions(adamw).weight_decay(config.weight_decay)));
+  groups.emplace_back(no_decay, std::make_unique<torch::optim::AdamWOptions>(
+                                    torch::optim::AdamWOptions(adamw).weight_decay(0)));
+  torch::optim::AdamW optimizer(std::move(groups), adamw);
+  measure(o, "libtorch fp32 + torch::optim::AdamW", config, [&](int64_t i, PhaseTimes& times) {
+    const train::Batch b = batches.batch(i, config.batch, 0, config.batch);
+    optimizer.zero_grad();
+    auto t = Clock::now();
+    auto [logits, aux] = gpt->forward(b.inputs);
+    const at::Tensor loss = cross_entropy(logits, b.targets) + config.aux_loss_coef * aux;
+    const double f = since(t);
+    t = Clock::now();
+    loss.backward();
+    const double bw = since(t);
+    t = Clock::now();
+    torch::nn::utils::clip_grad_norm_(all, config.clip_grad);
+    optimizer.step();
+    gpt->update_expert_biases(config.bias_update_rate);
+    times.add(f, bw, since(t));
+  });
+}
+
+std::string shell_quote(const std::string& s) {
+  std::string out = "'";
+  for (char c : s) out += c == '\'' ? std::string("'\\''") : std::string(1, c);
+  return out + "'";
+}
+
+// Runs `command`, returns the last line of its stdout that parses as a JSON object.
+std::optional<nlohmann::json> run_child(const std::string& command) {
+  std::unique_ptr<FILE, int (*)(FILE*)> pipe(::popen(command.c_str(), "r"), ::pclose);
+  if (!pipe) return std::nullopt;
+  std::optional<nlohmann::json> result;
+  char buffer[4096];
+  while (std::fgets(buffer, sizeof buffer, pipe.get()) != nullptr) {
+    try {
+      nlohmann::json j = nlohmann::json::parse(buffer);
+      if (j.is_object() && j.contains("tokens_per_s")) result = j;
+    } catch (const nlohmann::json::exception&) {
+    }
+  }
+  return result;
+}
+
+int parent(const Options& o, const char* self) {
+  std::string common = " --steps " + std::to_string(o.steps) + " --warmup " +
+                       std::to_string(o.warmup) + " --threads " + std::to_string(o.threads);
+  for (const std::string& flag : o.model) common += " " + shell_quote(flag);
+  const std::string env = "OMP_WAIT_POLICY=PASSIVE ";
+  std::vector<std::pair<std::string, std::string>> children = {
+      {"mixprec bf16 + fp8 hybrid", env + shell_quote(self) + " --child mixprec-fp8" + common},
+      {"mixprec bf16", env + shell_quote(self) + " --child mixprec" + common},
+      {"libtorch fp32", env + shell_quote(self) + " --child fp32" + common},
+  };
+#if defined(MIXPREC_PYTHON) && defined(MIXPREC_SOURCE_DIR)
+  if (std::string(MIXPREC_PYTHON).size() > 0) {
+    children.emplace_back(
+        "pytorch autocast bf16",
+        env + shell_quote(MIXPREC_PYTHON) + " " +
+            shell_quote(std::string(MIXPREC_SOURCE_DIR) + "/bench/train_bench.py") + common);
+  }
+#endif
+  const TrainConfig& defaults = o.config;
+  std::printf(
+      "training step of mixprec-train's model: %s, batch %lld x %lld tokens; "
+      "median of %lld steps after %lld warm-up, fastest of %lld runs; each run in its own "
+      "process\n\n",
+      train::describe(defaults).c_str(), static_cast<long long>(defaults.batch),
+      static_cast<long long>(defaults.seq_len), static_cast<long long>(o.steps),
+      static_cast<long long>(o.warmup), static_cast<long long>(o.repeats));
+  std::printf("%-38s %9s %8s %7s %7s %8s %10s %10s %10s\n", "configuration", "tokens/s", "step ms",
+              "fwd ms", "bwd ms", "optim ms", "setup RSS", "peak RSS", "training");
+  // Round-robin repetitions: each configuration keeps its fastest run, the one least disturbed
+  // by whatever else the machine was doing (the same rule as the other benchmarks here).
+  std::vector<std::optional<nlohmann::json>> best(children.size());
+  for (int64_t rep = 0; rep < o.repeats; ++rep) {
+    for (size_t c = 0; c < children.size(); ++c) {
+      const auto r = run_child(children[c].second + " 2>/dev/null");
+      if (r && (!best[c] ||
+                r->at("tokens_per_s").get<double>() > best[c]->at("tokens_per_s").get<double>())) {
+        best[c] = r;
+      }
+    }
+  }
+  std::vector<nlohmann::json> results;
+  for (size_t c = 0; c < children.size(); ++c) {
+    if (!best[c]) {
+      std::printf("%-38s failed: %s\n", children[c].first.c_str(), children[c].second.c_str());
+      continue;
+    }
+    const nlohmann::json& r = *best[c];
+    const double setup = r.at("setup_rss_mib").get<double>(),
+                 peak = r.at("peak_rss_mib").get<double>();
+    std::printf("%-38s %9.0f %8.1f %7.1f %7.1f %8.1f %6.0f MiB %6.0f MiB %6.0f MiB\n",
+                r.at("config").get<std::string>().c_str(), r.at("tokens_per_s").get<double>(),
+                r.at("step_ms").get<double>(), r.at("forward_ms").get<double>(),
+                r.at("backward_ms").get<double>(), r.at("optimizer_ms").get<double>(), setup, peak,
+                peak - setup);
+    results.push_back(r);
+  }
+  if (results.size() >= 2) {
+    std::printf("\n");
+    // Ratios of the first two (mixprec-train's step with and without FP8) to every peer.
+    for (size_t j = 0; j < std::min<size_t>(2, results.size()); ++j) {
+      const nlohmann::json& job = results[j];
+      for (size_t i = 2; i < results.size(); ++i) {
+        auto training = [](const nlohmann::json& j) {
+          return j.at("peak_rss_mib").get<double>() - j.at("setup_rss_mib").get<double>();
+        };
+        std::printf(
+            "%s vs %s: speed x%.2f, peak RSS x%.2f, training memory x%.2f\n",
+            job.at("config").get<std::string>().c_str(),
+            results[i].at("config").get<std::string>().c_str(),
+            job.at("tokens_per_s").get<double>() / results[i].at("tokens_per_s").get<double>(),
+            job.at("peak_rss_mib").get<double>() / results[i].at("peak_rss_mib").get<double>(),
+            training(job) / training(results[i]));
+      }
+    }
+  }
+  return 0;
+}
+
+}  // namespace
+
+int main(int argc, char** argv) {
+  Options o;
+  for (int i = 1; i < argc; ++i) {
+    const std::string arg = argv[i];
+    auto value = [&]() -> std::string {
+      if (i + 1 >= argc) throw std::runtime_error(arg + " needs a value");
+      return argv[++i];
+    };
+    if (arg == "--steps")
+      o.steps = std::stoll(value());
+    else if (arg == "--warmup")
+      o.warmup = std::stoll(value());
+    else if (arg == "--repeats")
+      o.repeats = std::stoll(value());
+    else if (arg == "--threads")
+      o.threads = std::stoll(value());
+    else if (arg == "--child")
+      o.child = value();
+    else
+      o.model.push_back(arg);
+  }
+  std::vector<const char*> model_argv = {"bench_train"};
+  for (const std::string& flag : o.model) model_argv.push_back(flag.c_str());
+  try {
+    o.config = train::parse_args(static_cast<int>(model_argv.size()), model_argv.data()).config;
+  } catch (const train::UsageError& e) {
+    std::fprintf(stderr, "bench_train: %s\n", e.what());
+    return 2;
+  }
+  if (o.threads > 0) at::set_num_threads(static_cast<int>(o.threads));
+  if (o.child.empty()) return parent(o, std::filesystem::read_symlink("/proc/self/exe").c_str());
+  if (o.child == "mixprec-fp8")
+    run_mixprec(o, "hybrid");
+  else if (o.child == "mixprec")
+    run_mixprec(o, "off");
+  else if (o.child == "fp32")
+    run_fp32(o);
+  else
+    return 2;
+  return 0;
+}

@@ -1,0 +1,134 @@
+#include "loop.h"
+
+#include "schedule.h"
+
+#include <ATen/ATen.h>
+#include <torch/types.h>
+
+#include <chrono>
+
+namespace train {
+namespace {
+
+using Clock = std::chrono::steady_clock;
+double seconds_since(Clock::time_point t) {
+  return std::chrono::duration<double>(Clock::now() - t).count();
+}
+
+at::Tensor cross_entropy(const at::Tensor& logits, const at::Tensor& targets) {
+  return at::cross_entropy_loss(logits.reshape({-1, logits.size(-1)}), targets.reshape(-1));
+}
+
+}  // namespace
+
+nlohmann::json RunState::to_json(const TrainConfig& config,
+                                 const std::filesystem::path& metrics) const {
+  return {{"program", "mixprec-train"},
+          {"config", run_shape(config)},
+          {"step", step},
+          {"skipped_total", skipped_total},
+          {"elapsed_s", elapsed_s},
+          // Batch `step` is the next one drawn: batches are indexed by step (data.h).
+          {"data_position", step},
+          {"metrics", std::filesystem::absolute(metrics).lexically_normal().string()}};
+}
+
+RunState RunState::from_json(const nlohmann::json& user, const std::string& source) {
+  RunState s;
+  try {
+    s.step = user.at("step").get<int64_t>();
+    s.skipped_total = user.at("skipped_total").get<int64_t>();
+    s.elapsed_s = user.at("elapsed_s").get<double>();
+  } catch (const nlohmann::json::exception&) {
+    throw UsageError(source + " lacks the run state mixprec-train saves (step, skipped_total)");
+  }
+  return s;
+}
+
+double Loop::validation_loss() {
+  torch::NoGradGuard no_grad;
+  model.module->eval();
+  const int64_t rows = config.batch / config.world_size / config.grad_accum;
+  double total = 0;
+  for (int64_t i = 0; i < config.eval_batches; ++i) {
+    const Batch b = val_batches.batch(i, rows, 0, rows);
+    total += cross_entropy(std::get<0>(model.forward(b.inputs)), b.targets).item<double>();
+  }
+  model.module->train();
+  return total / static_cast<double>(config.eval_batches);
+}
+
+StepOutcome train_step(const TrainConfig& config, MixedModel& model, TrainingOptimizer& optimizer,
+                       const BatchSampler& batches, int64_t index, double lr) {
+  const int64_t rank_rows = config.batch / config.world_size;
+  const int64_t micro_rows = rank_rows / config.grad_accum;
+  optimizer.set_lr(lr);
+  optimizer.zero_grad();
+  const double scale = optimizer.loss_scale();
+  StepOutcome out;
+  for (int64_t m = 0; m < config.grad_accum; ++m) {
+    const int64_t first_row = config.rank * rank_rows + m * micro_rows;
+    const Batch b = batches.batch(index, config.batch, first_row, micro_rows);
+    auto [logits, aux] = model.forward(b.inputs);
+    const at::Tensor loss = cross_entropy(logits, b.targets);
+    const at::Tensor objective =
+        (loss + config.aux_loss_coef * aux) / static_cast<double>(config.grad_accum);
+    (objective * scale).backward();
+    out.loss += loss.item<double>() / static_cast<double>(config.grad_accum);
+    out.aux_loss += aux.item<double>() / static_cast<double>(config.grad_accum);
+  }
+  out.result = optimizer.step();
+  // Aux-loss-free balancing uses the load of this step's tokens, whether or not it was skipped.
+  model.gpt->update_expert_biases(config.bias_update_rate);
+  return out;
+}
+
+LoopOutcome Loop::run(RunState& state) {
+  LoopOutcome outcome;
+  model.module->train();
+  while (state.step < config.steps) {
+    const auto start = Clock::now();
+    const double lr =
+        learning_rate(state.step, config.steps, config.lr, config.warmup, config.min_lr_ratio);
+    const StepOutcome done = train_step(config, model, optimizer, train_batches, state.step, lr);
+    const mixprec::optim::StepResult& result = done.result;
+    const double step_s = seconds_since(start);
+    outcome.train_s += step_s;
+    state.elapsed_s += step_s;
+    state.step += 1;
+    state.skipped_total += result.success ? 0 : 1;
+
+    StepRecord r;
+    r.step = state.step;
+    r.loss = done.loss;
+    r.aux_loss = done.aux_loss;
+    r.lr = lr;
+    r.grad_norm = result.grad_norm;
+    r.loss_scale = result.loss_scale;
+    r.skipped = !result.success;
+    r.skipped_total = state.skipped_total;
+    r.tokens = state.step * config.tokens_per_step();
+    r.tokens_per_s = static_cast<double>(config.tokens_per_step()) / step_s;
+    r.step_s = step_s;
+    r.elapsed_s = state.elapsed_s;
+    if (state.step % config.eval_every == 0 || state.step == config.steps) {
+      r.val_loss = validation_loss();
+    }
+    outcome.records.push_back(r);
+    if (metrics != nullptr) metrics->write(r);
+    progress.step(r);
+
+    const bool stopping = stop.requested() || state.step == config.stop_at;
+    if (state.step % config.ckpt_every == 0 || state.step == config.steps || stopping) {
+      checkpointer.save(state.step, optimizer.training_state(state.to_json(config, metrics_path)));
+    }
+    if (stopping && state.step < config.steps) {
+      outcome.stop_signal = stop.signal_number();
+      outcome.stopped_early = true;
+      break;
+    }
+  }
+  return outcome;
+}
+
+}  // namespace train

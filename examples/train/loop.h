@@ -1,0 +1,78 @@
+// The training loop: steps, validation, metrics, progress, periodic checkpoints, stopping.
+//
+// One optimizer step:
+//   lr ← schedule(step); zero the gradients
+//   for each micro-batch (its rows of global batch `step`, this rank's share):
+//       logits, aux ← model(inputs)                under the FP8 autocast scope
+//       loss ← cross_entropy(logits, targets) + aux_loss_coef · aux
+//       backward(loss · loss_scale / micro-batches)
+//   optimizer step (unscale, skip on overflow, clip, AdamW), then aux-loss-free expert-bias
+//   update from the tokens each expert received
+// then, every --eval-every steps, the validation loss; a metrics line; every --ckpt-every
+// steps (and at the last step, or when a stop was requested) a checkpoint.
+#pragma once
+
+#include "checkpointing.h"
+#include "config.h"
+#include "data.h"
+#include "metrics.h"
+#include "optimizer.h"
+#include "plan.h"
+#include "progress.h"
+#include "signals.h"
+
+#include <optional>
+#include <vector>
+
+namespace train {
+
+// Where the run stands; saved in every checkpoint's user metadata and restored on resume.
+struct RunState {
+  int64_t step = 0;           // optimizer steps done (the next step is `step`, 0-based)
+  int64_t skipped_total = 0;  // steps the optimizer skipped (FP16 overflow)
+  double elapsed_s = 0;       // training wall time so far
+
+  // The user metadata of a checkpoint (checkpointing.h lists its fields).
+  nlohmann::json to_json(const TrainConfig& config, const std::filesystem::path& metrics) const;
+  // Throws UsageError naming `source` if a field is missing.
+  static RunState from_json(const nlohmann::json& user, const std::string& source);
+};
+
+struct LoopOutcome {
+  std::vector<StepRecord> records;  // this process's steps
+  int stop_signal = 0;              // SIGINT/SIGTERM that ended the run early, 0 if none
+  bool stopped_early = false;       // by a signal or --stop-at, before --steps
+  double train_s = 0;               // wall time of this process's steps (without saves/evals)
+};
+
+// One optimizer step on global batch `index`: this rank's rows, in config.grad_accum
+// micro-batches, at learning rate `lr` (the step described at the top of this file, without
+// the bookkeeping around it). The benchmark times exactly this.
+struct StepOutcome {
+  double loss = 0;      // mean cross-entropy over the micro-batches
+  double aux_loss = 0;  // mean load-balancing loss
+  mixprec::optim::StepResult result;
+};
+StepOutcome train_step(const TrainConfig& config, MixedModel& model, TrainingOptimizer& optimizer,
+                       const BatchSampler& batches, int64_t index, double lr);
+
+struct Loop {
+  const TrainConfig& config;
+  MixedModel& model;
+  TrainingOptimizer& optimizer;
+  const BatchSampler& train_batches;
+  const BatchSampler& val_batches;
+  Checkpointer& checkpointer;
+  MetricsLog* metrics;                 // rank 0 only; null elsewhere
+  std::filesystem::path metrics_path;  // recorded in checkpoints, so --resume finds it
+  Progress& progress;
+  const StopRequest& stop;
+
+  // Trains from `state` to config.steps (or until a stop request), updating `state`.
+  LoopOutcome run(RunState& state);
+
+  // Mean cross-entropy over config.eval_batches validation batches (no gradients).
+  double validation_loss();
+};
+
+}  // namespace train

@@ -1,0 +1,192 @@
+// mixprec-train: trains a small GPT with mixture-of-experts blocks, end to end, in mixed
+// precision — the library's main job.
+//
+//   config → data → model → precision plan → optimizer → (resume) → loop → checkpoint
+//   → sample → summary
+//
+// Every step of that story is one file: config.cpp (flags), data.cpp (bytes of text, batches),
+// gpt.cpp and moe.cpp (the model), plan.cpp (what stays FP32), optimizer.cpp (AdamW with FP32
+// masters), loop.cpp (the steps), checkpointing.cpp (durable saves), sample.cpp, summary.cpp.
+//
+// Exit status: 0 when training finished or was stopped by SIGINT/SIGTERM (after saving);
+// 2 for bad input (one line on stderr naming the problem); 1 for any other failure.
+#include "checkpointing.h"
+#include "config.h"
+#include "data.h"
+#include "gpt.h"
+#include "loop.h"
+#include "optimizer.h"
+#include "plan.h"
+#include "progress.h"
+#include "run_paths.h"
+#include "sample.h"
+#include "signals.h"
+#include "summary.h"
+
+#include "mixprec/checkpoint/format/error.h"
+
+#include <ATen/Parallel.h>
+#include <c10/util/Exception.h>
+
+#include <unistd.h>
+
+#include <cstdio>
+#include <cstdlib>
+
+namespace {
+
+using namespace train;
+
+// Rank and world size from a launcher (torchrun sets RANK and WORLD_SIZE); 0 and 1 without.
+void read_launcher(TrainConfig& config) {
+  const char* world = std::getenv("WORLD_SIZE");
+  const char* rank = std::getenv("RANK");
+  config.world_size = world != nullptr ? std::atoll(world) : 1;
+  config.rank = rank != nullptr ? std::atoll(rank) : 0;
+  if (config.world_size > 1) {
+    throw UsageError("WORLD_SIZE=" + std::to_string(config.world_size) +
+                     ": data-parallel training needs mixprec's distributed optimizer, which this "
+                     "build does not have yet; run a single process");
+  }
+}
+
+int run(int argc, char** argv) {
+  // 1. Configuration: flags, the launcher's rank, and where the run lives. With --resume the
+  //    checkpoint's saved configuration is read (and checked) before anything else happens.
+  ParsedArgs args = parse_args(argc, argv);
+  if (args.help) {
+    std::printf("%s", usage().c_str());
+    return 0;
+  }
+  TrainConfig config = args.config;
+  read_launcher(config);
+  const RunPaths paths = resolve_run_paths(config);
+  if (config.threads > 0) at::set_num_threads(static_cast<int>(config.threads));
+  const bool rank0 = config.rank == 0;
+
+  // 2. Data: bytes of text, split into training and validation; batches drawn by index.
+  const Corpus corpus = load_corpus(config.data, config.val_fraction, config.seq_len);
+  const BatchSampler train_batches(corpus.train, config.seq_len, config.seed, /*stream=*/0);
+  const BatchSampler val_batches(corpus.val, config.seq_len, config.seed, /*stream=*/1);
+  ensure_writable_dir(paths.ckpt_root, "checkpoint directory");
+
+  // 3. Model: a GPT with MoE blocks, built in FP32 from the seed.
+  at::manual_seed(static_cast<uint64_t>(config.seed));
+  const Precision precision = precision_from(config);
+  Gpt gpt(gpt_config(config, precision.quant));
+
+  // 4. Precision plan: BF16 (or FP16) everywhere except the router weights (marked), the
+  //    expert biases (by name) and the norms (by pattern), which stay FP32.
+  MixedModel model = apply_precision(gpt, precision);
+
+  // 5. Optimizer: AdamW with FP32 masters for the half parameters only.
+  std::unique_ptr<TrainingOptimizer> optimizer =
+      make_single_process_optimizer(*model.module, config, precision);
+
+  // 6. Resume: model, optimizer, RNG and the run's position, all from one checkpoint.
+  RunState state;
+  if (paths.resume_from) {
+    const nlohmann::json user = optimizer->load(*paths.resume_from);
+    state = RunState::from_json(user, paths.resume_from->string());
+  }
+
+  // 7. The loop, with progress on the terminal and one JSON line per step.
+  std::optional<MetricsLog> metrics;
+  if (rank0) {
+    metrics.emplace(paths.metrics,
+                    paths.resume_from ? std::optional<int64_t>(state.step) : std::nullopt);
+    std::printf("mixprec-train: %s\n", describe(config).c_str());
+    std::printf("data         %s: %lld training bytes, %lld validation bytes\n",
+                corpus.source.c_str(), static_cast<long long>(corpus.train.numel()),
+                static_cast<long long>(corpus.val.numel()));
+    std::printf(
+        "run          %lld steps of %lld sequences x %lld bytes; checkpoints every %lld in %s\n",
+        static_cast<long long>(config.steps), static_cast<long long>(config.batch),
+        static_cast<long long>(config.seq_len), static_cast<long long>(config.ckpt_every),
+        paths.ckpt_root.string().c_str());
+    if (paths.resume_from) {
+      std::printf("resumed      from %s at step %lld\n", paths.resume_from->string().c_str(),
+                  static_cast<long long>(state.step));
+    }
+    std::fflush(stdout);
+  }
+  Checkpointer checkpointer(paths.ckpt_root, config.async_save, config.keep_last);
+  Progress progress(rank0 ? progress_mode(config.progress) : ProgressMode::kNone, config.steps,
+                    config.log_every);
+  StopRequest stop;
+  Loop loop{config,
+            model,
+            *optimizer,
+            train_batches,
+            val_batches,
+            checkpointer,
+            metrics ? &*metrics : nullptr,
+            paths.metrics,
+            progress,
+            stop};
+  const LoopOutcome outcome = loop.run(state);
+
+  // 8. Checkpoint: the last save may still be writing in the background.
+  checkpointer.finish();
+  progress.finish();
+  if (!rank0) return 0;
+
+  // 9. Sample and summary.
+  if (!outcome.stopped_early && config.sample_tokens > 0) {
+    const std::string text = generate(model, config.prompt, config.sample_tokens,
+                                      config.temperature, static_cast<uint64_t>(config.seed));
+    char how[64] = "greedy";
+    if (config.temperature > 0)
+      std::snprintf(how, sizeof how, "temperature %g", config.temperature);
+    std::printf("\n== sample (%s) ==\n%s\n", how, printable(config.prompt + text).c_str());
+  }
+  std::vector<StepRecord> history = metrics->history();
+  history.insert(history.end(), outcome.records.begin(), outcome.records.end());
+  const RunReport report{config,
+                         model,
+                         optimizer->memory(),
+                         history,
+                         static_cast<int64_t>(outcome.records.size()),
+                         outcome.train_s,
+                         checkpointer.stats(),
+                         paths.metrics,
+                         corpus.source,
+                         outcome.stopped_early,
+                         outcome.stop_signal};
+  std::printf("%s", summary(report).c_str());
+  return 0;
+}
+
+// The first line of an error message: the one line the user gets.
+std::string first_line(const std::string& message) { return message.substr(0, message.find('\n')); }
+
+}  // namespace
+
+// LibTorch's OpenMP threads spin while they wait for work. On a machine shared with other jobs
+// a spinning thread holds a core another thread needs, and a step becomes 10x slower (measured
+// on the 2-core development machine under load); waiting passively costs little. libgomp reads
+// OMP_WAIT_POLICY once, when it is loaded, so the program sets it and starts itself again.
+void prefer_passive_openmp_waits(char** argv) {
+  if (std::getenv("OMP_WAIT_POLICY") != nullptr) return;
+  ::setenv("OMP_WAIT_POLICY", "PASSIVE", 1);
+  ::execv("/proc/self/exe", argv);  // only returns on failure: then run as we are
+}
+
+int main(int argc, char** argv) {
+  prefer_passive_openmp_waits(argv);
+  try {
+    return run(argc, argv);
+  } catch (const UsageError& e) {
+    std::fprintf(stderr, "mixprec-train: %s\n", first_line(e.what()).c_str());
+    return 2;
+  } catch (const mixprec::checkpoint::FormatError& e) {
+    std::fprintf(stderr, "mixprec-train: %s\n", first_line(e.what()).c_str());
+    return 2;
+  } catch (const c10::Error& e) {
+    std::fprintf(stderr, "mixprec-train: %s\n", first_line(e.what_without_backtrace()).c_str());
+    return 1;
+  } catch (const std::exception& e) {
+    std::fprintf(stderr, "mixprec-train: %s\n", first_line(e.what()).c_str());
+    return 1;
+  }
+}

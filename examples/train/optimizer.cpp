@@ -1,0 +1,91 @@
+#include "optimizer.h"
+
+#include "mixprec/checkpoint/training_state.h"
+
+#include <torch/nn/module.h>
+#include <torch/optim/adamw.h>
+
+namespace train {
+namespace {
+
+using mixprec::optim::Float16Optimizer;
+using mixprec::optim::ParamRole;
+
+// Decay shrinks weights towards zero; that helps matrices generalize but would pull norm
+// scales and the router (whose logits set routing) away from where they must be.
+bool decays(const std::string& name, const at::Tensor& p) {
+  return p.dim() >= 2 && name.find("router") == std::string::npos;
+}
+
+class SingleProcessOptimizer final : public TrainingOptimizer {
+ public:
+  SingleProcessOptimizer(torch::nn::Module& model, const TrainConfig& config,
+                         const Precision& precision)
+      : model_(model),
+        optimizer_(model, groups(model, config), defaults(config),
+                   mixprec::optim::Float16OptimizerOptions()
+                       .clip_grad(config.clip_grad)
+                       .loss_scaler(precision.scaler)) {}
+
+  double loss_scale() const override { return optimizer_.loss_scale(); }
+  void zero_grad() override { optimizer_.zero_grad(); }
+  void set_lr(double lr) override {
+    for (auto& group : optimizer_.param_groups()) group.options().set_lr(lr);
+  }
+  mixprec::optim::StepResult step() override { return optimizer_.update(); }
+
+  mixprec::ShardedStateDict training_state(const nlohmann::json& user) const override {
+    return mixprec::checkpoint::training_state_dict(model_, optimizer_, user);
+  }
+  nlohmann::json load(const std::filesystem::path& dir) override {
+    return mixprec::checkpoint::load_training_state(dir, model_, optimizer_).user;
+  }
+
+  OptimizerMemory memory() const override {
+    OptimizerMemory m;
+    m.state_bytes =
+        optimizer_.state_bytes(ParamRole::kMaster) + optimizer_.state_bytes(ParamRole::kNativeFp32);
+    const auto params = model_.named_parameters();
+    for (const auto& info : optimizer_.params_info()) {
+      const int64_t n = params[info.fqn].numel();
+      if (info.role == ParamRole::kMaster) m.master_params += n;
+      if (info.role == ParamRole::kNativeFp32) m.native_fp32_params += n;
+      if (info.role != ParamRole::kFrozen) m.trainable_params += n;
+    }
+    return m;
+  }
+
+ private:
+  static std::vector<torch::optim::OptimizerParamGroup> groups(torch::nn::Module& model,
+                                                               const TrainConfig& config) {
+    std::vector<at::Tensor> with_decay, without_decay;
+    for (const auto& item : model.named_parameters()) {
+      (decays(item.key(), item.value()) ? with_decay : without_decay).push_back(item.value());
+    }
+    std::vector<torch::optim::OptimizerParamGroup> out;
+    out.emplace_back(with_decay, std::make_unique<torch::optim::AdamWOptions>(
+                                     adamw(config).weight_decay(config.weight_decay)));
+    out.emplace_back(without_decay,
+                     std::make_unique<torch::optim::AdamWOptions>(adamw(config).weight_decay(0)));
+    return out;
+  }
+  static torch::optim::AdamWOptions adamw(const TrainConfig& config) {
+    return torch::optim::AdamWOptions(config.lr).betas({0.9, 0.95}).eps(1e-8);
+  }
+  static std::unique_ptr<torch::optim::OptimizerOptions> defaults(const TrainConfig& config) {
+    return std::make_unique<torch::optim::AdamWOptions>(adamw(config));
+  }
+
+  torch::nn::Module& model_;
+  Float16Optimizer optimizer_;
+};
+
+}  // namespace
+
+std::unique_ptr<TrainingOptimizer> make_single_process_optimizer(torch::nn::Module& model,
+                                                                 const TrainConfig& config,
+                                                                 const Precision& precision) {
+  return std::make_unique<SingleProcessOptimizer>(model, config, precision);
+}
+
+}  // namespace train

@@ -1,0 +1,62 @@
+// What the training loop needs from an optimizer, and the single-process one.
+//
+// The loop sees only TrainingOptimizer: scale the loss, step, set the learning rate, and hand
+// the training state to a checkpoint or take it back. The single-process implementation wraps
+// mixprec::optim::Float16Optimizer (AdamW with FP32 masters for BF16/FP16 parameters, FP32
+// parameters stepped in place). A data-parallel optimizer (ZeRO-1: gradients reduce-scattered,
+// masters and moments sharded, parameters all-gathered) implements the same interface, with
+// step() doing the collectives and training_state() returning this rank's shard.
+#pragma once
+
+#include "config.h"
+#include "plan.h"
+
+#include "mixprec/optim/float16_optimizer.h"
+#include "mixprec/sharded_state_dict.h"
+
+#include <filesystem>
+#include <memory>
+
+namespace torch::nn {
+class Module;
+}
+
+namespace train {
+
+// Optimizer memory, for the summary.
+struct OptimizerMemory {
+  int64_t state_bytes = 0;         // masters and moments held by this rank
+  int64_t master_params = 0;       // parameters with an FP32 master (BF16/FP16 ones)
+  int64_t native_fp32_params = 0;  // FP32 parameters stepped in place, no copy
+  int64_t trainable_params = 0;    // all trainable parameters (of the whole model)
+};
+
+class TrainingOptimizer {
+ public:
+  virtual ~TrainingOptimizer() = default;
+
+  // Multiply the loss by this before backward (1 unless FP16's dynamic scaler is active).
+  virtual double loss_scale() const = 0;
+  virtual void zero_grad() = 0;
+  // Sets the learning rate of every parameter group (the schedule calls it each step).
+  virtual void set_lr(double lr) = 0;
+  // One step over the accumulated gradients: unscale, skip on Inf/NaN (FP16), clip, AdamW.
+  virtual mixprec::optim::StepResult step() = 0;
+
+  // This rank's part of the training state: model, optimizer, RNG and `user` metadata.
+  virtual mixprec::ShardedStateDict training_state(const nlohmann::json& user) const = 0;
+  // Loads a checkpoint directory into model and optimizer (validated completely first) and
+  // returns its user metadata. Throws naming the file and key if it does not fit.
+  virtual nlohmann::json load(const std::filesystem::path& dir) = 0;
+
+  virtual OptimizerMemory memory() const = 0;
+};
+
+// AdamW over `model`'s parameters in two groups — matrices and embeddings with weight decay;
+// norms, biases and the router without — with Float16Optimizer's FP32 masters, global-norm
+// clipping (--clip-grad) and the loss scaler of `precision`.
+std::unique_ptr<TrainingOptimizer> make_single_process_optimizer(torch::nn::Module& model,
+                                                                 const TrainConfig& config,
+                                                                 const Precision& precision);
+
+}  // namespace train

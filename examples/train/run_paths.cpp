@@ -1,0 +1,86 @@
+#include "run_paths.h"
+
+#include "checkpointing.h"
+
+#include <algorithm>
+#include <ctime>
+#include <vector>
+
+namespace train {
+namespace fs = std::filesystem;
+
+namespace {
+
+const fs::path kRunsDir = "runs";
+
+fs::path new_run_dir() {
+  char stamp[32];
+  const std::time_t now = std::time(nullptr);
+  std::tm local{};
+  localtime_r(&now, &local);
+  std::strftime(stamp, sizeof stamp, "%Y%m%d-%H%M%S", &local);
+  fs::path dir = kRunsDir / stamp;
+  std::error_code ec;
+  for (int i = 2; fs::exists(dir, ec); ++i)
+    dir = kRunsDir / (std::string(stamp) + "-" + std::to_string(i));
+  return dir;
+}
+
+// The newest run directory under runs/ whose checkpoints/ has a `latest`.
+std::optional<fs::path> newest_resumable_run() {
+  std::vector<fs::path> runs;
+  std::error_code ec;
+  for (const auto& entry : fs::directory_iterator(kRunsDir, ec)) {
+    if (entry.is_directory(ec)) runs.push_back(entry.path());
+  }
+  std::sort(runs.rbegin(), runs.rend());  // names are timestamps: newest first
+  for (const fs::path& run : runs) {
+    if (fs::exists(run / "checkpoints" / "latest", ec)) return run;
+  }
+  return std::nullopt;
+}
+
+}  // namespace
+
+RunPaths resolve_run_paths(TrainConfig& config) {
+  fs::path out = config.out;
+  if (config.resume && out.empty() && config.ckpt_dir.empty()) {
+    const auto newest = newest_resumable_run();
+    if (!newest) {
+      throw UsageError("--resume: no checkpoint found under " + kRunsDir.string() +
+                       "/ (pass --out DIR or --ckpt-dir DIR of the run to continue)");
+    }
+    out = *newest;
+  }
+  if (out.empty())
+    out = config.ckpt_dir.empty() ? new_run_dir() : fs::path(config.ckpt_dir).parent_path();
+
+  RunPaths paths;
+  paths.ckpt_root = config.ckpt_dir.empty() ? out / "checkpoints" : fs::path(config.ckpt_dir);
+  paths.metrics = config.metrics.empty() ? out / "metrics.jsonl" : fs::path(config.metrics);
+
+  const std::optional<fs::path> latest = latest_checkpoint(paths.ckpt_root);
+  if (!config.resume) {
+    if (latest) {
+      throw UsageError("checkpoint directory " + paths.ckpt_root.string() +
+                       " already holds a run (latest: " + latest->filename().string() +
+                       "); --resume continues it, or choose another --out or --ckpt-dir");
+    }
+    return paths;
+  }
+  if (!latest) {
+    throw UsageError("--resume: no checkpoint in " + paths.ckpt_root.string() +
+                     " (it has no 'latest')");
+  }
+  const nlohmann::json user = read_user_metadata(*latest);
+  const std::string source = "checkpoint " + latest->string();
+  if (!user.contains("config")) throw UsageError(source + " was not written by mixprec-train");
+  adopt_run_shape(config, user.at("config"), source);
+  if (config.metrics.empty() && user.contains("metrics") && user.at("metrics").is_string()) {
+    paths.metrics = user.at("metrics").get<std::string>();
+  }
+  paths.resume_from = latest;
+  return paths;
+}
+
+}  // namespace train

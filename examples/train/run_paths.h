@@ -1,0 +1,28 @@
+// Where a run keeps its files, and which checkpoint a --resume continues from.
+//
+// A fresh run gets a new directory, runs/<date>-<time>/ (or --out DIR), holding checkpoints/
+// and metrics.jsonl; --ckpt-dir and --metrics place those elsewhere. A fresh run never writes
+// into a checkpoint root that already holds checkpoints: that is the job of --resume, which
+// continues the root's `latest` (by default the newest run under runs/ that has one).
+#pragma once
+
+#include "config.h"
+
+#include <filesystem>
+#include <optional>
+
+namespace train {
+
+struct RunPaths {
+  std::filesystem::path ckpt_root;
+  std::filesystem::path metrics;
+  std::optional<std::filesystem::path> resume_from;  // the checkpoint to load (with --resume)
+};
+
+// Decides the paths without writing anything. With --resume, reads the checkpoint's saved
+// configuration into `config` (adopt_run_shape) and its metrics path unless --metrics is given.
+// Throws UsageError: --resume without a checkpoint; a fresh run into a root with checkpoints;
+// a checkpoint of another configuration (naming the flag).
+RunPaths resolve_run_paths(TrainConfig& config);
+
+}  // namespace train

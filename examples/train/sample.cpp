@@ -1,0 +1,65 @@
+#include "sample.h"
+
+#include <ATen/ATen.h>
+#include <ATen/CPUGeneratorImpl.h>
+#include <torch/types.h>
+
+namespace train {
+
+std::string generate(MixedModel& model, const std::string& prompt, int64_t n, double temperature,
+                     uint64_t seed) {
+  const int64_t context = model.gpt->config.seq_len;
+  std::vector<int64_t> tokens;
+  for (unsigned char c : prompt) tokens.push_back(c);
+  if (tokens.empty()) tokens.push_back('\n');
+  at::Generator gen = at::detail::createCPUGenerator(seed);
+  torch::NoGradGuard no_grad;
+  const bool was_training = model.module->is_training();
+  model.module->eval();
+  std::string out;
+  for (int64_t i = 0; i < n; ++i) {
+    const int64_t begin = std::max<int64_t>(0, static_cast<int64_t>(tokens.size()) - context);
+    const at::Tensor input =
+        at::tensor(std::vector<int64_t>(tokens.begin() + begin, tokens.end()), at::kLong)
+            .unsqueeze(0);
+    const at::Tensor last = std::get<0>(model.forward(input)).select(1, -1).squeeze(0);  // [vocab]
+    int64_t next = 0;
+    if (temperature == 0) {
+      next = last.argmax().item<int64_t>();
+    } else {
+      const at::Tensor probs = at::softmax(last / temperature, -1);
+      next = at::multinomial(probs, 1, /*replacement=*/false, gen).item<int64_t>();
+    }
+    tokens.push_back(next);
+    out += static_cast<char>(next);
+  }
+  model.module->train(was_training);
+  return out;
+}
+
+std::string printable(const std::string& s) {
+  std::string out;
+  for (size_t i = 0; i < s.size();) {
+    const auto c = static_cast<unsigned char>(s[i]);
+    size_t len = c < 0x80           ? 1
+                 : (c >> 5) == 0x6  ? 2
+                 : (c >> 4) == 0xE  ? 3
+                 : (c >> 3) == 0x1E ? 4
+                                    : 0;
+    bool ok = len > 0 && i + len <= s.size();
+    for (size_t k = 1; ok && k < len; ++k) ok = (static_cast<unsigned char>(s[i + k]) >> 6) == 0x2;
+    if (!ok) {
+      out += '?';
+      ++i;
+      continue;
+    }
+    if (len == 1 && c < 0x20 && c != '\n' && c != '\t')
+      out += '?';
+    else
+      out.append(s, i, len);
+    i += len;
+  }
+  return out;
+}
+
+}  // namespace train

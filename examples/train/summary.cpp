@@ -1,0 +1,233 @@
+#include "summary.h"
+
+#include "progress.h"
+
+#include "mixprec/quant/quant_linear.h"
+
+#include <algorithm>
+#include <cmath>
+#include <csignal>
+#include <map>
+#include <sstream>
+
+namespace train {
+namespace {
+
+std::string bytes_text(double b) {
+  char buf[32];
+  if (b >= 1 << 20)
+    std::snprintf(buf, sizeof buf, "%.2f MiB", b / (1 << 20));
+  else if (b >= 1 << 10)
+    std::snprintf(buf, sizeof buf, "%.1f KiB", b / (1 << 10));
+  else
+    std::snprintf(buf, sizeof buf, "%.0f B", b);
+  return buf;
+}
+
+// 1234567 → "1,234,567".
+std::string count_text(int64_t n) {
+  const std::string digits = std::to_string(n);
+  std::string out;
+  for (size_t i = 0; i < digits.size(); ++i) {
+    if (i > 0 && (digits.size() - i) % 3 == 0 && digits[i - 1] != '-') out += ',';
+    out += digits[i];
+  }
+  return out;
+}
+
+std::string dtype_name(c10::ScalarType t) {
+  switch (t) {
+    case at::kBFloat16:
+      return "bf16";
+    case at::kHalf:
+      return "fp16";
+    case at::kFloat:
+      return "fp32";
+    case at::kFloat8_e4m3fn:
+      return "fp8 e4m3";
+    case at::kFloat8_e5m2:
+      return "fp8 e5m2";
+    case at::kLong:
+      return "int64";
+    default:
+      return c10::toString(t);
+  }
+}
+
+struct Tally {
+  int64_t params = 0, param_bytes = 0, buffers = 0, buffer_bytes = 0;
+};
+
+// "SIGTERM" for the summary's stop line.
+const char* signal_name(int s) {
+  return s == SIGINT ? "SIGINT" : s == SIGTERM ? "SIGTERM" : "a signal";
+}
+
+}  // namespace
+
+std::string sparkline(const std::vector<double>& values, size_t width) {
+  std::vector<double> finite;
+  for (double v : values)
+    if (std::isfinite(v)) finite.push_back(v);
+  if (finite.empty()) return "";
+  const size_t bins = std::min(width, finite.size());
+  std::vector<double> means(bins, 0.0);
+  for (size_t b = 0; b < bins; ++b) {
+    const size_t begin = b * finite.size() / bins, end = (b + 1) * finite.size() / bins;
+    for (size_t i = begin; i < end; ++i) means[b] += finite[i];
+    means[b] /= static_cast<double>(end - begin);
+  }
+  const auto [lo, hi] = std::minmax_element(means.begin(), means.end());
+  static const char* kLevels[] = {"▁", "▂", "▃", "▄", "▅", "▆", "▇", "█"};
+  std::string out;
+  for (double m : means) {
+    const double t = *hi > *lo ? (m - *lo) / (*hi - *lo) : 0.0;
+    out += kLevels[std::clamp(static_cast<int>(t * 7.999), 0, 7)];
+  }
+  return out;
+}
+
+std::string summary(const RunReport& r) {
+  std::ostringstream s;
+  char line[512];
+  auto& module = *r.model.module;
+  s << "\n== summary ==\n";
+  if (r.stopped_early) {
+    s << "stopped     by " << (r.stop_signal != 0 ? signal_name(r.stop_signal) : "--stop-at")
+      << " after step " << (r.history.empty() ? 0 : r.history.back().step) << " of "
+      << r.config.steps << "; the checkpoint below resumes it\n";
+  }
+
+  // Parameters and buffers by dtype.
+  std::map<std::string, Tally> by_dtype;
+  int64_t total_params = 0;
+  for (const auto& p : module.named_parameters()) {
+    Tally& t = by_dtype[dtype_name(p.value().scalar_type())];
+    t.params += p.value().numel();
+    t.param_bytes += p.value().numel() * static_cast<int64_t>(p.value().element_size());
+    total_params += p.value().numel();
+  }
+  for (const auto& b : module.named_buffers()) {
+    Tally& t = by_dtype[dtype_name(b.value().scalar_type())];
+    t.buffers += b.value().numel();
+    t.buffer_bytes += b.value().numel() * static_cast<int64_t>(b.value().element_size());
+  }
+  s << "model       " << describe(r.config) << ", " << count_text(total_params) << " parameters\n";
+  s << "            corpus " << (r.corpus.empty() ? "?" : r.corpus) << "\n";
+  s << "precision   dtype        parameters          bytes   buffers\n";
+  for (const auto& [name, t] : by_dtype) {
+    std::snprintf(
+        line, sizeof line, "            %-10s %12s %14s   %s\n", name.c_str(),
+        count_text(t.params).c_str(), bytes_text(static_cast<double>(t.param_bytes)).c_str(),
+        t.buffers
+            ? (count_text(t.buffers) + " (" + bytes_text(static_cast<double>(t.buffer_bytes)) + ")")
+                  .c_str()
+            : "-");
+    s << line;
+  }
+
+  // FP8: a compute format here — what the GEMMs of the last forward actually ran with.
+  int64_t fp8_linears = 0, fp32_linears = 0, plain_linears = 0;
+  std::string fp8_how;
+  for (const auto& item : module.named_modules("", /*include_self=*/false)) {
+    const auto* q = item.value()->as<mixprec::quant::QuantLinearImpl>();
+    if (q == nullptr) continue;
+    const auto& c = q->last_compute();
+    if (c.kept_fp32)
+      ++fp32_linears;
+    else if (c.operands != mixprec::quant::QuantFormat::kNone)
+      ++fp8_linears, fp8_how = c.to_string();
+    else
+      ++plain_linears;
+  }
+  if (fp8_linears > 0) {
+    s << "            fp8: " << fp8_linears << " expert GEMMs ran with FP8 operands (" << fp8_how
+      << "); weights stay " << dtype_name(r.model.module->options().dtype())
+      << ", FP8 is per step\n";
+  } else {
+    s << "            fp8: off (" << plain_linears << " expert GEMMs in "
+      << dtype_name(r.model.module->options().dtype()) << ")\n";
+  }
+  s << "            router: " << fp32_linears << " linears computed in FP32, never quantized\n";
+
+  // What stayed FP32, and why: straight from the conversion report.
+  s << "kept fp32   (conversion report)\n";
+  for (const auto& e : module.conversion_report().entries) {
+    using mixprec::ConversionAction;
+    if (e.action != ConversionAction::kKeptFp32 && e.action != ConversionAction::kUpcastFp32)
+      continue;
+    std::snprintf(line, sizeof line, "            %-34s %-9s %s\n", e.name.c_str(),
+                  mixprec::to_string(e.kind), e.why.c_str());
+    s << line;
+  }
+
+  // Optimizer memory.
+  const OptimizerMemory& m = r.optimizer;
+  if (m.trainable_params > 0) {
+    std::snprintf(line, sizeof line,
+                  "optimizer   AdamW: %s of state, %.2f bytes per parameter (FP32 master + 2 "
+                  "moments for %s half params, moments only for %s FP32 params)\n",
+                  bytes_text(static_cast<double>(m.state_bytes)).c_str(),
+                  static_cast<double>(m.state_bytes) / static_cast<double>(m.trainable_params),
+                  count_text(m.master_params).c_str(), count_text(m.native_fp32_params).c_str());
+    s << line;
+  }
+
+  // Loss.
+  std::vector<double> losses;
+  std::optional<double> first_val, last_val;
+  int64_t last_val_step = 0;
+  for (const StepRecord& rec : r.history) {
+    losses.push_back(rec.loss);
+    if (rec.val_loss) {
+      if (!first_val) first_val = rec.val_loss;
+      last_val = rec.val_loss;
+      last_val_step = rec.step;
+    }
+  }
+  if (!r.history.empty()) {
+    std::snprintf(line, sizeof line, "loss        %.4f → %.4f over %lld steps  %s\n",
+                  r.history.front().loss, r.history.back().loss,
+                  static_cast<long long>(r.history.back().step), sparkline(losses).c_str());
+    s << line;
+  }
+  if (last_val) {
+    std::snprintf(line, sizeof line, "val loss    %.4f at step %lld (first measured %.4f)\n",
+                  *last_val, static_cast<long long>(last_val_step), *first_val);
+    s << line;
+  }
+  if (r.steps_this_process > 0 && r.train_s > 0) {
+    const double tokens = static_cast<double>(r.steps_this_process * r.config.tokens_per_step());
+    std::snprintf(
+        line, sizeof line, "speed       %s tokens/s (%s tokens in %s of training steps)\n",
+        human(tokens / r.train_s).c_str(), human(tokens).c_str(), human_seconds(r.train_s).c_str());
+    s << line;
+    if (!r.history.empty() && r.history.back().skipped_total > 0) {
+      s << "            " << r.history.back().skipped_total
+        << " steps skipped on FP16 overflow (the loss scaler backed off)\n";
+    }
+  }
+  if (r.saves.saves > 0) {
+    std::snprintf(line, sizeof line,
+                  "checkpoint  %s: %s on disk; %lld saves, training blocked %.3f s per save%s\n",
+                  r.saves.last_dir.string().c_str(),
+                  bytes_text(static_cast<double>(directory_bytes(r.saves.last_dir))).c_str(),
+                  static_cast<long long>(r.saves.saves),
+                  r.saves.blocked_s / static_cast<double>(r.saves.saves),
+                  r.config.async_save ? " (async: written in the background)" : "");
+    s << line;
+  }
+  if (!r.metrics_path.empty()) {
+    s << "metrics     " << r.metrics_path.string() << "  (plot: scripts/plot_metrics.py "
+      << r.metrics_path.string() << ")\n";
+  }
+  const std::string root = r.saves.last_dir.empty() ? "" : r.saves.last_dir.parent_path().string();
+  if (!root.empty()) {
+    s << "resume      mixprec-train --resume --ckpt-dir " << root;
+    if (!r.stopped_early) s << " --steps " << r.config.steps * 2;
+    s << "\n";
+  }
+  return s.str();
+}
+
+}  // namespace train

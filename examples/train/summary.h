@@ -1,0 +1,36 @@
+// The summary printed at the end of a run: what was trained, in which precision, how the loss
+// went, how fast, and where the results are.
+#pragma once
+
+#include "checkpointing.h"
+#include "config.h"
+#include "metrics.h"
+#include "optimizer.h"
+#include "plan.h"
+
+#include <string>
+#include <vector>
+
+namespace train {
+
+struct RunReport {
+  const TrainConfig& config;
+  MixedModel& model;
+  OptimizerMemory optimizer;
+  std::vector<StepRecord> history;  // every step of the run, earlier processes' included
+  int64_t steps_this_process = 0;
+  double train_s = 0;  // this process's training wall time
+  SaveStats saves;
+  std::filesystem::path metrics_path;
+  std::string corpus;
+  bool stopped_early = false;  // by a signal (stop_signal) or --stop-at
+  int stop_signal = 0;
+};
+
+// A line of block characters (▁▂▃▄▅▆▇█) tracing `values`, averaged into at most `width` bins.
+std::string sparkline(const std::vector<double>& values, size_t width = 48);
+
+// The summary, as printed.
+std::string summary(const RunReport& report);
+
+}  // namespace train

@@ -1,0 +1,103 @@
+// Bad input gets one line on stderr naming the problem, a non-zero exit status, and changes
+// nothing on disk: an unknown flag, a missing or empty data file, --resume with nothing to
+// resume, a checkpoint of another model configuration, a checkpoint directory that cannot be
+// written, and a fresh run pointed at an existing run's checkpoints.
+#include "train/train_program.h"
+
+#include <gtest/gtest.h>
+
+namespace train {
+namespace {
+
+using namespace train::testing;
+
+class BadInput : public ::testing::Test {
+ protected:
+  void SetUp() override { write_corpus(dir_ / "corpus.txt"); }
+
+  std::vector<std::string> args(std::vector<std::string> extra) const {
+    return tiny_model() +
+           std::vector<std::string>{"--data", (dir_ / "corpus.txt").string(), "--steps", "2"} +
+           extra;
+  }
+
+  // The contract: status 2, exactly one line "mixprec-train: …" holding `fragment`, and
+  // nothing written under the scratch directory.
+  void expect_refused(const std::vector<std::string>& argv, const std::string& fragment) {
+    const auto before = snapshot(dir_.path());
+    const ProgramRun run = run_program(dir_.path(), argv, "bad");
+    EXPECT_EQ(run.status, 2) << run.err;
+    EXPECT_EQ(run.err.rfind("mixprec-train: ", 0), 0u) << run.err;
+    EXPECT_EQ(std::count(run.err.begin(), run.err.end(), '\n'), 1) << run.err;
+    EXPECT_NE(run.err.find(fragment), std::string::npos)
+        << "stderr lacks '" << fragment << "': " << run.err;
+    EXPECT_EQ(run.out, "");
+    auto after = snapshot(dir_.path());
+    after.erase("bad.out");
+    after.erase("bad.err");
+    auto expected = before;
+    expected.erase("bad.out");
+    expected.erase("bad.err");
+    EXPECT_EQ(after, expected) << "a refused run must not write anything";
+    EXPECT_FALSE(fs::exists(dir_ / "runs")) << "no run directory for a refused run";
+  }
+
+  Scratch dir_;
+};
+
+TEST_F(BadInput, UnknownFlag) {
+  expect_refused(args({"--layerz", "2"}), "unknown flag '--layerz' (did you mean --layers?)");
+}
+
+TEST_F(BadInput, MissingDataFile) {
+  const std::string missing = (dir_ / "nope.txt").string();
+  expect_refused(tiny_model() + std::vector<std::string>{"--data", missing},
+                 "data file " + missing + " does not exist");
+}
+
+TEST_F(BadInput, EmptyDataFile) {
+  std::ofstream(dir_ / "empty.txt").flush();
+  const std::string empty = (dir_ / "empty.txt").string();
+  expect_refused(tiny_model() + std::vector<std::string>{"--data", empty},
+                 "data file " + empty + " is empty");
+}
+
+TEST_F(BadInput, ResumeWithNoCheckpoint) {
+  fs::create_directories(dir_ / "empty-run");
+  expect_refused(args({"--resume", "--out", "empty-run"}),
+                 "--resume: no checkpoint in empty-run/checkpoints");
+  expect_refused(args({"--resume"}), "--resume: no checkpoint found under runs/");
+}
+
+TEST_F(BadInput, CheckpointOfAnotherModelConfiguration) {
+  ASSERT_EQ(run_program(dir_.path(), args({"--out", "run", "--d-model", "32"})).status, 0);
+  expect_refused(args({"--out", "run", "--resume", "--d-model", "64", "--steps", "4"}),
+                 "was trained with --d-model 32; this run asks for --d-model 64");
+  expect_refused(args({"--out", "run", "--resume", "--precision", "fp16", "--steps", "4"}),
+                 "was trained with --precision bf16; this run asks for --precision fp16");
+}
+
+TEST_F(BadInput, CheckpointDirectoryNotWritable) {
+  // A path below a regular file can never be created, whoever runs the test (root included).
+  std::ofstream(dir_ / "a-file") << "x";
+  expect_refused(args({"--ckpt-dir", (dir_ / "a-file/ckpt").string(), "--metrics",
+                       (dir_ / "m.jsonl").string()}),
+                 "cannot create checkpoint directory " + (dir_ / "a-file/ckpt").string());
+  if (::geteuid() != 0) {  // permissions bind everyone but root
+    fs::create_directories(dir_ / "read-only");
+    fs::permissions(dir_ / "read-only", fs::perms::owner_read | fs::perms::owner_exec);
+    expect_refused(args({"--ckpt-dir", (dir_ / "read-only").string(), "--metrics",
+                         (dir_ / "m.jsonl").string()}),
+                   "checkpoint directory " + (dir_ / "read-only").string() + " is not writable");
+    fs::permissions(dir_ / "read-only", fs::perms::owner_all);
+  }
+}
+
+TEST_F(BadInput, FreshRunIntoAnExistingRunsCheckpoints) {
+  ASSERT_EQ(run_program(dir_.path(), args({"--out", "run"})).status, 0);
+  expect_refused(args({"--out", "run"}),
+                 "already holds a run (latest: step-000002); --resume continues it");
+}
+
+}  // namespace
+}  // namespace train

@@ -1,0 +1,112 @@
+// mixprec-train's flags: parsing, the one-line errors bad flags get, and how a resumed run
+// takes its shape from the checkpoint.
+#include "config.h"
+
+#include <gtest/gtest.h>
+
+namespace train {
+namespace {
+
+ParsedArgs parse(std::vector<std::string> args) {
+  std::vector<const char*> argv = {"mixprec-train"};
+  for (const auto& a : args) argv.push_back(a.c_str());
+  return parse_args(static_cast<int>(argv.size()), argv.data());
+}
+
+std::string usage_error(std::vector<std::string> args) {
+  try {
+    parse(std::move(args));
+  } catch (const UsageError& e) {
+    return e.what();
+  }
+  return "";
+}
+
+TEST(TrainConfig, ParsesBothFlagFormsAndRecordsWhichWereGiven) {
+  const TrainConfig c =
+      parse({"--layers", "3", "--d-model=64", "--fp8", "off", "--async-save", "--lr", "1e-3"})
+          .config;
+  EXPECT_EQ(c.layers, 3);
+  EXPECT_EQ(c.d_model, 64);
+  EXPECT_EQ(c.fp8, "off");
+  EXPECT_TRUE(c.async_save);
+  EXPECT_DOUBLE_EQ(c.lr, 1e-3);
+  EXPECT_TRUE(c.is_given("d_model"));
+  EXPECT_TRUE(c.is_given("async_save"));
+  EXPECT_FALSE(c.is_given("heads"));
+  EXPECT_EQ(c.heads, TrainConfig().heads);
+}
+
+TEST(TrainConfig, UnknownFlagSuggestsTheClosestOne) {
+  const std::string message = usage_error({"--layer", "2"});
+  EXPECT_NE(message.find("unknown flag '--layer'"), std::string::npos) << message;
+  EXPECT_NE(message.find("did you mean --layers?"), std::string::npos) << message;
+  EXPECT_EQ(usage_error({"--zzzzzzzzzz"}).find("did you mean"), std::string::npos);
+}
+
+TEST(TrainConfig, BadValuesNameTheFlag) {
+  EXPECT_NE(usage_error({"--steps", "ten"}).find("--steps expects an integer, got 'ten'"),
+            std::string::npos);
+  EXPECT_NE(usage_error({"--lr", "fast"}).find("--lr expects a number"), std::string::npos);
+  EXPECT_NE(usage_error({"--steps"}).find("--steps needs a value"), std::string::npos);
+  EXPECT_NE(usage_error({"--resume=yes"}).find("--resume takes no value"), std::string::npos);
+  EXPECT_NE(usage_error({"--precision", "fp8"}).find("--precision must be bf16 or fp16"),
+            std::string::npos);
+  EXPECT_NE(usage_error({"--heads", "3"}).find("--heads 3 does not divide --d-model 128"),
+            std::string::npos);
+  EXPECT_NE(usage_error({"--top-k", "5"}).find("--top-k 5 exceeds --experts 4"), std::string::npos);
+  EXPECT_NE(usage_error({"--batch", "6", "--grad-accum", "4"})
+                .find("--grad-accum 4 does not divide --batch 6"),
+            std::string::npos);
+  EXPECT_NE(usage_error({"--layers", "0"}).find("--layers must be at least 1"), std::string::npos);
+}
+
+TEST(TrainConfig, HelpListsEveryFlagWithItsDefault) {
+  EXPECT_TRUE(parse({"--help"}).help);
+  const std::string text = usage();
+  for (const char* flag :
+       {"--layers", "--d-model", "--heads", "--steps", "--batch", "--seq-len", "--experts",
+        "--top-k", "--precision", "--fp8", "--ckpt-dir", "--ckpt-every", "--metrics", "--seed",
+        "--data", "--resume", "--async-save", "--grad-accum", "--lr"}) {
+    EXPECT_NE(text.find(flag), std::string::npos) << flag;
+  }
+  EXPECT_NE(text.find("--steps N"), std::string::npos);
+  EXPECT_NE(text.find("[600]"), std::string::npos) << "defaults are shown";
+}
+
+TEST(TrainConfig, ResumeAdoptsTheSavedShapeAndRefusesAGivenDifferentOne) {
+  TrainConfig saved = parse({"--layers", "3", "--precision", "fp16", "--seed", "7"}).config;
+  const nlohmann::json shape = run_shape(saved);
+  EXPECT_FALSE(shape.contains("steps")) << "steps and lr may change on resume";
+
+  TrainConfig resumed = parse({"--resume", "--steps", "900"}).config;
+  adopt_run_shape(resumed, shape, "checkpoint X");
+  EXPECT_EQ(resumed.layers, 3);
+  EXPECT_EQ(resumed.precision, "fp16");
+  EXPECT_EQ(resumed.seed, 7);
+  EXPECT_EQ(resumed.steps, 900);
+
+  TrainConfig other = parse({"--resume", "--layers", "2"}).config;
+  const TrainConfig before = other;
+  try {
+    adopt_run_shape(other, shape, "checkpoint X");
+    FAIL() << "a different --layers must be refused";
+  } catch (const UsageError& e) {
+    EXPECT_STREQ(e.what(),
+                 "checkpoint X was trained with --layers 3; this run asks for --layers 2");
+  }
+  EXPECT_EQ(other.precision, before.precision) << "a refused resume changes nothing";
+
+  nlohmann::json incomplete = shape;
+  incomplete.erase("experts");
+  TrainConfig fresh = parse({"--resume"}).config;
+  try {
+    adopt_run_shape(fresh, incomplete, "checkpoint X");
+    FAIL();
+  } catch (const UsageError& e) {
+    EXPECT_NE(std::string(e.what()).find("no value for --experts"), std::string::npos) << e.what();
+  }
+}
+
+}  // namespace
+}  // namespace train

@@ -1,0 +1,156 @@
+// The model and its precision: what stays FP32 and by which of the three mechanisms, the tied
+// head, the MoE's routing, losses and expert-bias balancing, and the FP8 scopes.
+#include "gpt.h"
+#include "plan.h"
+
+#include "mixprec/quant/quant_linear.h"
+
+#include <ATen/ATen.h>
+#include <gtest/gtest.h>
+#include <torch/types.h>
+
+namespace train {
+namespace {
+
+GptConfig tiny(mixprec::quant::Fp8Recipe fp8 = mixprec::quant::Fp8Recipe::kHybrid) {
+  GptConfig c;
+  c.seq_len = 16;
+  c.layers = 2;
+  c.d_model = 32;
+  c.heads = 2;
+  c.experts = 4;
+  c.top_k = 2;
+  c.quant.fp8 = fp8;
+  return c;
+}
+
+MixedModel build(c10::ScalarType dtype = at::kBFloat16,
+                 mixprec::quant::Fp8Recipe fp8 = mixprec::quant::Fp8Recipe::kHybrid) {
+  at::manual_seed(0);
+  Precision p;
+  p.dtype = dtype;
+  p.quant.fp8 = fp8;
+  return apply_precision(Gpt(tiny(fp8)), p);
+}
+
+TEST(MixedModel, RouterExpertBiasAndNormsStayFp32EachByItsMechanism) {
+  MixedModel m = build();
+  std::map<std::string, const mixprec::ConversionEntry*> report;
+  for (const auto& e : m.module->conversion_report().entries) report[e.name] = &e;
+  for (int layer = 0; layer < 2; ++layer) {
+    const std::string b = "blocks." + std::to_string(layer) + ".";
+    EXPECT_EQ(report.at(b + "moe.router.weight")->reason, mixprec::KeepReason::kTensorMark);
+    EXPECT_EQ(report.at(b + "moe.expert_bias")->reason, mixprec::KeepReason::kName);
+    EXPECT_EQ(report.at(b + "moe.expert_bias")->kind, mixprec::TensorKind::kBuffer);
+    EXPECT_EQ(report.at(b + "attn_norm.weight")->reason, mixprec::KeepReason::kPattern);
+    EXPECT_EQ(report.at(b + "mlp_norm.bias")->reason, mixprec::KeepReason::kPattern);
+  }
+  EXPECT_EQ(report.at("final_norm.weight")->reason, mixprec::KeepReason::kPattern);
+  for (const auto& p : m.module->named_parameters()) {
+    const bool kept =
+        p.key().find("norm") != std::string::npos || p.key().ends_with("router.weight");
+    EXPECT_EQ(p.value().scalar_type(), kept ? at::kFloat : at::kBFloat16) << p.key();
+  }
+  for (const auto& b : m.module->named_buffers()) {
+    EXPECT_EQ(b.value().scalar_type(), at::kFloat) << b.key() << ": the expert bias stays FP32";
+  }
+}
+
+TEST(MixedModel, TheHeadIsTheTokenEmbeddingItself) {
+  MixedModel m = build();
+  for (const auto& p : m.module->named_parameters()) {
+    EXPECT_EQ(p.key().find("head"), std::string::npos)
+        << "no second tensor for the head: " << p.key();
+  }
+  // Logits are x · tok_embᵀ: a gradient on one logit column reaches exactly that embedding row.
+  const at::Tensor tokens = at::zeros({1, 4}, at::kLong);  // every input is byte 0
+  auto [logits, aux] = m.forward(tokens);
+  EXPECT_EQ(logits.scalar_type(), at::kFloat) << "Float16Module upcasts the output";
+  EXPECT_EQ(logits.sizes(), (std::vector<int64_t>{1, 4, 256}));
+  logits.select(2, 200).sum().backward();
+  const at::Tensor grad = m.gpt->tok_emb->weight.grad().to(at::kFloat);
+  EXPECT_GT(grad[200].abs().sum().item<double>(), 0.0) << "row 200 is the head's column";
+  EXPECT_GT(grad[0].abs().sum().item<double>(), 0.0) << "row 0 is the embedded input";
+  EXPECT_EQ(grad[100].abs().sum().item<double>(), 0.0) << "other rows are untouched";
+}
+
+TEST(MixedModel, ExpertGemmsRunInFp8AndTheRouterInFp32) {
+  MixedModel m = build();
+  m.forward(at::randint(0, 256, {2, 16}, at::kLong));
+  auto& moe = *m.gpt->blocks[0]->as<BlockImpl>()->moe;
+  EXPECT_TRUE(moe.router->last_compute().kept_fp32);
+  EXPECT_EQ(moe.router->last_compute().operands, mixprec::quant::QuantFormat::kNone);
+  EXPECT_EQ(moe.router->last_compute().dtype, at::kFloat);
+  int fp8_experts = 0;
+  for (const auto& expert : *moe.experts) {
+    const auto& fc = *expert->as<ExpertImpl>()->fc;
+    if (fc.last_compute().operands == mixprec::quant::QuantFormat::kFp8Hybrid) ++fp8_experts;
+    if (fc.last_compute().operands != mixprec::quant::QuantFormat::kNone) {
+      EXPECT_EQ(fc.last_compute().dtype, at::kBFloat16);
+    }
+  }
+  EXPECT_GE(fp8_experts, 2) << "32 tokens with top-2 reach at least two experts";
+
+  MixedModel plain = build(at::kBFloat16, mixprec::quant::Fp8Recipe::kOff);
+  plain.forward(at::randint(0, 256, {2, 16}, at::kLong));
+  auto& plain_moe = *plain.gpt->blocks[0]->as<BlockImpl>()->moe;
+  for (const auto& expert : *plain_moe.experts) {
+    EXPECT_EQ(expert->as<ExpertImpl>()->fc->last_compute().operands,
+              mixprec::quant::QuantFormat::kNone);
+  }
+}
+
+TEST(MoE, TopKRoutingMatchesADenseReferenceAndCountsLoad) {
+  // FP32, no FP8: the dispatched output equals Σ_k gate_k · expert_k(x) computed densely.
+  at::manual_seed(1);
+  MoE moe(8, 4, 2, mixprec::quant::QuantConfig{});
+  const at::Tensor x = at::randn({10, 8});
+  const MoEOutput out = moe->forward(x);
+  torch::NoGradGuard no_grad;
+  const at::Tensor probs = at::softmax(at::linear(x, moe->router->weight), -1);
+  const at::Tensor chosen = std::get<1>(at::topk(probs + moe->expert_bias, 2, -1));
+  at::Tensor gates = probs.gather(-1, chosen);
+  gates = gates / gates.sum(-1, true);
+  at::Tensor expected = at::zeros_like(x);
+  for (int64_t t = 0; t < 10; ++t) {
+    for (int64_t k = 0; k < 2; ++k) {
+      auto& e = *moe->experts[chosen[t][k].item<int64_t>()]->as<ExpertImpl>();
+      expected[t] += gates[t][k] * e.forward(x[t].unsqueeze(0)).squeeze(0);
+    }
+  }
+  EXPECT_TRUE(at::allclose(out.y, expected, 1e-5, 1e-6));
+  EXPECT_EQ(moe->load().sum().item<int64_t>(), 20) << "10 tokens x top-2";
+  // Switch-style balancing loss: E · Σ f_e P_e.
+  const at::Tensor share = at::bincount(chosen.reshape(-1), {}, 4).to(at::kFloat) / 20.0;
+  EXPECT_NEAR(out.aux_loss.item<double>(), (4.0 * (share * probs.mean(0)).sum()).item<double>(),
+              1e-6);
+}
+
+TEST(MoE, ExpertBiasMovesTowardsEvenLoadAndTheCounterRestarts) {
+  at::manual_seed(2);
+  MoE moe(8, 4, 1, mixprec::quant::QuantConfig{});
+  {
+    torch::NoGradGuard no_grad;
+    moe->expert_bias.copy_(at::tensor({10.0f, 0.0f, 0.0f, 0.0f}));  // everything goes to expert 0
+  }
+  moe->forward(at::randn({12, 8}));
+  EXPECT_EQ(moe->load()[0].item<int64_t>(), 12);
+  moe->update_expert_bias(0.5);
+  EXPECT_TRUE(at::equal(moe->expert_bias, at::tensor({9.5f, 0.5f, 0.5f, 0.5f})));
+  EXPECT_EQ(moe->load().sum().item<int64_t>(), 0);
+  moe->eval();
+  moe->forward(at::randn({12, 8}));
+  EXPECT_EQ(moe->load().sum().item<int64_t>(), 0) << "evaluation does not count as load";
+}
+
+TEST(MixedModel, Fp16KeepsTheSameTensorsFp32) {
+  MixedModel m = build(at::kHalf);
+  EXPECT_EQ(m.gpt->tok_emb->weight.scalar_type(), at::kHalf);
+  EXPECT_EQ(m.gpt->blocks[0]->as<BlockImpl>()->moe->router->weight.scalar_type(), at::kFloat);
+  EXPECT_EQ(m.gpt->blocks[0]->as<BlockImpl>()->moe->expert_bias.scalar_type(), at::kFloat);
+  auto [logits, aux] = m.forward(at::randint(0, 256, {2, 16}, at::kLong));
+  EXPECT_TRUE(at::isfinite(logits).all().item<bool>());
+}
+
+}  // namespace
+}  // namespace train

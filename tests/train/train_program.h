@@ -1,0 +1,160 @@
+// Running the built mixprec-train as a subprocess, and reading what it leaves behind.
+#pragma once
+
+#include "metrics.h"
+
+#include <nlohmann/json.hpp>
+
+#include <fcntl.h>
+#include <signal.h>
+#include <sys/wait.h>
+#include <unistd.h>
+
+#include <chrono>
+#include <cstdlib>
+#include <filesystem>
+#include <fstream>
+#include <map>
+#include <sstream>
+#include <string>
+#include <thread>
+#include <vector>
+
+namespace train::testing {
+
+namespace fs = std::filesystem;
+
+struct ProgramRun {
+  int status = -1;  // exit status; -1 if it died from a signal
+  std::string out, err;
+};
+
+inline std::string read_text(const fs::path& path) {
+  std::ifstream in(path, std::ios::binary);
+  std::ostringstream s;
+  s << in.rdbuf();
+  return s.str();
+}
+
+// A scratch directory, removed at scope exit.
+class Scratch {
+ public:
+  Scratch() {
+    std::string templ = (fs::temp_directory_path() / "mixprec-train-test-XXXXXX").string();
+    if (::mkdtemp(templ.data()) == nullptr) throw std::runtime_error("mkdtemp failed");
+    path_ = templ;
+  }
+  ~Scratch() {
+    std::error_code ec;
+    fs::remove_all(path_, ec);
+  }
+  Scratch(const Scratch&) = delete;
+  Scratch& operator=(const Scratch&) = delete;
+  const fs::path& path() const { return path_; }
+  fs::path operator/(const std::string& name) const { return path_ / name; }
+
+ private:
+  fs::path path_;
+};
+
+// The flags of a tiny model that trains in well under a second per few steps.
+inline std::vector<std::string> tiny_model() {
+  return {"--layers",   "1",     "--d-model", "32", "--heads", "2", "--experts",       "4",
+          "--top-k",    "2",     "--seq-len", "32", "--batch", "8", "--sample-tokens", "0",
+          "--progress", "lines", "--threads", "1"};
+}
+
+inline std::vector<std::string> operator+(std::vector<std::string> a,
+                                          const std::vector<std::string>& b) {
+  a.insert(a.end(), b.begin(), b.end());
+  return a;
+}
+
+// Starts mixprec-train with `args` (stdout/stderr to files in `scratch`); returns its pid.
+inline pid_t start_program(const fs::path& scratch, const std::vector<std::string>& args,
+                           const std::string& tag) {
+  const fs::path out = scratch / (tag + ".out"), err = scratch / (tag + ".err");
+  const pid_t pid = ::fork();
+  if (pid == 0) {
+    const int o = ::open(out.c_str(), O_WRONLY | O_CREAT | O_TRUNC, 0644);
+    const int e = ::open(err.c_str(), O_WRONLY | O_CREAT | O_TRUNC, 0644);
+    const int in = ::open("/dev/null", O_RDONLY);
+    ::dup2(o, 1), ::dup2(e, 2), ::dup2(in, 0);
+    std::vector<char*> argv;
+    std::string bin = MIXPREC_TRAIN_BIN;
+    argv.push_back(bin.data());
+    std::vector<std::string> copy = args;
+    for (auto& a : copy) argv.push_back(a.data());
+    argv.push_back(nullptr);
+    ::chdir(scratch.c_str());  // the default runs/ directory lands in the scratch directory
+    ::execv(bin.c_str(), argv.data());
+    ::_exit(127);
+  }
+  return pid;
+}
+
+inline ProgramRun wait_program(const fs::path& scratch, pid_t pid, const std::string& tag) {
+  int raw = 0;
+  ::waitpid(pid, &raw, 0);
+  ProgramRun run;
+  run.status = WIFEXITED(raw) ? WEXITSTATUS(raw) : -1;
+  run.out = read_text(scratch / (tag + ".out"));
+  run.err = read_text(scratch / (tag + ".err"));
+  return run;
+}
+
+inline ProgramRun run_program(const fs::path& scratch, const std::vector<std::string>& args,
+                              const std::string& tag = "run") {
+  return wait_program(scratch, start_program(scratch, args, tag), tag);
+}
+
+// The metrics file's records, in file order.
+inline std::vector<StepRecord> read_metrics(const fs::path& path) {
+  std::vector<StepRecord> records;
+  std::ifstream in(path);
+  for (std::string line; std::getline(in, line);) {
+    records.push_back(StepRecord::from_json(nlohmann::json::parse(line)));
+  }
+  return records;
+}
+
+inline size_t count_lines(const fs::path& path) {
+  std::ifstream in(path);
+  size_t n = 0;
+  for (std::string line; std::getline(in, line);) ++n;
+  return n;
+}
+
+// Every key's chunk checksums from a checkpoint's manifest.
+inline std::map<std::string, std::vector<std::string>> chunk_checksums(const fs::path& dir) {
+  const nlohmann::json manifest = nlohmann::json::parse(read_text(dir / "manifest.json"));
+  std::map<std::string, std::vector<std::string>> sums;
+  for (const auto& [key, entry] : manifest.at("keys").items()) {
+    for (const auto& chunk : entry.at("chunks")) sums[key].push_back(chunk.at("xxh3"));
+  }
+  return sums;
+}
+
+// Every plain file under `dir` with its content: proves a failed command changed nothing.
+inline std::map<std::string, std::string> snapshot(const fs::path& dir) {
+  std::map<std::string, std::string> files;
+  std::error_code ec;
+  if (!fs::exists(dir, ec)) return files;
+  for (const auto& entry : fs::recursive_directory_iterator(dir, ec)) {
+    if (entry.is_regular_file(ec))
+      files[fs::relative(entry.path(), dir).string()] = read_text(entry.path());
+  }
+  return files;
+}
+
+// Text that a byte-level model learns quickly: a few sentences repeated with variations.
+inline void write_corpus(const fs::path& path, int repeats = 400) {
+  std::ofstream out(path);
+  const char* lines[] = {"the quick brown fox jumps over the lazy dog.\n",
+                         "a mixture of experts routes every token to two experts.\n",
+                         "norms and routers stay in fp32 while the rest is bf16.\n",
+                         "checkpoints are written durably and resume bit for bit.\n"};
+  for (int i = 0; i < repeats; ++i) out << lines[i % 4] << lines[(i * 7 + 1) % 4];
+}
+
+}  // namespace train::testing

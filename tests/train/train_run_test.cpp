@@ -1,0 +1,128 @@
+// mixprec-train end to end on a tiny model: the loss falls, every metrics line has the
+// documented fields, checkpoints land where the summary says, the default corpus is found.
+#include "train/train_program.h"
+
+#include <gtest/gtest.h>
+
+#include <cmath>
+#include <regex>
+
+namespace train {
+namespace {
+
+using namespace train::testing;
+
+TEST(TrainRun, LossFallsAndMetricsHaveTheDocumentedFields) {
+  Scratch dir;
+  write_corpus(dir / "corpus.txt");
+  const ProgramRun run = run_program(
+      dir.path(),
+      tiny_model() + std::vector<std::string>{"--data", (dir / "corpus.txt").string(), "--steps",
+                                              "40", "--lr", "1e-2", "--warmup", "5", "--eval-every",
+                                              "20", "--ckpt-every", "20", "--sample-tokens", "24",
+                                              "--out", "run"});
+  ASSERT_EQ(run.status, 0) << run.err << run.out;
+  EXPECT_EQ(run.err, "");
+
+  // Every line parses with every documented field and the right types (from_json throws
+  // otherwise); steps are 1..40 in order.
+  const fs::path metrics = dir / "run/metrics.jsonl";
+  std::ifstream in(metrics);
+  int64_t expected_step = 0;
+  for (std::string line; std::getline(in, line);) {
+    const nlohmann::json j = nlohmann::json::parse(line);
+    for (const char* field :
+         {"step", "loss", "aux_loss", "val_loss", "lr", "grad_norm", "loss_scale", "skipped",
+          "skipped_total", "tokens", "tokens_per_s", "step_s", "elapsed_s"}) {
+      EXPECT_TRUE(j.contains(field)) << field << " missing in " << line;
+    }
+    EXPECT_EQ(j.size(), 13u) << "undocumented fields in " << line;
+    const StepRecord r = StepRecord::from_json(j);
+    EXPECT_EQ(r.step, ++expected_step);
+    EXPECT_EQ(r.tokens, r.step * 8 * 32);
+    EXPECT_EQ(r.loss_scale, 1.0) << "BF16 needs no loss scaling";
+    EXPECT_FALSE(r.skipped);
+    EXPECT_TRUE(std::isfinite(r.grad_norm) && r.grad_norm > 0);
+    EXPECT_EQ(r.val_loss.has_value(), r.step % 20 == 0) << "val loss every --eval-every steps";
+  }
+  ASSERT_EQ(expected_step, 40);
+
+  const std::vector<StepRecord> records = read_metrics(metrics);
+  auto mean_loss = [&](size_t begin, size_t end) {
+    double sum = 0;
+    for (size_t i = begin; i < end; ++i) sum += records[i].loss;
+    return sum / static_cast<double>(end - begin);
+  };
+  EXPECT_NEAR(records.front().loss, std::log(256.0), 0.3) << "an untrained byte model is uniform";
+  EXPECT_LT(mean_loss(35, 40), mean_loss(0, 5) - 1.0) << "the loss must clearly fall";
+  EXPECT_LT(*records.back().val_loss, *records[19].val_loss);
+
+  // Checkpoints at 20 and 40, `latest` at 40; the summary names them and what stayed FP32.
+  EXPECT_TRUE(fs::exists(dir / "run/checkpoints/step-000020/manifest.json"));
+  EXPECT_TRUE(fs::exists(dir / "run/checkpoints/step-000040/manifest.json"));
+  EXPECT_EQ(read_text(dir / "run/checkpoints/latest"), "step-000040\n");
+  for (const char* expected :
+       {"== sample (temperature 0.8) ==", "== summary ==", "blocks.0.moe.router.weight",
+        "keep_in_fp32 mark", "blocks.0.moe.expert_bias", "name 'blocks.0.moe.expert_bias'",
+        "pattern '*norm*'", "bytes per parameter", "tokens/s", "run/checkpoints/step-000040",
+        "run/metrics.jsonl"}) {
+    EXPECT_NE(run.out.find(expected), std::string::npos) << expected << "\n" << run.out;
+  }
+  EXPECT_TRUE(std::regex_search(
+      run.out, std::regex("loss +5\\.[0-9]+ → [0-9.]+ over 40 steps +[▁▂▃▄▅▆▇█]+")))
+      << run.out;
+}
+
+TEST(TrainRun, WithoutDataItTrainsOnThePythonDocs) {
+  Scratch dir;
+  const ProgramRun run =
+      run_program(dir.path(), tiny_model() + std::vector<std::string>{"--steps", "2"});
+  ASSERT_EQ(run.status, 0) << run.err;
+  EXPECT_NE(run.out.find("pydoc_data/topics.py"), std::string::npos) << run.out;
+  // No --out: a new run directory under runs/ in the working directory.
+  std::vector<fs::path> runs;
+  for (const auto& e : fs::directory_iterator(dir / "runs")) runs.push_back(e.path());
+  ASSERT_EQ(runs.size(), 1u);
+  EXPECT_TRUE(std::regex_match(runs[0].filename().string(), std::regex("[0-9]{8}-[0-9]{6}")));
+  EXPECT_EQ(count_lines(runs[0] / "metrics.jsonl"), 2u);
+  EXPECT_TRUE(fs::exists(runs[0] / "checkpoints/step-000002/manifest.json"));
+
+  // --resume with no directory continues the newest run under runs/, its shape taken from the
+  // checkpoint (no model flags repeated), its metrics appended to.
+  const ProgramRun resumed = run_program(
+      dir.path(), {"--resume", "--steps", "4", "--threads", "1", "--sample-tokens", "0"});
+  ASSERT_EQ(resumed.status, 0) << resumed.err;
+  EXPECT_NE(resumed.out.find("1 layer, d_model 32"), std::string::npos) << resumed.out;
+  EXPECT_EQ(count_lines(runs[0] / "metrics.jsonl"), 4u);
+  EXPECT_TRUE(fs::exists(runs[0] / "checkpoints/step-000004/manifest.json"));
+}
+
+TEST(TrainRun, GradientAccumulationAndAsyncSaveTrainTheSameSteps) {
+  // Accumulating 4 micro-batches of 2 sequences is the same batch of 8 as one pass, cut in
+  // rows: the losses agree to rounding (BF16 sums in another order), and the async save
+  // writes the same checkpoints.
+  Scratch dir;
+  write_corpus(dir / "corpus.txt");
+  const auto common =
+      tiny_model() + std::vector<std::string>{"--data",       (dir / "corpus.txt").string(),
+                                              "--steps",      "6",
+                                              "--ckpt-every", "3",
+                                              "--fp8",        "off"};
+  ASSERT_EQ(run_program(dir.path(), common + std::vector<std::string>{"--out", "one"}).status, 0);
+  const ProgramRun accum = run_program(
+      dir.path(),
+      common + std::vector<std::string>{"--out", "acc", "--grad-accum", "4", "--async-save"});
+  ASSERT_EQ(accum.status, 0) << accum.err;
+  EXPECT_NE(accum.out.find("async: written in the background"), std::string::npos);
+  const auto one = read_metrics(dir / "one/metrics.jsonl");
+  const auto acc = read_metrics(dir / "acc/metrics.jsonl");
+  ASSERT_EQ(one.size(), 6u);
+  ASSERT_EQ(acc.size(), 6u);
+  EXPECT_NEAR(one[0].loss, acc[0].loss, 1e-3) << "same weights, same rows: only rounding differs";
+  for (size_t i = 0; i < 6; ++i) EXPECT_NEAR(one[i].loss, acc[i].loss, 0.05) << "step " << i + 1;
+  EXPECT_TRUE(fs::exists(dir / "acc/checkpoints/step-000003/manifest.json"));
+  EXPECT_TRUE(fs::exists(dir / "acc/checkpoints/step-000006/manifest.json"));
+}
+
+}  // namespace
+}  // namespace train
