@@ -82,14 +82,14 @@ Checkpointer::Checkpointer(fs::path root, bool async, int64_t keep_last)
     // The budget bounds staged-but-unwritten bytes; the smallest allowed is plenty for the
     // models this program trains.
     mixprec::checkpoint::AsyncSaveOptions options;
-    options.staging_budget_bytes = std::size_t{64} << 20;
+    options.staging_budget_bytes(std::size_t{64} << 20);
     async_ = std::make_unique<mixprec::checkpoint::AsyncCheckpointSaver>(options);
   }
 }
 
 void Checkpointer::save(int64_t step, mixprec::ShardedStateDict state) {
   mixprec::checkpoint::SaveOptions options;
-  options.keep_last = static_cast<std::size_t>(keep_last_);
+  options.keep_last(static_cast<std::size_t>(keep_last_));
   const std::string name = checkpoint_name(step);
   const auto start = std::chrono::steady_clock::now();
   if (async_) {

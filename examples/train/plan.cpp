@@ -13,13 +13,13 @@ Precision precision_from(const TrainConfig& config) {
   // BF16 has FP32's range and needs no scaling.
   if (p.dtype == at::kHalf) {
     p.scaler = mixprec::optim::LossScalerOptions::fp16_dynamic();
-    p.scaler.initial_scale = config.loss_scale;
-    p.scaler.max_scale = std::max(p.scaler.max_scale, config.loss_scale);
+    p.scaler.initial_scale(config.loss_scale);
+    p.scaler.max_scale(std::max(p.scaler.max_scale(), config.loss_scale));
   }
   using mixprec::quant::Fp8Recipe;
-  p.quant.fp8 = config.fp8 == "e4m3"     ? Fp8Recipe::kE4M3
-                : config.fp8 == "hybrid" ? Fp8Recipe::kHybrid
-                                         : Fp8Recipe::kOff;
+  p.quant.fp8(config.fp8 == "e4m3"     ? Fp8Recipe::kE4M3
+               : config.fp8 == "hybrid" ? Fp8Recipe::kHybrid
+                                        : Fp8Recipe::kOff);
   p.quant.validate();
   return p;
 }

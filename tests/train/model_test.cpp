@@ -20,7 +20,7 @@ GptConfig tiny(mixprec::quant::Fp8Recipe fp8 = mixprec::quant::Fp8Recipe::kHybri
   c.heads = 2;
   c.experts = 4;
   c.top_k = 2;
-  c.quant.fp8 = fp8;
+  c.quant.fp8(fp8);
   return c;
 }
 
@@ -29,7 +29,7 @@ MixedModel build(c10::ScalarType dtype = at::kBFloat16,
   at::manual_seed(0);
   Precision p;
   p.dtype = dtype;
-  p.quant.fp8 = fp8;
+  p.quant.fp8(fp8);
   return apply_precision(Gpt(tiny(fp8)), p);
 }
 
