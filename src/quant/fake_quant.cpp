@@ -1,5 +1,7 @@
 #include "mixprec/quant/fake_quant.h"
 
+#include "quant/kernels/fake_quant_fused.h"
+
 #include <ATen/ATen.h>
 #include <c10/util/Exception.h>
 #include <torch/csrc/autograd/custom_function.h>
@@ -39,6 +41,13 @@ at::Tensor dequantize_fp8(const ScaledFp8& q, c10::ScalarType dtype) {
 }
 
 at::Tensor fake_quantize_fp8(const at::Tensor& x, c10::ScalarType fp8_dtype) {
+  TORCH_CHECK(x.defined() && at::isFloatingType(x.scalar_type()),
+              "[mixprec::quant::fake_quantize_fp8] input must be a floating tensor, got ",
+              x.defined() ? c10::toString(x.scalar_type()) : "undefined");
+  fp8_max(fp8_dtype);  // throws for a dtype that is not FP8
+  // The ATen composition below makes seven passes over the tensor and six temporaries; the
+  // fused kernel computes the same values in two reads and one write.
+  if (detail::fused_fake_quant_supports(x)) return detail::fused_fake_quantize_fp8(x, fp8_dtype);
   return dequantize_fp8(quantize_fp8(x, fp8_dtype), x.scalar_type());
 }
 
