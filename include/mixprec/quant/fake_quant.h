@@ -50,4 +50,15 @@ at::Tensor fake_quantize_nvfp4(const at::Tensor& x);
 // decided regardless of the scopes active then.
 at::Tensor quantize_for_gemm(const at::Tensor& x, QuantFormat format);
 
+// What quantize_for_gemm(x, format) computes in forward, as a plain tensor outside autograd.
+at::Tensor fake_quantize_operand(const at::Tensor& x, QuantFormat format);
+
+// quantize_for_gemm(x, format) with its forward result supplied: `forward_value` must equal
+// fake_quantize_operand(x, format) (e.g. kept from an earlier call while x is unchanged, as
+// QuantLinear does for its weight). Returns a view of forward_value that carries the same
+// autograd node as quantize_for_gemm (backward identical). Throws c10::Error if the shapes or
+// dtypes of x and forward_value differ.
+at::Tensor quantize_for_gemm(const at::Tensor& x, QuantFormat format,
+                             const at::Tensor& forward_value);
+
 }  // namespace mixprec::quant
