@@ -25,7 +25,10 @@ uint32_t amax_bits_chunk(const void* x, ElementFormat format, int64_t begin, int
 // for i in [begin, end): the ATen composition of fake_quant.cpp, element for element
 // (IEEE division and product, NaN propagating through the clamp, c10's Float8 rounding).
 // x and y may be the same buffer; chunks of one call must not overlap.
+// nan_free: the caller guarantees that no element is or becomes NaN — true when the amax of
+// the whole tensor is finite and scale_inv > 0 (|x| <= amax, so x / scale_inv stays within
+// ~fp8_max and no 0/0, Inf/Inf or 0*Inf arises); the kernel then skips its NaN handling.
 void fake_quant_chunk(const void* x, void* y, ElementFormat format, Fp8Format fp8, float scale_inv,
-                      int64_t begin, int64_t end);
+                      bool nan_free, int64_t begin, int64_t end);
 
 }  // namespace mixprec::quant::detail

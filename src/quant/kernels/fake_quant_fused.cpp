@@ -9,6 +9,7 @@
 
 #include <algorithm>
 #include <bit>
+#include <cmath>
 #include <vector>
 
 namespace mixprec::quant::detail {
@@ -73,11 +74,13 @@ at::Tensor fused_fake_quantize_fp8(const at::Tensor& x, c10::ScalarType fp8_dtyp
   // quantize_fp8's scale: amax / fp8_max in FP32, or 1 where `amax > 0` fails (0 or NaN).
   const float fp8_max = fp8_dtype == at::kFloat8_e4m3fn ? 448.0f : 57344.0f;
   const float scale_inv = amax > 0 ? amax / fp8_max : 1.0f;
+  // Neither NaN inputs nor 0/0, Inf/Inf, 0*Inf can occur: the kernel may skip NaN handling.
+  const bool nan_free = std::isfinite(amax) && scale_inv > 0;
   const Fp8Format fp8 = fp8_dtype == at::kFloat8_e4m3fn ? Fp8Format::kE4M3 : Fp8Format::kE5M2;
 
   // Pass 2: quantize and dequantize, one read and one write.
   optim::detail::for_each_chunk(n, [&](int64_t begin, int64_t end) {
-    fake_quant_chunk(src, dst, format, fp8, scale_inv, begin, end);
+    fake_quant_chunk(src, dst, format, fp8, scale_inv, nan_free, begin, end);
   });
   return out;
 }

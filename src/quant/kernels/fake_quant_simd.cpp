@@ -4,15 +4,16 @@
 // (widen to FP32, divide by the scale, clamp, round to FP8, decode, multiply by the scale,
 // narrow), but in registers: one read and one write of the tensor instead of seven passes and
 // six temporaries. The FP8 rounding reproduces c10's Float8_e4m3fn / Float8_e5m2 conversion
-// on FP32 bits, without leaving FP32:
-//   normal   |v| >= 2^-6 (e4m3) / 2^-14 (e5m2): round-to-nearest-even of the FP32 mantissa to
-//            3 / 2 bits in the integer bits (c10 adds 0x7FFFF / 0xFFFFF plus the lowest kept
-//            bit, then shifts; here the dropped bits are masked instead, which skips c10's
-//            exponent rebias and its undoing on decode);
-//   subnormal (|v| + 2^14) - 2^14 (e4m3) / (|v| + 2^7) - 2^7 (e5m2): c10's own trick, the FPU
-//            rounds to the FP8 subnormal spacing (2^-9 / 2^-16, the ulp of the added power);
-//   NaN      c10 encodes it as 0x7F | sign, which decodes to FP32 0x7FF00000 / 0x7FE00000 with
-//            the sign kept.
+// without leaving FP32, with one trick for every magnitude v: (v + c) - c, where the FPU
+// rounds v + c to nearest-even at c's ulp, and c is the power of two 2^(e + 20) (e4m3) /
+// 2^(e + 21) (e5m2) for v in [2^e, 2^(e+1)), so that c's ulp is v's FP8 spacing: 3 / 2
+// mantissa bits (the sum stays in c's binade, since v < 2^(e+1) is far below c). Below the
+// smallest normal FP8 value (2^-6 / 2^-14) c stays at 2^14 / 2^7, whose ulp is the FP8
+// subnormal spacing (2^-9 / 2^-16): that is c10's own subnormal rounding, and for normal
+// values the result equals c10's integer rounding (add 0x7FFFF / 0xFFFFF plus the lowest kept
+// bit, truncate), ties going to the even FP8 mantissa in both. The subtraction is exact. The
+// sign is set afterwards (v - v would give +0 for -0). A NaN is encoded by c10 as 0x7F | sign,
+// which decodes to FP32 0x7FF00000 / 0x7FE00000 with the sign kept.
 // The clamp to ±fp8_max comes first, so the FP8 overflow rules (NaN for e4m3fn, Inf for
 // e5m2) are never reached.
 #undef HWY_TARGET_INCLUDE
@@ -90,12 +91,13 @@ HWY_INLINE hn::VFromD<DF> LoadAsFloat(DF df, const Element<E>* p) {
 }
 
 // FP32 -> BF16 round-to-nearest-even: add 0x7FFF plus the lowest kept bit, drop 16 bits.
-template <class DF>
+template <bool kMayBeNaN, class DF>
 HWY_INLINE hn::VFromD<hn::RebindToUnsigned<DF>> NarrowBF16Bits(DF df, hn::VFromD<DF> v) {
   const hn::RebindToUnsigned<DF> du;
   const auto bits = hn::BitCast(du, v);
   const auto kept_lsb = hn::And(hn::ShiftRight<16>(bits), hn::Set(du, 1u));
   const auto rounded = hn::ShiftRight<16>(hn::Add(hn::Add(bits, hn::Set(du, 0x7FFFu)), kept_lsb));
+  if constexpr (!kMayBeNaN) return rounded;
   return hn::IfThenElse(hn::RebindMask(du, hn::IsNaN(v)), hn::Set(du, 0xFFFFu), rounded);
 }
 
@@ -126,14 +128,15 @@ HWY_INLINE hn::VFromD<hn::RebindToUnsigned<DF>> NarrowF16Bits(DF df, hn::VFromD<
   return hn::Or(result, sign);
 }
 
-template <ElementFormat E, class DF>
+template <ElementFormat E, bool kMayBeNaN, class DF>
 HWY_INLINE void StoreFromFloat(DF df, hn::VFromD<DF> v, Element<E>* p) {
   if constexpr (E == ElementFormat::kF32) {
     hn::StoreU(v, df, p);
   } else {
     const hn::Rebind<uint16_t, DF> d16;
     const hn::RebindToSigned<DF> di;
-    const auto bits = E == ElementFormat::kBF16 ? NarrowBF16Bits(df, v) : NarrowF16Bits(df, v);
+    const auto bits =
+        E == ElementFormat::kBF16 ? NarrowBF16Bits<kMayBeNaN>(df, v) : NarrowF16Bits(df, v);
     // Every lane is <= 0xFFFF, so the saturating narrowing is a plain truncation.
     hn::StoreU(hn::DemoteTo(d16, hn::BitCast(di, bits)), d16, p);
   }
@@ -142,19 +145,19 @@ HWY_INLINE void StoreFromFloat(DF df, hn::VFromD<DF> v, Element<E>* p) {
 namespace {
 
 struct Fp8Grid {
-  float max;                // largest finite value
-  int mantissa_shift;       // FP32 mantissa bits dropped: 23 - the format's mantissa bits
-  int32_t min_normal_bits;  // FP32 bits of the smallest normal value
-  float subnormal_rounder;  // the power of two whose ulp is the subnormal spacing
-  uint32_t nan_bits;        // FP32 bits of the decoded NaN (0x7F), sign cleared
+  float max;                 // largest finite value
+  uint32_t ulp_exponent;     // c's exponent above v's: 23 - the format's mantissa bits
+  int32_t min_rounder_bits;  // FP32 bits of c at and below the smallest normal value
+  uint32_t nan_bits;         // FP32 bits of the decoded NaN (0x7F), sign cleared
 };
 
 template <Fp8Format F>
-constexpr Fp8Grid kGrid =
-    F == Fp8Format::kE4M3 ? Fp8Grid{448.0f, 20, 121 << 23, 16384.0f, 0x7FF00000u}
-                          : Fp8Grid{57344.0f, 21, 113 << 23, 128.0f, 0x7FE00000u};
+constexpr Fp8Grid kGrid = F == Fp8Format::kE4M3 ? Fp8Grid{448.0f, 20, 141 << 23, 0x7FF00000u}
+                                                : Fp8Grid{57344.0f, 21, 134 << 23, 0x7FE00000u};
 
-template <Fp8Format F, class DF>
+// kMayBeNaN = false: the caller guarantees no lane becomes NaN (see fake_quant_args.h), and
+// the NaN handling (a sixth of the kernel's operations) is left out.
+template <Fp8Format F, bool kMayBeNaN, class DF>
 HWY_INLINE hn::VFromD<DF> FakeQuantLanes(DF df, hn::VFromD<DF> x, hn::VFromD<DF> scale_inv) {
   constexpr Fp8Grid g = kGrid<F>;
   const hn::RebindToUnsigned<DF> du;
@@ -162,42 +165,42 @@ HWY_INLINE hn::VFromD<DF> FakeQuantLanes(DF df, hn::VFromD<DF> x, hn::VFromD<DF>
   const auto scaled = hn::Div(x, scale_inv);
   // at::clamp propagates NaN; x86 min/max would replace it with the bound.
   const auto bounded = hn::Min(hn::Max(scaled, hn::Set(df, -g.max)), hn::Set(df, g.max));
-  const auto clamped = hn::IfThenElse(hn::IsNaN(scaled), scaled, bounded);
+  const auto clamped = kMayBeNaN ? hn::IfThenElse(hn::IsNaN(scaled), scaled, bounded) : bounded;
 
   const auto bits = hn::BitCast(du, clamped);
-  const auto sign = hn::And(bits, hn::Set(du, 0x80000000u));
   const auto magnitude = hn::And(bits, hn::Set(du, 0x7FFFFFFFu));
-  const auto kept_lsb = hn::And(hn::ShiftRight<g.mantissa_shift>(magnitude), hn::Set(du, 1u));
-  const auto half_ulp_below = hn::Set(du, (1u << (g.mantissa_shift - 1)) - 1u);
-  const auto normal = hn::And(hn::Add(hn::Add(magnitude, half_ulp_below), kept_lsb),
-                              hn::Set(du, ~((1u << g.mantissa_shift) - 1u)));
-  const auto rounder = hn::Set(df, g.subnormal_rounder);
-  const auto subnormal =
-      hn::BitCast(du, hn::Sub(hn::Add(hn::BitCast(df, magnitude), rounder), rounder));
-  // Magnitudes are < 2^31: signed compares order them on every target.
-  const auto is_subnormal =
-      hn::RebindMask(du, hn::BitCast(di, magnitude) < hn::Set(di, g.min_normal_bits));
-  auto rounded = hn::IfThenElse(is_subnormal, subnormal, normal);
-  rounded =
-      hn::IfThenElse(hn::RebindMask(du, hn::IsNaN(clamped)), hn::Set(du, g.nan_bits), rounded);
+  // c = 2^(e + ulp_exponent), at least the subnormal rounder. Finite magnitudes keep the sum
+  // below 2^31, so the signed max orders it (a NaN's c is garbage, replaced below).
+  const auto exponent = hn::And(bits, hn::Set(du, 0x7F800000u));
+  const auto rounder =
+      hn::BitCast(df, hn::Max(hn::BitCast(di, hn::Add(exponent, hn::Set(du, g.ulp_exponent << 23))),
+                              hn::Set(di, g.min_rounder_bits)));
+  auto rounded = hn::BitCast(du, hn::Sub(hn::Add(hn::BitCast(df, magnitude), rounder), rounder));
+  if constexpr (kMayBeNaN) {
+    rounded =
+        hn::IfThenElse(hn::RebindMask(du, hn::IsNaN(clamped)), hn::Set(du, g.nan_bits), rounded);
+  }
+  const auto sign = hn::And(bits, hn::Set(du, 0x80000000u));
   return hn::Mul(hn::BitCast(df, hn::Or(rounded, sign)), scale_inv);
 }
 
-template <ElementFormat E, Fp8Format F>
+template <ElementFormat E, Fp8Format F, bool kMayBeNaN>
 void FakeQuantRange(const Element<E>* x, Element<E>* y, float scale_inv, size_t begin, size_t end) {
   const hn::ScalableTag<float> df;
   const size_t lanes = hn::Lanes(df);
   const auto s = hn::Set(df, scale_inv);
   size_t i = begin;
   for (; i + lanes <= end; i += lanes) {
-    StoreFromFloat<E>(df, FakeQuantLanes<F>(df, LoadAsFloat<E>(df, x + i), s), y + i);
+    StoreFromFloat<E, kMayBeNaN>(df, FakeQuantLanes<F, kMayBeNaN>(df, LoadAsFloat<E>(df, x + i), s),
+                                 y + i);
   }
   if (i == end) return;
   // The last, partial vector runs through the same code on a zero-padded copy.
   HWY_ALIGN Element<E> in[kMaxFloatLanes] = {};
   HWY_ALIGN Element<E> out[kMaxFloatLanes] = {};
   std::copy_n(x + i, end - i, in);
-  StoreFromFloat<E>(df, FakeQuantLanes<F>(df, LoadAsFloat<E>(df, in), s), out);
+  StoreFromFloat<E, kMayBeNaN>(df, FakeQuantLanes<F, kMayBeNaN>(df, LoadAsFloat<E>(df, in), s),
+                               out);
   std::copy_n(out, end - i, y + i);
 }
 
@@ -234,15 +237,20 @@ uint32_t AmaxBitsChunk(const void* x, ElementFormat format, int64_t begin, int64
 }
 
 void FakeQuantChunk(const void* x, void* y, ElementFormat format, Fp8Format fp8, float scale_inv,
-                    int64_t begin, int64_t end) {
+                    bool nan_free, int64_t begin, int64_t end) {
   dispatch_element_format(format, [&](auto e) {
     const auto* in = static_cast<const Element<e>*>(x);
     auto* out = static_cast<Element<e>*>(y);
     const auto b = static_cast<size_t>(begin), n = static_cast<size_t>(end);
+    auto run = [&](auto f, auto may_be_nan) {
+      FakeQuantRange<e, decltype(f)::value, decltype(may_be_nan)::value>(in, out, scale_inv, b, n);
+    };
+    using E4M3 = std::integral_constant<Fp8Format, Fp8Format::kE4M3>;
+    using E5M2 = std::integral_constant<Fp8Format, Fp8Format::kE5M2>;
     if (fp8 == Fp8Format::kE4M3) {
-      FakeQuantRange<e, Fp8Format::kE4M3>(in, out, scale_inv, b, n);
+      nan_free ? run(E4M3{}, std::false_type{}) : run(E4M3{}, std::true_type{});
     } else {
-      FakeQuantRange<e, Fp8Format::kE5M2>(in, out, scale_inv, b, n);
+      nan_free ? run(E5M2{}, std::false_type{}) : run(E5M2{}, std::true_type{});
     }
   });
 }
@@ -261,8 +269,8 @@ uint32_t amax_bits_chunk(const void* x, ElementFormat format, int64_t begin, int
 }
 
 void fake_quant_chunk(const void* x, void* y, ElementFormat format, Fp8Format fp8, float scale_inv,
-                      int64_t begin, int64_t end) {
-  HWY_DYNAMIC_DISPATCH(FakeQuantChunk)(x, y, format, fp8, scale_inv, begin, end);
+                      bool nan_free, int64_t begin, int64_t end) {
+  HWY_DYNAMIC_DISPATCH(FakeQuantChunk)(x, y, format, fp8, scale_inv, nan_free, begin, end);
 }
 
 }  // namespace mixprec::quant::detail
