@@ -242,7 +242,8 @@ class Float16Optimizer : private detail::GroupOptionsCheck, public torch::optim:
   const OffloadStats& offload_stats() const { return offload_stats_; }
 
   // torch's positional form. Tensors alias the optimizer's own (as torch's state_dict does):
-  // a later step changes them; clone what must outlive it.
+  // a later step changes them; clone what must outlive it. (With master_remainders a BF16
+  // parameter's FP32 main copy is joined into a fresh tensor: see the header comment.)
   PositionalStateDict state_dict() const;
   // Validates everything (group count and sizes, ids, shapes, dtypes, hyper-parameters with
   // the step's own ranges, steps: non-negative integers) and returns it checked; changes
@@ -256,7 +257,7 @@ class Float16Optimizer : private detail::GroupOptionsCheck, public torch::optim:
   // copy); common["optimizer"] = {algorithm, step, param_groups (with FQN lists and
   // hyper-parameters), scaler, per-parameter steps that differ from `step`, frozen,
   // without_state}. Tensors alias the optimizer's own (no copy: a checkpoint streams them
-  // straight to disk).
+  // straight to disk), but for fp32_param of a parameter held with a remainder (joined).
   ShardedStateDict sharded_state_dict() const;
   // Checks the FQN-keyed form as check_state_dict does. Works across a changed precision plan:
   // a parameter saved with a main copy that is now native FP32 takes the saved main copy's
