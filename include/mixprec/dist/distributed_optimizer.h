@@ -30,6 +30,11 @@
 //
 // Per-rank optimizer memory is about 1/N of Float16Optimizer's (state_bytes()); the buffers of
 // step 4 are transient (one bucket per bucket, in the parameter dtype).
+//
+// Offloading (Float16OptimizerOptions::offload, optim/offload.h): each rank keeps the masters
+// and moments of its own pieces on the host and steps them there, its pieces of parameters and
+// gradients copied in overlapped chunks (distributed_optimizer_offload.cpp); results are
+// bitwise those without offloading. master_remainders is not supported here (refused).
 #pragma once
 
 #include "mixprec/dist/grad_reducer.h"
@@ -37,8 +42,13 @@
 
 #include <torch/optim/optimizer.h>
 
+#include <memory>
 #include <string>
 #include <vector>
+
+namespace mixprec::optim::detail {
+class OffloadPipeline;
+}
 
 namespace mixprec::dist {
 
@@ -77,7 +87,7 @@ class DistributedOptimizer : public torch::optim::Optimizer {
     optim::ParamRole role;
     at::Tensor param;   // view: elements [begin, end) of the model parameter (1-D)
     at::Tensor grad;    // view: the same elements of the gradient buffer (1-D)
-    at::Tensor master;  // FP32 main copy of the piece (kMaster only)
+    at::Tensor master;  // FP32 main copy of the piece (kMaster only; on the host if offloaded)
     at::Tensor exp_avg, exp_avg_sq, max_exp_avg_sq, momentum_buffer;  // FP32, once stepped
     int64_t step = 0;
   };
@@ -87,6 +97,8 @@ class DistributedOptimizer : public torch::optim::Optimizer {
   int64_t state_bytes(optim::ParamRole role) const;
   // The reducer's layout table followed by this rank's pieces and their roles.
   std::string describe() const;
+  // What the last update() that stepped did with offloading on (all zero without it).
+  const optim::OffloadStats& offload_stats() const { return offload_stats_; }
 
   // LibTorch's archives key state by pointer; mixprec keeps state by name, and collective
   // checkpoints of the sharded state are not part of this class yet. Both throw c10::Error.
@@ -96,6 +108,8 @@ class DistributedOptimizer : public torch::optim::Optimizer {
  private:
   void build(const torch::nn::Module& model);
   void step_shard(LocalShard& shard, double grad_multiplier);
+  // Steps every owned piece through the offloading pipeline (distributed_optimizer_offload.cpp).
+  void step_offloaded(double grad_multiplier);
   void gather_params();
 
   GradReducer& reducer_;
@@ -107,6 +121,8 @@ class DistributedOptimizer : public torch::optim::Optimizer {
   // Views of every piece this rank owns in the layout (groups or not), for the all-gather.
   std::vector<std::pair<ParamShard, at::Tensor>> owned_pieces_;
   optim::StepResult last_result_;
+  std::shared_ptr<optim::detail::OffloadPipeline> offload_;  // made on the first offloaded step
+  optim::OffloadStats offload_stats_;
 };
 
 }  // namespace mixprec::dist
