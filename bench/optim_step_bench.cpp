@@ -29,8 +29,8 @@
 #include <ATen/Parallel.h>  // at::get_num_threads
 #include <benchmark/benchmark.h>
 
-#include "support/copy_bandwidth.h"
 #include <torch/optim/adamw.h>
+#include "support/copy_bandwidth.h"
 #include "support/ratio_reporter.h"
 
 #include <algorithm>

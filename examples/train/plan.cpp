@@ -18,8 +18,8 @@ Precision precision_from(const TrainConfig& config) {
   }
   using mixprec::quant::Fp8Recipe;
   p.quant.fp8(config.fp8 == "e4m3"     ? Fp8Recipe::kE4M3
-               : config.fp8 == "hybrid" ? Fp8Recipe::kHybrid
-                                        : Fp8Recipe::kOff);
+              : config.fp8 == "hybrid" ? Fp8Recipe::kHybrid
+                                       : Fp8Recipe::kOff);
   p.quant.validate();
   return p;
 }

@@ -37,8 +37,7 @@ std::string_view last_component(std::string_view name) {
 }  // namespace
 
 std::vector<std::string> close_matches(std::string_view name,
-                                       const std::vector<std::string>& candidates,
-                                       size_t limit) {
+                                       const std::vector<std::string>& candidates, size_t limit) {
   struct Scored {
     size_t distance;
     size_t index;

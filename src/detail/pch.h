@@ -3,6 +3,6 @@
 #pragma once
 #include <ATen/ATen.h>
 #include <c10/util/Exception.h>
-#include <torch/nn/module.h>
 #include <torch/nn/cloneable.h>
+#include <torch/nn/module.h>
 #include <torch/types.h>

@@ -3,9 +3,9 @@
 // CPU generator (so the RNG state decides the data order).
 #pragma once
 
+#include "mixprec/optim/float16_optimizer.h"
 #include "mixprec/precision/convert.h"
 #include "mixprec/precision/keep_fp32.h"
-#include "mixprec/optim/float16_optimizer.h"
 
 #include <ATen/ATen.h>
 #include <torch/nn/module.h>
@@ -23,7 +23,8 @@ struct TinyNetImpl : torch::nn::Module {
     norm = register_module("norm", torch::nn::LayerNorm(torch::nn::LayerNormOptions({32})));
     router = register_parameter("router", keep_in_fp32(torch::randn({4, 32}) * 0.1));
     down = register_module("down", torch::nn::Linear(32, 4));
-    convert_module_to_dtype_except_fp32_marked(*this, half, PrecisionPlan().keep_fp32_pattern("norm.*"));
+    convert_module_to_dtype_except_fp32_marked(*this, half,
+                                               PrecisionPlan().keep_fp32_pattern("norm.*"));
   }
   at::Tensor loss(const at::Tensor& x, const at::Tensor& y) {
     const auto half = up->weight.scalar_type();

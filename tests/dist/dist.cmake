@@ -10,6 +10,9 @@ file(GLOB dist_unit_tests CONFIGURE_DEPENDS ${CMAKE_CURRENT_LIST_DIR}/*_test.cpp
 if(dist_unit_tests)
   mixprec_test_binary(dist_tests ${dist_unit_tests})
 endif()
+if(MIXPREC_SANITIZED_SUITE)
+  return()  # launches of several ranks: the first pass runs them
+endif()
 
 file(GLOB dist_mp_sources CONFIGURE_DEPENDS ${CMAKE_CURRENT_LIST_DIR}/mp/*.cpp)
 add_executable(dist_mp_tests ${dist_mp_sources})

@@ -1,9 +1,9 @@
 // Shared pieces of the optimizer tests: the upstream regression model and helpers.
 #pragma once
 
+#include "mixprec/optim/float16_optimizer.h"
 #include "mixprec/precision/convert.h"
 #include "mixprec/precision/keep_fp32.h"
-#include "mixprec/optim/float16_optimizer.h"
 
 #include <ATen/ATen.h>
 #include <torch/nn/modules/linear.h>
@@ -18,7 +18,8 @@ namespace mixprec::testing {
 struct InterleavedImpl : torch::nn::Module {
   explicit InterleavedImpl(bool gate_fp32 = true) {
     pre = register_module("pre", torch::nn::Linear(torch::nn::LinearOptions(8, 8).bias(false)));
-    frozen = register_module("frozen", torch::nn::Linear(torch::nn::LinearOptions(8, 8).bias(false)));
+    frozen =
+        register_module("frozen", torch::nn::Linear(torch::nn::LinearOptions(8, 8).bias(false)));
     frozen->weight.set_requires_grad(false);
     gate = register_parameter("gate", torch::randn({24}));
     if (gate_fp32) keep_in_fp32(gate);
@@ -52,9 +53,9 @@ inline void set_grads(torch::nn::Module& model, int64_t step) {
 
 // A Float16Optimizer over `model` with one group in the model's optimizer order.
 template <typename Options>
-std::unique_ptr<optim::Float16Optimizer> make_optimizer(
-    const Interleaved& model, const Options& options,
-    optim::Float16OptimizerOptions mixed = {}) {
+std::unique_ptr<optim::Float16Optimizer> make_optimizer(const Interleaved& model,
+                                                        const Options& options,
+                                                        optim::Float16OptimizerOptions mixed = {}) {
   std::vector<torch::optim::OptimizerParamGroup> groups;
   groups.emplace_back(model->optimizer_order());
   return std::make_unique<optim::Float16Optimizer>(*model, std::move(groups),

@@ -18,13 +18,17 @@ T map_tensors(T value, const F& fn);
 template <typename T>
 struct TensorMapper {
   template <typename F>
-  static T apply(T value, const F&) { return value; }
+  static T apply(T value, const F&) {
+    return value;
+  }
 };
 
 template <>
 struct TensorMapper<at::Tensor> {
   template <typename F>
-  static at::Tensor apply(at::Tensor value, const F& fn) { return fn(value); }
+  static at::Tensor apply(at::Tensor value, const F& fn) {
+    return fn(value);
+  }
 };
 
 template <typename T, typename A>
