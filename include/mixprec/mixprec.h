@@ -68,8 +68,10 @@
 #include "mixprec/checkpoint/format/state_keys.h"
 #include "mixprec/checkpoint/format/verify.h"
 
-// Data parallelism on c10d: process groups, gradient reduction, the ZeRO-1 optimizer.
+// Data parallelism on c10d: process groups, gradient reduction, the ZeRO-1 optimizer and its
+// collective checkpoints.
 #include "mixprec/dist/buffer_layout.h"
+#include "mixprec/dist/collective_checkpoint.h"
 #include "mixprec/dist/communicator.h"
 #include "mixprec/dist/distributed_optimizer.h"
 #include "mixprec/dist/grad_reducer.h"
