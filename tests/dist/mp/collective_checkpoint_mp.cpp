@@ -332,8 +332,7 @@ TEST(CollectiveCheckpoint, CorruptPieceReadByOneRankFailsEveryRankAndChangesNoth
   // changed nothing.
   const int n = world().size();
   if (n >= 3) {
-    EXPECT_EQ(message.find("(" + std::to_string(n) + " rank(s) failed)"), std::string::npos)
-        << message;
+    EXPECT_EQ(message.find(c10::str("(", n, " rank(s) failed)")), std::string::npos) << message;
   }
   const auto messages = world().all_gather_strings(message);
   for (const auto& m : messages) EXPECT_EQ(m, messages[0]);
