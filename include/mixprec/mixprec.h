@@ -31,6 +31,7 @@
 #include "mixprec/optim/hyper_params.h"
 #include "mixprec/optim/loss_scaler.h"
 #include "mixprec/optim/master_remainder.h"
+#include "mixprec/optim/offload.h"
 #include "mixprec/optim/optimizer_state.h"
 
 #include <torch/optim/adam.h>

@@ -2,6 +2,7 @@
 
 #include "detail/name_match.h"
 #include "optim/algorithm_traits.h"
+#include "optim/offload/offload_pipeline.h"
 
 #include <ATen/ATen.h>
 #include <c10/util/Exception.h>
@@ -60,6 +61,10 @@ DistributedOptimizer::DistributedOptimizer(GradReducer& reducer, const torch::nn
               "its shard of the gradients)");
   TORCH_CHECK(options_.clip_grad() >= 0 && std::isfinite(options_.clip_grad()), "[", kWho,
               "] clip_grad must be a finite value >= 0, got ", options_.clip_grad());
+  TORCH_CHECK(!options_.master_remainders(), "[", kWho,
+              "] master_remainders is not supported by the distributed optimizer; its masters "
+              "are FP32");
+  if (options_.offload()) optim::detail::OffloadPipeline::check_options(*options_.offload(), kWho);
   build(model);
 }
 
@@ -132,7 +137,8 @@ void DistributedOptimizer::build(const torch::nn::Module& model) {
     shard.param = param_view;
     shard.grad = reducer_.grad_buffer(piece.buffer).narrow(0, piece.buffer_begin, piece.numel());
     if (shard.role == ParamRole::kMaster) {
-      shard.master = param_view.to(at::kFloat, /*non_blocking=*/false, /*copy=*/true);
+      const c10::Device where = options_.offload() ? c10::Device(c10::kCPU) : param_view.device();
+      shard.master = param_view.to(where, at::kFloat, /*non_blocking=*/false, /*copy=*/true);
     }
     shard.state.resize(traits_->state_kinds().size());
     shard_of_.emplace(piece.fqn, shards_.size());

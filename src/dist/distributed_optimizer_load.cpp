@@ -286,11 +286,12 @@ LoadReport DistributedOptimizer::apply(CheckedShardedState&& checked) {
   for (size_t j = 0; j < shards_.size(); ++j) {
     LocalShard& s = shards_[j];
     const auto& piece = plan->pieces[j];
+    // The state lives where the steps run: on the host when offloaded.
+    const c10::Device where = options_.offload() ? c10::Device(c10::kCPU) : s.param.device();
     s.state.assign(s.state.size(), at::Tensor());
     for (size_t i = 0; i < piece.state.size(); ++i) {
       if (!piece.state[i].defined()) continue;
-      s.state[i] = piece.state[i].to(s.param.device(), at::kFloat, /*non_blocking=*/false,
-                                     /*copy=*/true);
+      s.state[i] = piece.state[i].to(where, at::kFloat, /*non_blocking=*/false, /*copy=*/true);
     }
     if (s.role == ParamRole::kMaster) {
       s.master.copy_(piece.fp32.defined() ? piece.fp32 : s.param);

@@ -71,7 +71,11 @@ optim::StepResult DistributedOptimizer::update() {
   }
   {
     at::NoGradGuard no_grad;
-    for (LocalShard& s : shards_) step_shard(s, multiplier);
+    if (options_.offload()) {
+      step_offloaded(multiplier);
+    } else {
+      for (LocalShard& s : shards_) step_shard(s, multiplier);
+    }
   }
   gather_params();
   scaler_.update(/*found_inf=*/false);

@@ -3,6 +3,7 @@
 
 #include "mixprec/checkpoint/format/state_keys.h"
 #include "mixprec/optim/fused_kernels.h"
+#include "mixprec/optim/master_remainder.h"
 
 #include <ATen/ATen.h>
 #include <c10/util/Exception.h>
@@ -64,6 +65,11 @@ class JsonReader {
   size_t start_;
 };
 
+// The tensor state is shaped like: the FP32 target, or the BF16 parameter holding a remainder.
+const at::Tensor& shape_of(const StepArgs& a) {
+  return a.remainder.defined() ? a.model_param : a.target;
+}
+
 // torch.optim.Adam (kDecoupled false) and AdamW (true).
 template <typename OptionsT, bool kDecoupled>
 struct AdamSpec {
@@ -100,15 +106,22 @@ struct AdamSpec {
   static std::vector<bool> held_state(const Options& o) { return {true, true, o.amsgrad()}; }
   static void step(const Options& o, const StepArgs& a, std::vector<at::Tensor>& state) {
     const AdamHyperParams hp = hyper_params(o);
-    const auto fp32 = a.target.options().dtype(at::kFloat);
+    const at::Tensor& like = shape_of(a);
+    const auto fp32 = like.options().dtype(at::kFloat);
     at::Tensor exp_avg = state[0], exp_avg_sq = state[1], max_sq = state[2];
     if (!exp_avg.defined()) {
-      exp_avg = at::zeros_like(a.target, fp32);
-      exp_avg_sq = at::zeros_like(a.target, fp32);
+      exp_avg = at::zeros_like(like, fp32);
+      exp_avg_sq = at::zeros_like(like, fp32);
     }
-    if (hp.amsgrad && !max_sq.defined()) max_sq = at::zeros_like(a.target, fp32);
-    fused_adam_step(a.target, a.grad, exp_avg, exp_avg_sq, hp.amsgrad ? max_sq : at::Tensor(),
-                    a.model_param, a.steps_before + 1, hp, a.grad_multiplier);
+    if (hp.amsgrad && !max_sq.defined()) max_sq = at::zeros_like(like, fp32);
+    const at::Tensor max_arg = hp.amsgrad ? max_sq : at::Tensor();
+    if (a.remainder.defined()) {
+      fused_adam_step_remainder(a.model_param, a.remainder, a.grad, exp_avg, exp_avg_sq, max_arg,
+                                a.steps_before + 1, hp, a.grad_multiplier);
+    } else {
+      fused_adam_step(a.target, a.grad, exp_avg, exp_avg_sq, max_arg, a.model_param,
+                      a.steps_before + 1, hp, a.grad_multiplier);
+    }
     state = {exp_avg, exp_avg_sq, max_sq};
   }
 };
@@ -149,12 +162,18 @@ struct SgdSpec {
   static void step(const Options& o, const StepArgs& a, std::vector<at::Tensor>& state) {
     const SgdHyperParams hp = hyper_params(o);
     // torch creates the buffer on the first step with momentum, filled with the gradient.
-    const bool first = !state[0].defined();
+    const bool first = !state[0].defined() || (!a.fresh.empty() && a.fresh[0]);
     at::Tensor buffer = state[0];
-    if (hp.momentum != 0 && first)
-      buffer = at::empty_like(a.target, a.target.options().dtype(at::kFloat));
-    fused_sgd_step(a.target, a.grad, hp.momentum != 0 ? buffer : at::Tensor(), a.model_param, first,
-                   hp, a.grad_multiplier);
+    const at::Tensor& like = shape_of(a);
+    if (hp.momentum != 0 && !buffer.defined())
+      buffer = at::empty_like(like, like.options().dtype(at::kFloat));
+    const at::Tensor buffer_arg = hp.momentum != 0 ? buffer : at::Tensor();
+    if (a.remainder.defined()) {
+      fused_sgd_step_remainder(a.model_param, a.remainder, a.grad, buffer_arg, first, hp,
+                               a.grad_multiplier);
+    } else {
+      fused_sgd_step(a.target, a.grad, buffer_arg, a.model_param, first, hp, a.grad_multiplier);
+    }
     if (hp.momentum != 0) state[0] = buffer;
   }
 };
@@ -216,6 +235,20 @@ class Traits final : public AlgorithmTraits {
 };
 
 }  // namespace
+
+std::vector<bool> AlgorithmTraits::allocate_state(const OptimizerOptions& options,
+                                                  at::IntArrayRef sizes, c10::Device device,
+                                                  std::vector<at::Tensor>& state) const {
+  const std::vector<bool> held = held_state(options);
+  TORCH_INTERNAL_ASSERT(state.size() == held.size());
+  std::vector<bool> fresh(held.size(), false);
+  for (size_t i = 0; i < held.size(); ++i) {
+    if (!held[i] || state[i].defined()) continue;
+    state[i] = at::zeros(sizes, at::TensorOptions().dtype(at::kFloat).device(device));
+    fresh[i] = true;
+  }
+  return fresh;
+}
 
 const AlgorithmTraits& traits_for(const OptimizerOptions& options, std::string_view who) {
   static const Traits<AdamSpec<torch::optim::AdamWOptions, true>> adamw;

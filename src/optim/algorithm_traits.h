@@ -21,13 +21,21 @@
 
 namespace mixprec::optim::detail {
 
-// One step of one parameter (see fused_kernels.h for the tensors' contracts).
+// One step of one parameter, or of one contiguous slice of it: the kernels are elementwise,
+// so a slice steps exactly as the same elements of the whole (see fused_kernels.h and
+// master_remainder.h for the tensors' contracts).
 struct StepArgs {
-  const at::Tensor& target;       // FP32, updated: the main copy or the native FP32 parameter
+  const at::Tensor& target;       // FP32, updated: the main copy or the native FP32 parameter;
+                                  // undefined when `remainder` holds the master
   const at::Tensor& grad;         // contiguous, read
-  const at::Tensor& model_param;  // BF16/FP16 rewritten from `target`, or undefined
+  const at::Tensor& model_param;  // BF16/FP16 rewritten from `target`; with `remainder`, the
+                                  // BF16 parameter holding the master's high half; or undefined
   int64_t steps_before;           // updates applied to this parameter before this one
   double grad_multiplier;         // loss-scale unscaling and clipping, folded in
+  at::Tensor remainder = {};      // int16: the master's low half (master_remainder.h), or none
+  // Parallel to `state`: tensors allocate_state() created for this step (zero-filled), which
+  // the step treats as new, as if it had created them itself. Empty: none.
+  std::vector<bool> fresh = {};
 };
 
 class AlgorithmTraits {
@@ -66,6 +74,14 @@ class AlgorithmTraits {
   // once the kernel has succeeded: a throwing kernel leaves no state behind.
   virtual void step(const torch::optim::OptimizerOptions& options, const StepArgs& args,
                     std::vector<at::Tensor>& state) const = 0;
+
+  // Gives `state` every tensor a step under `options` holds and it lacks: FP32, zero-filled,
+  // of `sizes`, on `device`. Returns which it created, for StepArgs::fresh. For callers that
+  // step a parameter in slices (the offloading pipeline): each slice's step gets views of
+  // whole state tensors.
+  std::vector<bool> allocate_state(const torch::optim::OptimizerOptions& options,
+                                   at::IntArrayRef sizes, c10::Device device,
+                                   std::vector<at::Tensor>& state) const;
 };
 
 // The entry whose option type `options` has; throws c10::Error "[<who>] ..." naming the type

@@ -2,6 +2,7 @@
 #include "mixprec/optim/float16_optimizer.h"
 
 #include "detail/name_match.h"
+#include "optim/offload/offload_pipeline.h"
 #include "optim/optimizer_slot.h"
 
 #include <ATen/ATen.h>
@@ -96,6 +97,9 @@ Float16Optimizer::Float16Optimizer(const torch::nn::Module& model,
   TORCH_CHECK(options_.clip_grad() >= 0 && std::isfinite(options_.clip_grad()),
               "[mixprec::Float16Optimizer] clip_grad must be a finite value >= 0, got ",
               options_.clip_grad());
+  if (options_.offload()) {
+    detail::OffloadPipeline::check_options(*options_.offload(), "mixprec::Float16Optimizer");
+  }
   for (size_t g = 0; g < param_groups().size(); ++g) check_group_options(g);
   build_slots(0);
 }
@@ -167,9 +171,7 @@ void Float16Optimizer::build_slots(size_t first_group) {
       auto slot = std::make_shared<Slot>();
       slot->param = p;
       slot->state.resize(traits_->state_kinds().size());
-      if (info.role == ParamRole::kMaster) {
-        slot->master = p.detach().to(at::kFloat, /*non_blocking=*/false, /*copy=*/true);
-      }
+      if (info.role == ParamRole::kMaster) slot->hold_master(at::Tensor(), master_policy());
       slot->record();
       info_.push_back(std::move(info));
       slots_.push_back(std::move(slot));
@@ -198,10 +200,10 @@ void Float16Optimizer::add_param_group(const torch::optim::OptimizerParamGroup& 
   build_slots(g);
 }
 
-const at::Tensor& Float16Optimizer::main_param(const std::string& fqn) const {
+at::Tensor Float16Optimizer::main_param(const std::string& fqn) const {
   std::vector<std::string> names;
   for (size_t k = 0; k < info_.size(); ++k) {
-    if (info_[k].fqn == fqn) return slots_[k]->master;
+    if (info_[k].fqn == fqn) return slots_[k]->master_value();
     names.push_back(info_[k].fqn);
   }
   const auto near = mixprec::detail::close_matches(fqn, names);
@@ -215,6 +217,7 @@ int64_t Float16Optimizer::state_bytes(ParamRole role) const {
     if (info_[k].role != role) continue;
     const Slot& s = *slots_[k];
     if (s.master.defined()) bytes += static_cast<int64_t>(s.master.nbytes());
+    if (s.remainder.defined()) bytes += static_cast<int64_t>(s.remainder.nbytes());
     for (const at::Tensor& t : s.state) {
       if (t.defined()) bytes += static_cast<int64_t>(t.nbytes());
     }
@@ -281,7 +284,11 @@ StepResult Float16Optimizer::update() {
   if (options_.clip_grad() > 0 && result.grad_norm > options_.clip_grad()) {
     multiplier *= options_.clip_grad() / (result.grad_norm + 1e-6);
   }
-  for (size_t k : active) step_slot(k, multiplier);
+  if (options_.offload()) {
+    step_offloaded(active, multiplier);
+  } else {
+    for (size_t k : active) step_slot(k, multiplier);
+  }
   record_params();  // the write-back is ours: not an outside change
   scaler_.update(/*found_inf=*/false);
   result.success = true;
@@ -292,19 +299,16 @@ StepResult Float16Optimizer::update() {
 
 void Float16Optimizer::step_slot(size_t index, double grad_multiplier) {
   Slot& slot = *slots_[index];
-  const at::Tensor target = slot.fp32_target();
+  const at::Tensor param = slot.param.detach();
   const at::Tensor grad = slot.param.grad().contiguous();
-  const at::Tensor model_param = slot.master.defined() ? slot.param.detach() : at::Tensor();
+  // The FP32 value stepped: the main copy, the native FP32 parameter, or (remainder) none.
+  const at::Tensor target =
+      slot.remainder.defined() ? at::Tensor() : (slot.master.defined() ? slot.master : param);
+  const at::Tensor model_param = slot.has_master() ? param : at::Tensor();
   traits_->step(param_groups()[info_[index].group].options(),
-                {target, grad, model_param, slot.step, grad_multiplier}, slot.state);
+                {target, grad, model_param, slot.step, grad_multiplier, slot.remainder},
+                slot.state);
   ++slot.step;
-}
-
-void Float16Optimizer::copy_masters_to_model() {
-  at::NoGradGuard no_grad;
-  for (const auto& slot : slots_) {
-    if (slot->master.defined()) copy_master_to_model(slot->master, slot->param.detach());
-  }
 }
 
 }  // namespace mixprec::optim

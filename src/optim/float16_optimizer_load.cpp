@@ -222,11 +222,11 @@ LoadReport Float16Optimizer::apply(CheckedOptimizerState&& checked) {
     const auto& p = plan->params[k];
     const ParamRole role = info_[k].role;
     if (role == ParamRole::kFrozen) continue;
-    // On the parameter's device: a checkpoint is read to the host.
+    // On the state's device (the parameter's, or the host when offloading): a checkpoint is
+    // read to the host.
+    const c10::Device where = master_policy().state_device(slot.param);
     auto fp32_copy = [&](const at::Tensor& t) {
-      return t.detach()
-          .to(slot.param.device(), at::kFloat, /*non_blocking=*/false, /*copy=*/true)
-          .contiguous();
+      return t.detach().to(where, at::kFloat, /*non_blocking=*/false, /*copy=*/true).contiguous();
     };
     slot.state.assign(slot.state.size(), at::Tensor());
     slot.step = p.install ? p.step : 0;
@@ -234,13 +234,14 @@ LoadReport Float16Optimizer::apply(CheckedOptimizerState&& checked) {
       if (p.state[i].defined()) slot.state[i] = fp32_copy(p.state[i]);
     }
     if (role == ParamRole::kMaster) {
-      slot.master.copy_(p.fp32.defined() ? p.fp32 : slot.param.detach());
+      // The saved master (split into the remainder form where that is held), or the
+      // parameter's own value; the parameter is re-derived from it.
+      slot.hold_master(p.fp32, master_policy());
     } else if (p.fp32.defined()) {
       // Saved with a main copy, now native FP32: the parameter takes the main copy's value.
       slot.param.detach().copy_(p.fp32);
     }
   }
-  copy_masters_to_model();
   record_params();
   return std::move(plan->report);
 }

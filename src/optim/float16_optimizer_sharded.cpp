@@ -38,9 +38,9 @@ ShardedStateDict Float16Optimizer::sharded_state_dict() const {
     const Slot& s = *slots_[k];
     groups[info.group][str(keys::kParams)].push_back(info.fqn);
     if (info.role == ParamRole::kFrozen) frozen.push_back(info.fqn);
-    if (s.master.defined()) {
+    if (s.has_master()) {
       out.tensors.emplace(keys::optimizer_state_key(keys::kFp32Param, info.fqn),
-                          ShardedTensor::whole(copy_of(s.master)));
+                          ShardedTensor::whole(copy_of(s.master_value())));
     }
     if (!s.has_state()) {
       if (info.role != ParamRole::kFrozen) without_state.push_back(info.fqn);

@@ -26,7 +26,7 @@ PositionalStateDict Float16Optimizer::state_dict() const {
     for (size_t i = 0; i < param_groups()[g].params().size(); ++i, ++id) {
       group["params"].push_back(id);
       const Slot& s = *slots_[id];
-      if (s.master.defined()) out.fp32_params[id] = copy_of(s.master);
+      if (s.has_master()) out.fp32_params[id] = copy_of(s.master_value());
       if (!s.has_state()) continue;
       auto& entry = out.state[id];
       // torch stores the step as a float32 scalar; a double is exact up to 2^53 steps.

@@ -29,6 +29,14 @@ bool Float16Optimizer::Slot::maybe_written() const {
   return version != seen.version || param.const_data_ptr() != seen.data;
 }
 
+bool Float16Optimizer::Slot::param_differs_from_master() const {
+  // A remainder's parameter is the master's high half: what it held before the write is gone,
+  // so any write counts.
+  if (!master.defined()) return true;
+  const at::Tensor p = param.detach();
+  return !at::equal(p, master.to(p.device(), p.scalar_type()));
+}
+
 namespace detail {
 
 bool SyncPlan::operator==(const SyncPlan& other) const {
@@ -132,7 +140,7 @@ detail::SyncPlan Float16Optimizer::plan_sync(detail::SyncPurpose purpose) const 
       change.param_from_master = true;
       if (refuse_changes) changed.push_back(retype());
     } else if (info.role == ParamRole::kMaster && purpose == detail::SyncPurpose::kUse &&
-               s.maybe_written() && !at::equal(p.detach(), s.master.to(p.scalar_type()))) {
+               s.maybe_written() && s.param_differs_from_master()) {
       change.master_from_param = true;
       if (refuse_changes) changed.push_back(name() + " was written from outside the optimizer");
     }
@@ -148,22 +156,23 @@ detail::SyncPlan Float16Optimizer::plan_sync(detail::SyncPurpose purpose) const 
 void Float16Optimizer::apply_sync(const detail::SyncPlan& plan) const {
   TORCH_INTERNAL_ASSERT(plan.slots.size() == slots_.size());
   at::NoGradGuard no_grad;
+  const detail::MasterPolicy policy = master_policy();
   for (size_t k = 0; k < slots_.size(); ++k) {
     Slot& s = *slots_[k];
     const auto& change = plan.slots[k];
     if (change.param_from_master) {
-      if (s.param.scalar_type() == at::kFloat) {
-        s.param.detach().copy_(s.master);
-      } else {
-        copy_master_to_model(s.master, s.param.detach());
+      // Taken before anything changes: a remainder needs the parameter's bits as they are.
+      const at::Tensor value = s.master_value();
+      if (change.role == ParamRole::kNativeFp32) {
+        s.param.detach().copy_(value);
+      } else {  // BF16 <-> FP16: the form may change with the dtype (remainders are BF16's)
+        s.hold_master(value, policy);
       }
     }
     if (change.role != ParamRole::kMaster) {
-      s.master = at::Tensor();
-    } else if (!s.master.defined()) {
-      s.master = s.param.detach().to(at::kFloat, /*non_blocking=*/false, /*copy=*/true);
-    } else if (change.master_from_param) {
-      s.master.copy_(s.param.detach());  // in place: state dicts alias it
+      s.drop_master();
+    } else if (!s.has_master() || change.master_from_param) {
+      s.hold_master(at::Tensor(), policy);  // in place where it exists: state dicts alias it
     }
     info_[k].role = change.role;
     s.record();

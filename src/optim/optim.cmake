@@ -76,3 +76,17 @@ if(OpenMP_CXX_FOUND)
 else()
   message(WARNING "mixprec: OpenMP not found; the fused optimizer kernels will use one thread")
 endif()
+
+# The offloading pipeline's CUDA copy engine (pinned staging, side streams) exists only in a
+# build against a CUDA LibTorch; exactly one of device_copier_cuda.cpp and
+# device_copier_no_cuda.cpp is compiled (the library globs every source).
+if(TORCH_CUDA_LIBRARIES)
+  message(STATUS "mixprec: CUDA LibTorch found; building the CUDA offload copy engine")
+  set_source_files_properties(${CMAKE_CURRENT_LIST_DIR}/offload/device_copier_no_cuda.cpp
+                              PROPERTIES HEADER_FILE_ONLY ON)
+  set_source_files_properties(${CMAKE_CURRENT_LIST_DIR}/offload/device_copier_cuda.cpp
+                              PROPERTIES SKIP_PRECOMPILE_HEADERS ON)
+else()
+  set_source_files_properties(${CMAKE_CURRENT_LIST_DIR}/offload/device_copier_cuda.cpp
+                              PROPERTIES HEADER_FILE_ONLY ON)
+endif()

@@ -14,11 +14,45 @@
 
 namespace mixprec::optim {
 
+namespace detail {
+
+// How main copies and state are held, from Float16OptimizerOptions (fixed at construction).
+struct MasterPolicy {
+  bool remainders = false;  // BF16 parameters: the parameter + an int16 remainder
+  bool offload = false;     // masters and state on the host
+  bool wants_remainder(const at::Tensor& param) const {
+    return remainders && param.scalar_type() == at::kBFloat16;
+  }
+  // Where masters, remainders and moments of `param` live.
+  c10::Device state_device(const at::Tensor& param) const {
+    return offload ? c10::Device(c10::kCPU) : param.device();
+  }
+};
+
+}  // namespace detail
+
 struct Float16Optimizer::Slot {
-  at::Tensor param;               // the model's parameter (same TensorImpl)
-  at::Tensor master;              // FP32 main copy (kMaster only)
+  at::Tensor param;  // the model's parameter (same TensorImpl)
+  // The main copy (kMaster only), in one of two forms (float16_optimizer_master.cpp):
+  at::Tensor master;              // FP32 master; or
+  at::Tensor remainder;           // int16 low half of the master, whose high half is `param` (BF16)
   int64_t step = 0;               // updates applied so far (torch's per-parameter "step")
   std::vector<at::Tensor> state;  // parallel to the traits' state_kinds(); undefined if not held
+
+  bool has_master() const { return master.defined() || remainder.defined(); }
+  // The master's FP32 value: `master` itself (an alias), or param + remainder joined into a
+  // fresh tensor on the state device whose version counter is the remainder's (so a step
+  // after it was taken shows, as on an alias). Undefined without a main copy.
+  at::Tensor master_value() const;
+  // Makes the slot hold a main copy in the form `policy` gives its parameter, valued `value`
+  // (FP32, any device) or, if undefined, the parameter's own value exactly (remainder 0); the
+  // parameter is rewritten from it (RNE; the remainder split's rounding). Existing tensors of
+  // the same form are written in place, so state dicts that alias them stay valid.
+  void hold_master(const at::Tensor& value, const detail::MasterPolicy& policy);
+  void drop_master();
+  // The parameter written from an FP32 master (RNE), across devices (offload). Nothing to do
+  // for a remainder: the parameter is the master's high half.
+  void write_param_from_master() const;
 
   // The parameter as the optimizer last wrote or adopted it: what tells an outside change.
   struct Seen {
@@ -31,10 +65,11 @@ struct Float16Optimizer::Slot {
   void record();
   // True if something other than the optimizer may have written the parameter since record().
   bool maybe_written() const;
+  // After maybe_written(), for a parameter with a main copy: true unless the parameter holds
+  // the value the master rounds to (with a remainder: always true, see the definition).
+  bool param_differs_from_master() const;
 
   bool has_state() const { return step > 0; }
-  // The FP32 tensor the inner algorithm updates: the main copy or the parameter itself.
-  at::Tensor fp32_target() const { return master.defined() ? master : param.detach(); }
 };
 
 namespace detail {

@@ -1,5 +1,7 @@
 #include "mixprec/quant/fake_quant.h"
 
+#include "quant/kernels/fake_quant_fused.h"
+
 #include <ATen/ATen.h>
 #include <c10/util/Exception.h>
 #include <torch/csrc/autograd/custom_function.h>
@@ -39,6 +41,13 @@ at::Tensor dequantize_fp8(const ScaledFp8& q, c10::ScalarType dtype) {
 }
 
 at::Tensor fake_quantize_fp8(const at::Tensor& x, c10::ScalarType fp8_dtype) {
+  TORCH_CHECK(x.defined() && at::isFloatingType(x.scalar_type()),
+              "[mixprec::quant::fake_quantize_fp8] input must be a floating tensor, got ",
+              x.defined() ? c10::toString(x.scalar_type()) : "undefined");
+  fp8_max(fp8_dtype);  // throws for a dtype that is not FP8
+  // The ATen composition below makes seven passes over the tensor and six temporaries; the
+  // fused kernel computes the same values in two reads and one write.
+  if (detail::fused_fake_quant_supports(x)) return detail::fused_fake_quantize_fp8(x, fp8_dtype);
   return dequantize_fp8(quantize_fp8(x, fp8_dtype), x.scalar_type());
 }
 
@@ -98,6 +107,12 @@ at::Tensor fake_quantize_for(const at::Tensor& x, QuantFormat format, bool gradi
   TORCH_INTERNAL_ASSERT(false, "unknown QuantFormat");
 }
 
+// Straight-through: the incoming gradient, fake-quantized in the format forward recorded.
+at::Tensor gemm_operand_gradient(torch::autograd::AutogradContext* ctx, const at::Tensor& grad) {
+  const auto format = static_cast<QuantFormat>(ctx->saved_data["format"].toInt());
+  return fake_quantize_for(grad, format, /*gradient=*/true);
+}
+
 struct GemmOperandQuant : torch::autograd::Function<GemmOperandQuant> {
   static at::Tensor forward(torch::autograd::AutogradContext* ctx, const at::Tensor& x,
                             int64_t format) {
@@ -106,8 +121,20 @@ struct GemmOperandQuant : torch::autograd::Function<GemmOperandQuant> {
   }
   static torch::autograd::variable_list backward(torch::autograd::AutogradContext* ctx,
                                                  torch::autograd::variable_list grads) {
-    const auto format = static_cast<QuantFormat>(ctx->saved_data["format"].toInt());
-    return {fake_quantize_for(grads[0], format, /*gradient=*/true), at::Tensor()};
+    return {gemm_operand_gradient(ctx, grads[0]), at::Tensor()};
+  }
+};
+
+// The same node with forward's result computed by the caller (QuantLinear's kept weight).
+struct KeptGemmOperandQuant : torch::autograd::Function<KeptGemmOperandQuant> {
+  static at::Tensor forward(torch::autograd::AutogradContext* ctx, const at::Tensor& x,
+                            int64_t format, const at::Tensor& forward_value) {
+    ctx->saved_data["format"] = format;
+    return forward_value;  // an input: autograd returns a view of it carrying this node
+  }
+  static torch::autograd::variable_list backward(torch::autograd::AutogradContext* ctx,
+                                                 torch::autograd::variable_list grads) {
+    return {gemm_operand_gradient(ctx, grads[0]), at::Tensor(), at::Tensor()};
   }
 };
 
@@ -116,6 +143,24 @@ struct GemmOperandQuant : torch::autograd::Function<GemmOperandQuant> {
 at::Tensor quantize_for_gemm(const at::Tensor& x, QuantFormat format) {
   if (format == QuantFormat::kNone) return x;
   return GemmOperandQuant::apply(x, static_cast<int64_t>(format));
+}
+
+at::Tensor fake_quantize_operand(const at::Tensor& x, QuantFormat format) {
+  at::NoGradGuard no_grad;
+  return fake_quantize_for(x, format, /*gradient=*/false);
+}
+
+at::Tensor quantize_for_gemm(const at::Tensor& x, QuantFormat format,
+                             const at::Tensor& forward_value) {
+  TORCH_CHECK(forward_value.defined() && forward_value.sizes() == x.sizes() &&
+                  forward_value.scalar_type() == x.scalar_type(),
+              "[mixprec::quant::quantize_for_gemm] forward_value must have x's shape ", x.sizes(),
+              " and dtype ", x.scalar_type(), ", got ",
+              forward_value.defined()
+                  ? c10::str(forward_value.sizes(), " ", forward_value.scalar_type())
+                  : std::string("undefined"));
+  if (format == QuantFormat::kNone) return x;
+  return KeptGemmOperandQuant::apply(x, static_cast<int64_t>(format), forward_value.detach());
 }
 
 }  // namespace mixprec::quant

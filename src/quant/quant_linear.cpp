@@ -90,17 +90,35 @@ at::Tensor QuantLinearImpl::forward(const at::Tensor& input) {
   record.dtype = record.kept_fp32    ? at::kFloat
                  : record.fp8_weight ? input.scalar_type()
                                      : weight.scalar_type();
-  at::Tensor x = input.to(record.dtype);
-  at::Tensor w = record.fp8_weight ? dequantized_weight(record.dtype) : weight.to(record.dtype);
-  at::Tensor b = bias.defined() ? bias.to(record.dtype) : bias;
-
   const QuantScopeState scope = autocast_state();
   if (scope.enabled && scope.format != QuantFormat::kNone && !record.kept_fp32) {
     record.operands = scope.format;
-    x = quantize_for_gemm(x, scope.format);
-    // An FP8 primary weight is on the FP8 grid already; quantizing it again changes nothing.
-    const bool fp8_grid = scope.format != QuantFormat::kNvFp4;
-    if (!(record.fp8_weight && fp8_grid)) w = quantize_for_gemm(w, scope.format);
+  }
+  at::Tensor x = input.to(record.dtype);
+  if (record.operands != QuantFormat::kNone) x = quantize_for_gemm(x, record.operands);
+  at::Tensor b = bias.defined() ? bias.to(record.dtype) : bias;
+  at::Tensor w;
+  // The weight operand changes only when the weight does (an optimizer step, a load): it comes
+  // from weight_cache_, which recomputes it after any write to the weight (operand_cache.h).
+  if (record.fp8_weight) {
+    // An FP8 primary weight is on the FP8 grid already: quantizing it again in an FP8 format
+    // changes nothing; NVFP4 still rounds it. Never differentiable (dequantized without grad).
+    const QuantFormat format =
+        record.operands == QuantFormat::kNvFp4 ? QuantFormat::kNvFp4 : QuantFormat::kNone;
+    w = weight_cache_.get({weight, weight_scale_inv}, {format, record.dtype}, [&] {
+      const at::Tensor dequantized = dequantized_weight(record.dtype);
+      return format == QuantFormat::kNone ? dequantized
+                                          : fake_quantize_operand(dequantized, format);
+    });
+  } else {
+    w = weight.to(record.dtype);
+    if (record.operands != QuantFormat::kNone) {
+      const at::Tensor forward = weight_cache_.get({weight}, {record.operands, record.dtype}, [&] {
+        return fake_quantize_operand(w, record.operands);
+      });
+      // Straight-through as before: the autograd node quantizes the weight's gradient.
+      w = quantize_for_gemm(w, record.operands, forward);
+    }
   }
   last_compute_ = record;
   return at::linear(x, w, b);

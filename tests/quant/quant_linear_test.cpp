@@ -1,5 +1,6 @@
 #include "mixprec/quant/quant_linear.h"
 
+#include "mixprec/optim/float16_optimizer.h"
 #include "mixprec/precision/convert.h"
 #include "mixprec/precision/keep_fp32.h"
 #include "mixprec/quant/fake_quant.h"
@@ -7,7 +8,11 @@
 
 #include <ATen/ATen.h>
 #include <gtest/gtest.h>
+#include <torch/optim/adamw.h>
+#include <torch/serialize.h>
 #include <torch/types.h>
+
+#include <filesystem>
 
 namespace mixprec::quant {
 namespace {
@@ -146,6 +151,134 @@ TEST(QuantLinear, BackwardFollowsTheForwardDecision) {
   const at::Tensor expected = at::matmul(g, wq);
   EXPECT_TRUE(at::allclose(fake_quantize_fp8(x.grad(), at::kFloat8_e5m2), x.grad()));
   EXPECT_TRUE(at::allclose(x.grad(), fake_quantize_fp8(expected, at::kFloat8_e5m2), 1e-5, 1e-6));
+}
+
+// What forward must compute, from scratch: both operands through quantize_for_gemm.
+at::Tensor uncached_forward(QuantLinearImpl& layer, const at::Tensor& x, QuantFormat format) {
+  return at::linear(quantize_for_gemm(x, format), quantize_for_gemm(layer.weight, format),
+                    layer.bias);
+}
+
+// The weight operand is computed once per weight version; the results (values and gradients)
+// are bit for bit those of computing it every time.
+TEST(QuantLinear, WeightOperandIsKeptBetweenForwardsAndEqualsRecomputation) {
+  at::manual_seed(6);
+  QuantLinear layer(64, 32);
+  const at::Tensor x = torch::randn({8, 64});
+  const at::Tensor g = torch::randn({8, 32});
+  QuantAutocastGuard autocast(kFp8);
+  for (int call = 0; call < 3; ++call) {
+    SCOPED_TRACE(call);
+    const at::Tensor xi = x.clone().requires_grad_(true);
+    layer->zero_grad();
+    const at::Tensor y = layer(xi);
+    y.backward(g);
+    const at::Tensor weight_grad = layer->weight.grad().clone(), input_grad = xi.grad().clone();
+
+    const at::Tensor xr = x.clone().requires_grad_(true);
+    layer->zero_grad();
+    const at::Tensor expected = uncached_forward(*layer, xr, QuantFormat::kFp8Hybrid);
+    expected.backward(g);
+    EXPECT_TRUE(at::equal(y, expected));
+    EXPECT_TRUE(at::equal(weight_grad, layer->weight.grad()));
+    EXPECT_TRUE(at::equal(input_grad, xr.grad()));
+    // The hybrid recipe's gradient is E5M2: the kept operand did not bypass the STE node.
+    EXPECT_TRUE(at::equal(weight_grad, fake_quantize_fp8(weight_grad, at::kFloat8_e5m2)));
+  }
+  EXPECT_EQ(layer->operand_computations(), 1);
+}
+
+// Runs a forward under autocast and checks it against recomputation; returns how many times
+// the layer has computed its weight operand so far.
+int64_t forward_and_check(QuantLinearImpl& layer, const at::Tensor& x) {
+  QuantAutocastGuard autocast(kFp8);
+  at::NoGradGuard no_grad;
+  const at::Tensor y = layer.forward(x);
+  EXPECT_TRUE(at::equal(y, uncached_forward(layer, x, QuantFormat::kFp8Hybrid)));
+  return layer.operand_computations();
+}
+
+TEST(QuantLinear, AnOptimizerStepInvalidatesTheWeightOperand) {
+  at::manual_seed(7);
+  QuantLinear model(32, 16);
+  convert_module_to_dtype_except_fp32_marked(*model, at::kBFloat16);
+  QuantLinearImpl& layer = *model;
+  optim::Float16Optimizer opt(*model, torch::optim::AdamWOptions(1e-2));
+  const at::Tensor x = torch::randn({4, 32}, at::kBFloat16);
+  EXPECT_EQ(forward_and_check(layer, x), 1);
+  EXPECT_EQ(forward_and_check(layer, x), 1);
+  for (int step = 0; step < 2; ++step) {
+    {
+      QuantAutocastGuard autocast(kFp8);
+      layer.forward(x).to(at::kFloat).square().sum().backward();
+    }
+    const at::Tensor before = layer.weight.detach().clone();
+    ASSERT_TRUE(opt.update().success);  // writes the BF16 weight through raw pointers
+    ASSERT_FALSE(at::equal(before, layer.weight));
+    EXPECT_EQ(forward_and_check(layer, x), 2 + step);
+    opt.zero_grad();
+  }
+}
+
+TEST(QuantLinear, CopyLoadAndSetDataInvalidateTheWeightOperand) {
+  at::manual_seed(8);
+  QuantLinear layer(32, 16), other(32, 16);
+  const at::Tensor x = torch::randn({4, 32});
+  EXPECT_EQ(forward_and_check(*layer, x), 1);
+  {
+    at::NoGradGuard no_grad;
+    layer->weight.copy_(other->weight);
+  }
+  EXPECT_EQ(forward_and_check(*layer, x), 2);
+  // A LibTorch archive load writes the parameters in place.
+  const auto path = std::filesystem::temp_directory_path() / "quant_linear_cache_test.pt";
+  QuantLinear saved(32, 16);
+  torch::save(saved, path.string());
+  torch::load(layer, path.string());
+  std::filesystem::remove(path);
+  ASSERT_TRUE(at::equal(layer->weight, saved->weight));
+  EXPECT_EQ(forward_and_check(*layer, x), 3);
+  layer->weight.set_data(torch::randn({16, 32}));
+  EXPECT_EQ(forward_and_check(*layer, x), 4);
+  // Writes LibTorch cannot see (Tensor::data() has its own version counter) need a clear.
+  layer->weight.data().mul_(2);
+  layer->clear_operand_cache();
+  EXPECT_EQ(forward_and_check(*layer, x), 5);
+  // Another format is another operand; a clone computes its own.
+  {
+    QuantAutocastGuard fp4(QuantConfig().fp4(Fp4Recipe::kNvFp4));
+    at::NoGradGuard no_grad;
+    EXPECT_TRUE(at::equal(layer(x), uncached_forward(*layer, x, QuantFormat::kNvFp4)));
+  }
+  EXPECT_EQ(layer->operand_computations(), 6);
+  auto copy = std::dynamic_pointer_cast<QuantLinearImpl>(layer->clone());
+  EXPECT_EQ(forward_and_check(*copy, x), 1);
+}
+
+TEST(QuantLinear, Fp8PrimaryWeightOperandFollowsWeightAndScale) {
+  at::manual_seed(9);
+  QuantLinear layer(nullptr);
+  {
+    QuantModelInitGuard init(kFp8Param);
+    layer = QuantLinear(32, 8);
+  }
+  const at::Tensor x = torch::randn({3, 32});
+  auto check = [&] {
+    QuantAutocastGuard autocast(kFp8Param);
+    EXPECT_TRUE(
+        at::equal(layer(x), at::linear(fake_quantize_fp8(x, at::kFloat8_e4m3fn),
+                                       layer->dequantized_weight(at::kFloat), layer->bias)));
+    return layer->operand_computations();
+  };
+  EXPECT_EQ(check(), 1);
+  EXPECT_EQ(check(), 1);
+  layer->weight_scale_inv.mul_(2);  // the scale is a source too
+  EXPECT_EQ(check(), 2);
+  {
+    at::NoGradGuard no_grad;
+    layer->weight.copy_(quantize_fp8(torch::randn({8, 32}), at::kFloat8_e4m3fn).data);
+  }
+  EXPECT_EQ(check(), 3);
 }
 
 TEST(QuantLinear, BadInputNamesTheShape) {

@@ -37,6 +37,11 @@
 // rank's piece as a flat slice (ShardedTensor::flat_range = the piece's [begin, end)), so a
 // checkpoint of either loads into the other, on any number of ranks. dist/collective_checkpoint.h
 // saves and loads whole training states collectively.
+//
+// Offloading (Float16OptimizerOptions::offload, optim/offload.h): each rank keeps the masters
+// and moments of its own pieces on the host and steps them there, its pieces of parameters and
+// gradients copied in overlapped chunks (distributed_optimizer_offload.cpp); results are
+// bitwise those without offloading. master_remainders is not supported here (refused).
 #pragma once
 
 #include "mixprec/dist/grad_reducer.h"
@@ -53,7 +58,8 @@
 
 namespace mixprec::optim::detail {
 class AlgorithmTraits;
-}
+class OffloadPipeline;
+}  // namespace mixprec::optim::detail
 
 namespace mixprec::dist {
 
@@ -119,9 +125,10 @@ class DistributedOptimizer : public torch::optim::Optimizer {
     optim::ParamRole role;
     at::Tensor param;   // view: elements [begin, end) of the model parameter (1-D)
     at::Tensor grad;    // view: the same elements of the gradient buffer (1-D)
-    at::Tensor master;  // FP32 main copy of the piece (kMaster only)
+    at::Tensor master;  // FP32 main copy of the piece (kMaster only; on the host if offloaded)
     // Parallel to state_kinds(): FP32, 1-D, defined once stepped with a kind the algorithm
-    // holds under the group's options (max_exp_avg_sq with amsgrad, SGD's with momentum).
+    // holds under the group's options (max_exp_avg_sq with amsgrad, SGD's with momentum); on
+    // the host if offloaded.
     std::vector<at::Tensor> state;
   };
   // In buffer order; only parameters of the groups that are trainable.
@@ -136,6 +143,8 @@ class DistributedOptimizer : public torch::optim::Optimizer {
   int64_t state_bytes(optim::ParamRole role) const;
   // The reducer's layout table followed by this rank's pieces and their roles.
   std::string describe() const;
+  // What the last update() that stepped did with offloading on (all zero without it).
+  const optim::OffloadStats& offload_stats() const { return offload_stats_; }
 
   // FQN-keyed state, as Float16Optimizer::sharded_state_dict() keys it: for every parameter
   // with a piece here, "optimizer.state.fp32_param.<fqn>" (kMaster) and, once stepped,
@@ -175,6 +184,8 @@ class DistributedOptimizer : public torch::optim::Optimizer {
  private:
   void build(const torch::nn::Module& model);
   void step_shard(LocalShard& shard, double grad_multiplier);
+  // Steps every owned piece through the offloading pipeline (distributed_optimizer_offload.cpp).
+  void step_offloaded(double grad_multiplier);
   void gather_params();
 
   GradReducer& reducer_;
@@ -189,6 +200,8 @@ class DistributedOptimizer : public torch::optim::Optimizer {
   // Views of every piece this rank owns in the layout (groups or not), for the all-gather.
   std::vector<std::pair<ParamShard, at::Tensor>> owned_pieces_;
   optim::StepResult last_result_;
+  std::shared_ptr<optim::detail::OffloadPipeline> offload_;  // made on the first offloaded step
+  optim::OffloadStats offload_stats_;
 };
 
 }  // namespace mixprec::dist

@@ -44,18 +44,52 @@
 // everything and return a CheckedOptimizerState; apply() installs it and cannot fail on the
 // state's content. load_state_dict() / load_sharded_state_dict() do both.
 //
+// Lossless master remainders (Float16OptimizerOptions::master_remainders, SPEC §3): each
+// trainable BF16 parameter holds its FP32 master as the parameter itself (the high 16 bits)
+// plus an int16 remainder (optim/master_remainder.h, Transformer Engine's format): optimizer
+// state drops from 12 to 10 bytes per parameter (state_bytes() counts 2 for the remainder).
+//   * Exact: given the same gradients, masters and moments are bitwise those of the
+//     FP32-master path at every step; the master is the FP32 value the step computed.
+//   * Not RNE: no 16-bit remainder can be lossless and keep the parameter = RNE(master). The
+//     split rounds to nearest with ties AWAY FROM ZERO: the BF16 parameter equals the
+//     FP32-master path's (RNE) except when the master lies exactly on a tie above an even
+//     BF16 value (low 16 bits 0x8000, bit 16 clear); then it is one BF16 ulp further from
+//     zero. For random updates that is about 2^-17 of the elements per step. (A training loop
+//     whose forward reads such a parameter computes different gradients from then on.)
+//   * FP16 parameters keep FP32 masters (FP16 is not the high half of an FP32); native FP32
+//     and frozen parameters are unaffected.
+//   * The parameter is half of the master, so a write from outside cannot be told from one
+//     that keeps the value: any outside write (version counter bumped, storage swapped)
+//     re-seeds the master as the parameter exactly (remainder 0), where the FP32-master path
+//     ignores a write of the value the master rounds to. Re-typed from outside: BF16 → FP32
+//     takes the joined master (exact: the conversion keeps the BF16 value); BF16 → FP16
+//     rebuilds an FP32 master from the FP16 value's BF16 rounding and the remainder (exact
+//     when the FP16 value holds the BF16 value: magnitudes in [2^-17, 2^16) or zero);
+//     FP16 → BF16 splits its master.
+//   * State dicts and checkpoints still hold a plain FP32 fp32_param (joined when the dict is
+//     built: a fresh tensor, not an alias, whose version counter is the remainder's, so a step
+//     taken after building the dict is still refused by checkpoint savers); loads split it.
+//     Files do not depend on the option, and it may differ between save and load.
+//
+// CPU offloading (Float16OptimizerOptions::offload, optim/offload.h): masters, remainders and
+// moments live on the host; each step copies gradients down and parameters up in overlapped
+// chunks. Results, state dicts and checkpoints are those without offloading, bit for bit.
+//
 // Not thread-safe: like torch's optimizers, use one from one thread at a time (the checks
 // above update internal records even from const members).
 #pragma once
 
 #include "mixprec/optim/fused_kernels.h"
 #include "mixprec/optim/loss_scaler.h"
+#include "mixprec/optim/offload.h"
 #include "mixprec/optim/optimizer_state.h"
 #include "mixprec/sharded_state_dict.h"
 
 #include <torch/arg.h>
 #include <torch/optim/optimizer.h>
 
+#include <memory>
+#include <optional>
 #include <string>
 #include <vector>
 
@@ -94,6 +128,12 @@ struct Float16OptimizerOptions {
   TORCH_ARG(double, clip_grad) = 0.0;
   TORCH_ARG(NonFiniteGrads, non_finite_grads) = NonFiniteGrads::kSkipStep;
   TORCH_ARG(ExternalParamChange, on_external_param_change) = ExternalParamChange::kReseedMaster;
+  // Hold each trainable BF16 parameter's master as the parameter plus an int16 remainder (see
+  // the header comment: exact masters and moments, the parameter rounded ties-away).
+  TORCH_ARG(bool, master_remainders) = false;
+  // Keep masters and moments on the host and step them there (optim/offload.h); none: all
+  // state on the parameters' devices.
+  TORCH_ARG(std::optional<OffloadOptions>, offload) = std::nullopt;
 };
 
 struct StepResult {
@@ -132,6 +172,8 @@ class CheckedOptimizerState {
 
 namespace detail {
 class AlgorithmTraits;
+class OffloadPipeline;
+struct MasterPolicy;
 struct SyncPlan;
 enum class SyncPurpose;
 // Checks, before torch::optim::Optimizer's constructor sees them, that every group's options
@@ -189,13 +231,19 @@ class Float16Optimizer : private detail::GroupOptionsCheck, public torch::optim:
   Algorithm algorithm() const;
   const std::vector<ParamInfo>& params_info() const { return info_; }
   // The FP32 main copy of the parameter named `fqn`; undefined unless its role is kMaster.
-  // Throws c10::Error naming `fqn` (and close matches) if the optimizer holds no such param.
-  const at::Tensor& main_param(const std::string& fqn) const;
-  // Bytes of optimizer-owned tensors (masters and moments) for parameters of `role`.
+  // The optimizer's own tensor, or with a remainder a fresh FP32 tensor joined from the
+  // parameter and its remainder (writing to it changes nothing). Throws c10::Error naming
+  // `fqn` (and close matches) if the optimizer holds no such param.
+  at::Tensor main_param(const std::string& fqn) const;
+  // Bytes of optimizer-owned tensors (masters or remainders, and moments) for parameters of
+  // `role`; with offloading they are host memory.
   int64_t state_bytes(ParamRole role) const;
+  // What the last update() that stepped did with offloading on (all zero without it).
+  const OffloadStats& offload_stats() const { return offload_stats_; }
 
   // torch's positional form. Tensors alias the optimizer's own (as torch's state_dict does):
-  // a later step changes them; clone what must outlive it.
+  // a later step changes them; clone what must outlive it. (With master_remainders a BF16
+  // parameter's FP32 main copy is joined into a fresh tensor: see the header comment.)
   PositionalStateDict state_dict() const;
   // Validates everything (group count and sizes, ids, shapes, dtypes, hyper-parameters with
   // the step's own ranges, steps: non-negative integers) and returns it checked; changes
@@ -209,7 +257,7 @@ class Float16Optimizer : private detail::GroupOptionsCheck, public torch::optim:
   // copy); common["optimizer"] = {algorithm, step, param_groups (with FQN lists and
   // hyper-parameters), scaler, per-parameter steps that differ from `step`, frozen,
   // without_state}. Tensors alias the optimizer's own (no copy: a checkpoint streams them
-  // straight to disk).
+  // straight to disk), but for fp32_param of a parameter held with a remainder (joined).
   ShardedStateDict sharded_state_dict() const;
   // Checks the FQN-keyed form as check_state_dict does. Works across a changed precision plan:
   // a parameter saved with a main copy that is now native FP32 takes the saved main copy's
@@ -250,7 +298,9 @@ class Float16Optimizer : private detail::GroupOptionsCheck, public torch::optim:
   void sync_with_model() const;  // plan and apply, for the state dicts
   CheckedOptimizerState check_parsed(Parsed&& parsed, const LoadOptions& options) const;
   void step_slot(size_t index, double grad_multiplier);
-  void copy_masters_to_model();
+  // Steps the `active` slots through the offloading pipelines (float16_optimizer_offload.cpp).
+  void step_offloaded(const std::vector<size_t>& active, double grad_multiplier);
+  detail::MasterPolicy master_policy() const;
   void record_params() const;
 
   Float16OptimizerOptions options_;
@@ -263,6 +313,9 @@ class Float16Optimizer : private detail::GroupOptionsCheck, public torch::optim:
   std::vector<std::shared_ptr<Slot>> slots_;  // parallel to info_
   std::vector<size_t> group_sizes_;           // params per group, as adopted
   StepResult last_result_;
+  // With offloading: one pipeline per device that parameters live on, made on first use.
+  std::vector<std::unique_ptr<detail::OffloadPipeline>> offload_;
+  OffloadStats offload_stats_;
 };
 
 }  // namespace mixprec::optim

@@ -29,7 +29,12 @@ ScaledFp8 quantize_fp8(const at::Tensor& x, c10::ScalarType fp8_dtype);
 // data * scale_inv, in `dtype`.
 at::Tensor dequantize_fp8(const ScaledFp8& q, c10::ScalarType dtype);
 
-// quantize_fp8 then dequantize_fp8 back to x's dtype. Not differentiable.
+// quantize_fp8 then dequantize_fp8 back to x's dtype, without materializing the FP8 tensor.
+// Not differentiable; the result is a new tensor. On CPU for FP32/BF16/FP16 a fused,
+// vectorized, multithreaded kernel computes it: every non-NaN value is bit for bit what
+// dequantize_fp8(quantize_fp8(x, fp8_dtype), x.scalar_type()) gives, NaNs are at the same
+// places (their payload bits may differ: ATen's own vectorized and scalar code disagree).
+// Throws c10::Error like quantize_fp8.
 at::Tensor fake_quantize_fp8(const at::Tensor& x, c10::ScalarType fp8_dtype);
 
 // NVFP4 fake quantization along the last dimension: blocks of 16 values share an E4M3 scale
@@ -44,5 +49,16 @@ at::Tensor fake_quantize_nvfp4(const at::Tensor& x);
 // The format is recorded in the autograd node, so backward (on any thread) does what forward
 // decided regardless of the scopes active then.
 at::Tensor quantize_for_gemm(const at::Tensor& x, QuantFormat format);
+
+// What quantize_for_gemm(x, format) computes in forward, as a plain tensor outside autograd.
+at::Tensor fake_quantize_operand(const at::Tensor& x, QuantFormat format);
+
+// quantize_for_gemm(x, format) with its forward result supplied: `forward_value` must equal
+// fake_quantize_operand(x, format) (e.g. kept from an earlier call while x is unchanged, as
+// QuantLinear does for its weight). Returns a view of forward_value that carries the same
+// autograd node as quantize_for_gemm (backward identical). Throws c10::Error if the shapes or
+// dtypes of x and forward_value differ.
+at::Tensor quantize_for_gemm(const at::Tensor& x, QuantFormat format,
+                             const at::Tensor& forward_value);
 
 }  // namespace mixprec::quant

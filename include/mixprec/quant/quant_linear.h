@@ -8,9 +8,15 @@
 //   * Run inside an enabled autocast scope, forward fake-quantizes input and weight in the
 //     scope's format before the GEMM (quantize_for_gemm: gradients follow the recipe).
 //   * A weight marked keep_in_fp32 is never quantized: forward computes in FP32.
+//   * The weight's GEMM operand (fake-quantized, or dequantized for FP8 weights) is kept
+//     between forwards and recomputed only after the weight changes: an in-place write (an
+//     optimizer step, copy_, a checkpoint load), set_data or a new tensor (OperandCache,
+//     operand_cache.h, lists what it sees). After writing the weight's memory behind
+//     LibTorch's back (Tensor::data(), raw pointers) call clear_operand_cache().
 // Otherwise it is a plain y = x Wᵀ + b in the weight's dtype (the input's for FP8 weights).
 #pragma once
 
+#include "mixprec/quant/operand_cache.h"
 #include "mixprec/quant/quant_config.h"
 
 #include <torch/arg.h>
@@ -58,6 +64,10 @@ class QuantLinearImpl : public torch::nn::Cloneable<QuantLinearImpl> {
   bool has_fp8_weight() const { return weight_scale_inv.defined(); }
   // What the most recent forward computed in (default-constructed before the first).
   const LinearCompute& last_compute() const { return last_compute_; }
+  // Forgets the kept weight operand; the next forward recomputes it.
+  void clear_operand_cache() { weight_cache_.clear(); }
+  // How many times forward has computed the weight operand (tests, benchmarks).
+  int64_t operand_computations() const { return weight_cache_.computations(); }
 
   QuantLinearOptions options;
   at::Tensor weight;
@@ -66,6 +76,7 @@ class QuantLinearImpl : public torch::nn::Cloneable<QuantLinearImpl> {
 
  private:
   LinearCompute last_compute_;
+  OperandCache weight_cache_;  // copies start empty: clone() recomputes
 };
 
 TORCH_MODULE(QuantLinear);

@@ -215,6 +215,46 @@ TEST(CollectiveCheckpoint, SingleProcessCheckpointLoadsIntoZero) {
   expect_params_equal(*zero.model, *dp.model, "continued");
 }
 
+// Offloading (masters and moments on the host) changes where the state lives, not the
+// checkpoint: a plain ZeRO-1 checkpoint loads into an offloaded one and the reverse, and both
+// continue bitwise alike.
+TEST(CollectiveCheckpoint, OffloadedAndPlainZeroLoadEachOthersCheckpoints) {
+  SharedTempDir root;
+  const auto offloaded = optim::Float16OptimizerOptions().offload(
+      optim::OffloadOptions().chunk_bytes(256).chunks_in_flight(2));
+  auto expect_same_state = [](const ZeroRun& a, const ZeroRun& b, const std::string& what) {
+    const ShardedStateDict sa = a.optimizer->sharded_state_dict();
+    const ShardedStateDict sb = b.optimizer->sharded_state_dict();
+    EXPECT_EQ(sa.tensors.size(), sb.tensors.size()) << what;
+    for (const auto& [key, piece] : sa.tensors) {
+      EXPECT_TRUE(sb.tensors.count(key) && at::equal(piece.local, sb.at(key).local))
+          << what << ": " << key;
+    }
+    EXPECT_EQ(sa.common, sb.common) << what;
+  };
+  ZeroRun plain;
+  for (int64_t step = 0; step < 2; ++step) plain.step(step);
+  dist::save_training_state(root.path(), "plain", *plain.model, *plain.optimizer);
+  ZeroRun off(offloaded);
+  dist::load_training_state(root.path() / "plain", *off.model, *off.optimizer);
+  expect_same_state(off, plain, "plain -> offloaded");
+  for (const auto& s : off.optimizer->local_shards()) {
+    for (const at::Tensor& t : s.state) {
+      if (t.defined()) EXPECT_TRUE(t.device().is_cpu()) << s.shard.fqn;
+    }
+  }
+  for (int64_t step = 2; step < 4; ++step) {
+    plain.step(step);
+    off.step(step);
+  }
+  expect_params_equal(*off.model, *plain.model, "continued offloaded vs plain");
+  dist::save_training_state(root.path(), "offloaded", *off.model, *off.optimizer);
+  ZeroRun back;
+  dist::load_training_state(root.path() / "offloaded", *back.model, *back.optimizer);
+  expect_same_state(back, plain, "offloaded -> plain");
+  expect_params_equal(*back.model, *plain.model, "offloaded -> plain");
+}
+
 // Everything a rank's model and optimizer hold, to tell that a failed load changed nothing.
 std::vector<at::Tensor> snapshot(ZeroRun& run) {
   std::vector<at::Tensor> out;

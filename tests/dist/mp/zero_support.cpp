@@ -20,10 +20,11 @@ dist::GradReducerOptions small_buckets() {
   return dist::GradReducerOptions().bucket_numel(64).shard_alignment(4);
 }
 
-ZeroRun::ZeroRun() {
+ZeroRun::ZeroRun(optim::Float16OptimizerOptions options) {
   reducer = std::make_unique<dist::GradReducer>(
       world_ptr(), *model, small_buckets().mode(dist::ReduceMode::kReduceScatter));
-  optimizer = std::make_unique<dist::DistributedOptimizer>(*reducer, *model, adamw_options());
+  optimizer = std::make_unique<dist::DistributedOptimizer>(*reducer, *model, adamw_options(),
+                                                           std::move(options));
 }
 
 optim::StepResult ZeroRun::step(int64_t step) {

@@ -26,7 +26,7 @@ struct ZeroRun {
   MixedNet model;
   std::unique_ptr<dist::GradReducer> reducer;
   std::unique_ptr<dist::DistributedOptimizer> optimizer;
-  ZeroRun();
+  explicit ZeroRun(optim::Float16OptimizerOptions options = {});
   optim::StepResult step(int64_t step);  // batch(step), the same on every rank
 };
 
