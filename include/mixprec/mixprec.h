@@ -21,6 +21,7 @@
 
 // Quantization scopes (FP8 / FP4) and the layer that honours them.
 #include "mixprec/quant/fake_quant.h"
+#include "mixprec/quant/operand_cache.h"
 #include "mixprec/quant/quant_config.h"
 #include "mixprec/quant/quant_linear.h"
 #include "mixprec/quant/quant_state.h"
