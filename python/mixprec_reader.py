@@ -23,7 +23,8 @@ from safetensors import safe_open
 
 # ---- names reserved by the format (state_keys.h) ---------------------------------------------
 
-# Tensor keys: "optimizer.state.<kind>.<fqn>" for optimizer state; RNG states; everything
+# Tensor keys: "optimizer.state.<kind>.<fqn>" for optimizer state; RNG states (a data-parallel
+# save adds "rng.rank.<r>.cpu", ... per rank; "rng.cpu" is its rank 0's); everything
 # else is a model parameter or buffer under its fully qualified name.
 OPTIMIZER_PREFIX = "optimizer."
 OPTIMIZER_STATE_PREFIX = "optimizer.state."
@@ -35,6 +36,7 @@ MOMENTUM_BUFFER = "momentum_buffer"
 STATE_KINDS = (FP32_PARAM, EXP_AVG, EXP_AVG_SQ, MAX_EXP_AVG_SQ, MOMENTUM_BUFFER)
 RNG_CPU = "rng.cpu"
 RNG_CUDA_PREFIX = "rng.cuda."
+RNG_RANK_PREFIX = "rng.rank."
 
 # Top-level fields of the common state.
 COMMON_OPTIMIZER = "optimizer"
@@ -84,7 +86,7 @@ def optimizer_state_key(kind, fqn):
 def is_model_key(key):
     """True for model parameters and buffers (not optimizer state, not RNG state)."""
     return not key.startswith(OPTIMIZER_PREFIX) and key != RNG_CPU and \
-        not key.startswith(RNG_CUDA_PREFIX)
+        not key.startswith(RNG_CUDA_PREFIX) and not key.startswith(RNG_RANK_PREFIX)
 
 
 def resolve(path):

@@ -23,7 +23,39 @@ ShardedTensor ShardedTensor::whole(at::Tensor tensor) {
   return out;
 }
 
-bool ShardedTensor::is_whole() const { return local.sizes().vec() == global_shape; }
+ShardedTensor ShardedTensor::flat(at::Tensor local, std::vector<int64_t> global_shape,
+                                  int64_t begin) {
+  TORCH_CHECK(local.defined() && local.dim() == 1,
+              "[mixprec::ShardedTensor::flat] the local piece must be a defined 1-D tensor");
+  int64_t numel = 1;
+  for (int64_t d : global_shape) numel *= d;
+  const int64_t end = begin + local.numel();
+  TORCH_CHECK(begin >= 0 && end <= numel, "[mixprec::ShardedTensor::flat] elements [", begin, ", ",
+              end, ") do not lie in a tensor of shape ", global_shape);
+  ShardedTensor out;
+  out.global_shape = std::move(global_shape);
+  out.flat_range = FlatRange{begin, end};
+  out.local = local.is_contiguous() ? std::move(local) : local.contiguous();
+  if (!out.local.is_inference()) out.version = out.local._version();
+  return out;
+}
+
+bool ShardedTensor::is_whole() const {
+  if (flat_range && flat_range->begin != 0) return false;
+  return local.sizes().vec() == global_shape;
+}
+
+at::Tensor ShardedTensor::flat_elements(int64_t begin, int64_t end) const {
+  if (flat_range) {
+    TORCH_CHECK(begin >= flat_range->begin && end <= flat_range->end,
+                "[mixprec::ShardedTensor] holds elements [", flat_range->begin, ", ",
+                flat_range->end, "), not [", begin, ", ", end, ")");
+    return local.narrow(0, begin - flat_range->begin, end - begin);
+  }
+  TORCH_CHECK(is_whole(), "[mixprec::ShardedTensor] holds the box at ", global_offset, " of shape ",
+              local.sizes(), ", not the whole tensor ", global_shape);
+  return local.reshape({-1}).narrow(0, begin, end - begin);
+}
 
 void ShardedStateDict::merge(ShardedStateDict other) {
   for (const auto& [key, value] : other.tensors) {

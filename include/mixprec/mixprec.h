@@ -21,6 +21,7 @@
 
 // Quantization scopes (FP8 / FP4) and the layer that honours them.
 #include "mixprec/quant/fake_quant.h"
+#include "mixprec/quant/operand_cache.h"
 #include "mixprec/quant/quant_config.h"
 #include "mixprec/quant/quant_linear.h"
 #include "mixprec/quant/quant_state.h"
@@ -69,8 +70,10 @@
 #include "mixprec/checkpoint/format/state_keys.h"
 #include "mixprec/checkpoint/format/verify.h"
 
-// Data parallelism on c10d: process groups, gradient reduction, the ZeRO-1 optimizer.
+// Data parallelism on c10d: process groups, gradient reduction, the ZeRO-1 optimizer and its
+// collective checkpoints.
 #include "mixprec/dist/buffer_layout.h"
+#include "mixprec/dist/collective_checkpoint.h"
 #include "mixprec/dist/communicator.h"
 #include "mixprec/dist/distributed_optimizer.h"
 #include "mixprec/dist/grad_reducer.h"

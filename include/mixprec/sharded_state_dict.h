@@ -3,8 +3,10 @@
 // Every tensor is keyed by a name derived from the model's fully qualified names ("fc.weight",
 // "optimizer.state.exp_avg.fc.weight"), never by position or pointer. A ShardedTensor is the
 // slice of a global tensor that this rank holds; with no data parallelism it is the whole
-// tensor. Non-tensor state (step, hyper-parameters, loss scaler, RNG, user metadata) travels
-// in `common`, a JSON object.
+// tensor. A slice is a box (an offset and a local shape per dimension), or a flat range of the
+// tensor's row-major elements: ZeRO-1 shards a parameter's state by flat ranges
+// (dist/distributed_optimizer.h), and a range is generally no box. Non-tensor state (step,
+// hyper-parameters, loss scaler, RNG, user metadata) travels in `common`, a JSON object.
 #pragma once
 
 #include <ATen/core/Tensor.h>
@@ -13,6 +15,7 @@
 
 #include <cstdint>
 #include <map>
+#include <optional>
 #include <string>
 #include <vector>
 
@@ -22,21 +25,42 @@ class Module;
 
 namespace mixprec {
 
+// Elements [begin, end) of a tensor flattened in row-major order.
+struct FlatRange {
+  int64_t begin = 0;
+  int64_t end = 0;
+  int64_t numel() const { return end - begin; }
+  bool operator==(const FlatRange&) const = default;
+};
+
 struct ShardedTensor {
   at::Tensor local;                    // this rank's slice; contiguous
   std::vector<int64_t> global_shape;   // shape of the whole tensor
-  std::vector<int64_t> global_offset;  // where `local` starts in it, per dimension
+  std::vector<int64_t> global_offset;  // where `local` starts in it, per dimension (box slices)
   int64_t replica_id = 0;              // 0 for the copy that is written; others are duplicates
   // `local`'s version counter when this entry was made (whole() records it; -1: unchecked).
   // State dicts alias live tensors, so savers refuse an entry whose tensor changed since
   // (checkpoint/save.h): a training step between building a dict and saving it would mix
   // two steps. An optimizer step bumps the version of every tensor it writes.
   int64_t version = -1;
+  // Set for a flat slice: `local` is 1-D and holds elements [begin, end) of the global
+  // tensor's row-major flattening; global_offset is then empty. Savers store it as the boxes
+  // the range decomposes into (checkpoint/format/box.h: flat_range_boxes); read_checkpoint
+  // returns one when ReadOptions::flat_range asks for it (checkpoint/load.h).
+  std::optional<FlatRange> flat_range;
 
   // The whole tensor, held by one rank.
   static ShardedTensor whole(at::Tensor tensor);
-  // True if `local` is the whole global tensor.
+  // Elements [begin, begin + local.numel()) of a tensor of `global_shape`; `local` must be
+  // 1-D (it may be a view: its version is recorded as whole() does). Throws c10::Error if the
+  // range does not lie in the global shape.
+  static ShardedTensor flat(at::Tensor local, std::vector<int64_t> global_shape, int64_t begin);
+  // True if `local` is the whole global tensor (a flat slice only for a 1-D tensor).
   bool is_whole() const;
+  // The row-major elements [begin, end) of the global tensor that this slice holds, as a 1-D
+  // view of `local`: a flat slice must contain the range; a box slice must be whole. Throws
+  // c10::Error saying what the slice holds otherwise.
+  at::Tensor flat_elements(int64_t begin, int64_t end) const;
 };
 
 struct ShardedStateDict {

@@ -57,7 +57,7 @@ struct AsyncCheckpointSaver::Pipeline final : detail::PieceSource {
 
   // Called by save(): blocks while the budget is full, unless the writer has stopped.
   bool stage(const detail::Piece& piece) {
-    const std::size_t bytes = static_cast<std::size_t>(piece.count * piece.tensor->element_size());
+    const std::size_t bytes = static_cast<std::size_t>(piece.count * piece.local->element_size());
     {
       std::unique_lock<std::mutex> lock(mutex);
       changed.wait(lock, [&] {
@@ -68,7 +68,7 @@ struct AsyncCheckpointSaver::Pipeline final : detail::PieceSource {
     at::Tensor buffer = pool->take();
     // Straight from the tensor (any layout, any device) into the staging buffer.
     detail::copy_piece(
-        piece, buffer.narrow(0, 0, static_cast<int64_t>(bytes)).view(piece.tensor->scalar_type()));
+        piece, buffer.narrow(0, 0, static_cast<int64_t>(bytes)).view(piece.local->scalar_type()));
     std::lock_guard<std::mutex> lock(mutex);
     staged_bytes += piece_size;
     peak_bytes = std::max(peak_bytes, staged_bytes);
@@ -92,7 +92,7 @@ struct AsyncCheckpointSaver::Pipeline final : detail::PieceSource {
                 piece.key, "' failed; the save is abandoned");
     const Staged& front = staged.front();
     TORCH_INTERNAL_ASSERT(
-        front.bytes == static_cast<std::size_t>(piece.count * piece.tensor->element_size()),
+        front.bytes == static_cast<std::size_t>(piece.count * piece.local->element_size()),
         "staged piece out of order");
     return front.buffer.narrow(0, 0, static_cast<int64_t>(front.bytes));
   }

@@ -1,5 +1,6 @@
 #include "mixprec/checkpoint/load.h"
 
+#include "mixprec/checkpoint/format/box.h"
 #include "mixprec/checkpoint/format/error.h"
 #include "mixprec/checkpoint/format/latest.h"
 #include "mixprec/checkpoint/format/manifest.h"
@@ -56,13 +57,21 @@ struct PartToRead {
   Box part;  // global box: the chunk's box ∩ the wanted slice
 };
 
-// One key's wanted slice and the chunk parts that fill it, checked before anything is
-// allocated.
+// One box of a key's wanted slice and the chunk parts that fill it. A box slice is one
+// region; a flat range is one region per box it decomposes into, each a contiguous run of
+// the 1-D result starting at `flat_offset`.
+struct Region {
+  Box want;
+  int64_t flat_offset = 0;
+  std::vector<PartToRead> parts;
+};
+
+// One key's wanted slice, checked before anything is allocated.
 struct KeyToRead {
   const std::string* key;
   const KeyEntry* entry;
-  Box want;
-  std::vector<PartToRead> parts;
+  std::optional<FlatRange> flat;  // set: the result is flat, else the one region's box
+  std::vector<Region> regions;
 };
 
 // The byte runs of `part` within its chunk's row-major layout, each paired with its place in
@@ -173,36 +182,56 @@ ShardedStateDict read_checkpoint(const std::filesystem::path& dir, const ReadOpt
   std::vector<KeyToRead> plan;
   for (const auto& [key, entry] : manifest.keys) {
     if (!options.keys.empty() && !options.keys.count(key)) continue;
-    KeyToRead k{&key, &entry, Box{std::vector<int64_t>(entry.shape.size(), 0), entry.shape}, {}};
-    if (options.slice) {
-      if (auto slice = options.slice(key, entry.shape)) k.want = *slice;
-    }
-    TORCH_CHECK(fits_in(k.want, entry.shape), "[mixprec::checkpoint::read] key '", key,
-                "': requested slice ", k.want.to_string(), " is outside its shape ",
-                dims_to_string(entry.shape));
-    uint64_t covered = 0;
-    for (const Chunk& chunk : entry.chunks) {
-      std::optional<Box> part = intersect(chunk.box, k.want);
-      if (!part) continue;
-      const SafetensorsReader& reader = reader_for(chunk.file);
-      const TensorEntry& stored = reader.tensor(chunk.tensor);
-      if (stored.dtype != entry.dtype || stored.shape != chunk.box.shape) {
-        throw FormatError("[mixprec::checkpoint] " + (dir / chunk.file).string() + ": tensor '" +
-                          chunk.tensor + "' of key '" + key + "' is " +
-                          std::string(dtype_name(stored.dtype)) + " " + dims_to_string(stored.shape) +
-                          ", the manifest says " + std::string(dtype_name(entry.dtype)) + " " +
-                          dims_to_string(chunk.box.shape));
+    KeyToRead k{&key, &entry, std::nullopt, {}};
+    if (options.flat_range) k.flat = options.flat_range(key, entry.shape);
+    if (k.flat) {
+      int64_t numel = 1;
+      for (int64_t d : entry.shape) numel *= d;
+      TORCH_CHECK(k.flat->begin >= 0 && k.flat->begin <= k.flat->end && k.flat->end <= numel,
+                  "[mixprec::checkpoint::read] key '", key, "': requested flat range [",
+                  k.flat->begin, ", ", k.flat->end, ") is outside its ", numel, " elements ",
+                  dims_to_string(entry.shape));
+      int64_t offset = 0;
+      for (Box& box : flat_range_boxes(entry.shape, k.flat->begin, k.flat->end)) {
+        const auto volume = static_cast<int64_t>(box.volume());
+        k.regions.push_back({std::move(box), offset, {}});
+        offset += volume;
       }
-      covered += part->volume();
-      k.parts.push_back({&chunk, &reader, std::move(*part)});
+    } else {
+      Box want{std::vector<int64_t>(entry.shape.size(), 0), entry.shape};
+      if (options.slice) {
+        if (auto slice = options.slice(key, entry.shape)) want = *slice;
+      }
+      TORCH_CHECK(fits_in(want, entry.shape), "[mixprec::checkpoint::read] key '", key,
+                  "': requested slice ", want.to_string(), " is outside its shape ",
+                  dims_to_string(entry.shape));
+      k.regions.push_back({std::move(want), 0, {}});
     }
-    // The manifest's chunks tile the key (read_manifest checked it), so this holds unless
-    // that check is wrong; a gap would leave uninitialized memory in the result.
-    if (covered != k.want.volume()) {
-      throw FormatError("[mixprec::checkpoint] " + dir.string() + ": key '" + key +
-                        "': its chunks cover " + std::to_string(covered) + " of the " +
-                        std::to_string(k.want.volume()) + " elements of slice " +
-                        k.want.to_string());
+    for (Region& region : k.regions) {
+      uint64_t covered = 0;
+      for (const Chunk& chunk : entry.chunks) {
+        std::optional<Box> part = intersect(chunk.box, region.want);
+        if (!part) continue;
+        const SafetensorsReader& reader = reader_for(chunk.file);
+        const TensorEntry& stored = reader.tensor(chunk.tensor);
+        if (stored.dtype != entry.dtype || stored.shape != chunk.box.shape) {
+          throw FormatError(
+              "[mixprec::checkpoint] " + (dir / chunk.file).string() + ": tensor '" + chunk.tensor +
+              "' of key '" + key + "' is " + std::string(dtype_name(stored.dtype)) + " " +
+              dims_to_string(stored.shape) + ", the manifest says " +
+              std::string(dtype_name(entry.dtype)) + " " + dims_to_string(chunk.box.shape));
+        }
+        covered += part->volume();
+        region.parts.push_back({&chunk, &reader, std::move(*part)});
+      }
+      // The manifest's chunks tile the key (read_manifest checked it), so this holds unless
+      // that check is wrong; a gap would leave uninitialized memory in the result.
+      if (covered != region.want.volume()) {
+        throw FormatError("[mixprec::checkpoint] " + dir.string() + ": key '" + key +
+                          "': its chunks cover " + std::to_string(covered) + " of the " +
+                          std::to_string(region.want.volume()) + " elements of slice " +
+                          region.want.to_string());
+      }
     }
     plan.push_back(std::move(k));
   }
@@ -210,32 +239,43 @@ ShardedStateDict read_checkpoint(const std::filesystem::path& dir, const ReadOpt
   ReadStats stats;
   for (const KeyToRead& k : plan) {
     const std::string& key = *k.key;
-    at::Tensor local =
-        at::empty(k.want.shape, at::TensorOptions().dtype(to_scalar_type(k.entry->dtype)));
-    for (const PartToRead& p : k.parts) {
-      // A chunk needed whole is checked against its own checksum; one needed in part against
-      // the checksums of the blocks the part touches (version 2), else again as a whole.
-      const bool whole = p.part.shape == p.chunk->box.shape;
-      TensorChecksums sums{p.chunk->checksum, 0, {}};
-      if (!whole && manifest.block_bytes > 0) {
-        sums.block_bytes = manifest.block_bytes;
-        sums.blocks = p.chunk->block_checksums;
+    const auto options_of = at::TensorOptions().dtype(to_scalar_type(k.entry->dtype));
+    at::Tensor local = k.flat ? at::empty({k.flat->numel()}, options_of)
+                              : at::empty(k.regions.at(0).want.shape, options_of);
+    for (const Region& region : k.regions) {
+      at::Tensor target =
+          k.flat ? local.narrow(0, region.flat_offset, static_cast<int64_t>(region.want.volume()))
+                       .view(region.want.shape)
+                 : local;
+      for (const PartToRead& p : region.parts) {
+        // A chunk needed whole is checked against its own checksum; one needed in part against
+        // the checksums of the blocks the part touches (version 2), else again as a whole.
+        const bool whole = p.part.shape == p.chunk->box.shape;
+        TensorChecksums sums{p.chunk->checksum, 0, {}};
+        if (!whole && manifest.block_bytes > 0) {
+          sums.block_bytes = manifest.block_bytes;
+          sums.blocks = p.chunk->block_checksums;
+        }
+        PartRuns runs(p.chunk->box, p.part, target, region.want);
+        try {
+          stats.bytes_read += p.reader->read_verified(
+              p.chunk->tensor, [&](ByteRun& run) { return runs.next(run); }, sums);
+        } catch (const ChecksumError& e) {
+          if (p.chunk->tensor == key) throw;
+          throw ChecksumError(std::string(e.what()) + " (key '" + key + "')");
+        }
+        stats.bytes_used += p.part.volume() * static_cast<uint64_t>(local.element_size());
+        if (k.entry->dtype == Dtype::BOOL) check_bool_bytes(target, region.want, p, key, dir);
       }
-      PartRuns runs(p.chunk->box, p.part, local, k.want);
-      try {
-        stats.bytes_read += p.reader->read_verified(
-            p.chunk->tensor, [&](ByteRun& run) { return runs.next(run); }, sums);
-      } catch (const ChecksumError& e) {
-        if (p.chunk->tensor == key) throw;
-        throw ChecksumError(std::string(e.what()) + " (key '" + key + "')");
-      }
-      stats.bytes_used += p.part.volume() * static_cast<uint64_t>(local.element_size());
-      if (k.entry->dtype == Dtype::BOOL) check_bool_bytes(local, k.want, p, key, dir);
     }
     ShardedTensor shard;
     shard.local = std::move(local);
     shard.global_shape = k.entry->shape;
-    shard.global_offset = k.want.offset;
+    if (k.flat) {
+      shard.flat_range = k.flat;
+    } else {
+      shard.global_offset = k.regions.at(0).want.offset;
+    }
     out.tensors.emplace(key, std::move(shard));
   }
   if (options.stats != nullptr) *options.stats = stats;

@@ -66,8 +66,14 @@ CheckedRng check_rng(const std::map<std::string, at::Tensor>& states,
 
   const int devices = cuda_devices();
   std::vector<bool> restored(devices, false);
+  bool per_rank = false;
   for (const auto& [key, state] : states) {
     if (key == cpu_key) continue;
+    // A collective save's per-rank generators (state_keys.h): rng.cpu is its rank 0's.
+    if (key.starts_with(keys::kRngRankPrefix)) {
+      per_rank = true;
+      continue;
+    }
     const bool cuda_key = key.starts_with(keys::kRngCudaPrefix);
     const std::string digits = cuda_key ? key.substr(keys::kRngCudaPrefix.size()) : "";
     TORCH_CHECK(cuda_key && !digits.empty() && digits.size() < 6 &&
@@ -85,6 +91,11 @@ CheckedRng check_rng(const std::map<std::string, at::Tensor>& states,
     TORCH_CHECK(bad.empty(), where, "'", key, "' is not a CUDA generator state: ", bad);
     out.cuda.emplace_back(index, state);
     restored[index] = true;
+  }
+  if (per_rank) {
+    out.report.notes.push_back("per-rank RNG states (" + std::string(keys::kRngRankPrefix) +
+                               "*) of a data-parallel save ignored: '" + cpu_key +
+                               "' is its rank 0's");
   }
   for (int i = 0; i < devices; ++i) {
     if (!restored[i]) {

@@ -25,10 +25,10 @@ struct CheckedRng {
   LoadReport report;                             // notes: states ignored, devices left as they are
 };
 
-// Checks `states` (keys "rng.cpu", "rng.cuda.<index>"): rng.cpu must be there and be a valid
-// CPU generator state; a CUDA state is checked on a scratch generator of its device and
-// restored there, or ignored with a note where this process has no CUDA or no such device.
-// Throws c10::Error naming the key and `dir` otherwise.
+// Checks `states` (keys "rng.cpu", "rng.cuda.<index>"; "rng.rank.*" keys are ignored with a
+// note): rng.cpu must be there and be a valid CPU generator state; a CUDA state is checked on a
+// scratch generator of its device and restored there, or ignored with a note where this process has
+// no CUDA or no such device. Throws c10::Error naming the key and `dir` otherwise.
 CheckedRng check_rng(const std::map<std::string, at::Tensor>& states,
                      const std::filesystem::path& dir);
 

@@ -2,21 +2,58 @@
 // own memory and an asynchronous one from staged host copies, through the same writer.
 #pragma once
 
+#include "mixprec/checkpoint/format/manifest.h"
+#include "mixprec/checkpoint/format/safetensors_writer.h"
 #include "mixprec/checkpoint/save.h"
 
 #include <functional>
+#include <map>
 
 namespace mixprec::checkpoint::detail {
 
 // Pieces are at most this many bytes (an asynchronous saver may choose smaller ones).
 inline constexpr int64_t kPieceBytes = int64_t{64} << 20;
 
-// A run of elements of one shard, at most one piece's bytes: the unit of writing and staging.
+// "data-<rank, 5 digits>.safetensors": the file rank `rank` writes.
+std::string data_file_name(size_t rank);
+
+// One tensor of a rank's data file: a box shard whole, or one box of a flat shard.
+struct StoredTensor {
+  std::string name;     // in the file: the key, or "<key>/<i>" for box i of a flat shard of several
+  Box box;              // where it sits in the global tensor
+  int64_t local_begin;  // its first element in the shard's local tensor (flat, row-major)
+};
+// A box shard is one stored tensor; a flat shard is one per box of flat_range_boxes (none for
+// an empty range). Each is a contiguous run of the local tensor's elements, in order.
+std::vector<StoredTensor> stored_tensors(const std::string& key, const ShardedTensor& shard);
+
+// What one rank will write, checked and before any checksum is known.
+struct RankPlan {
+  struct Key {
+    Dtype dtype;
+    std::vector<int64_t> global_shape;
+    std::vector<Chunk> chunks;  // replica-0 stored tensors (checksums unset); may be empty
+  };
+  std::map<std::string, Key> keys;  // every key of the rank's state, replicas included
+};
+// Checks rank `rank`'s shards (dtype storable, offsets or flat range consistent with the
+// global shape) and plans its chunks in its data file. Appends each problem, naming key and
+// rank, to `problems`. No I/O.
+RankPlan plan_rank(const ShardedStateDict& state, size_t rank, std::vector<std::string>& problems);
+// The manifest's keys from every rank's plan (index = rank): a key's dtype and global shape
+// must agree across ranks, and its replica-0 chunks must tile it exactly. Throws c10::Error
+// "[mixprec::checkpoint::save] cannot save" listing every problem (`problems` first).
+std::map<std::string, KeyEntry> merge_plans(const std::vector<RankPlan>& ranks,
+                                            std::vector<std::string> problems = {});
+
+// A run of elements of one stored tensor, at most one piece's bytes: the unit of writing and
+// staging.
 struct Piece {
   size_t rank;
   std::string key;
-  const at::Tensor* tensor;  // the shard's local tensor
-  int64_t begin;             // first element (flat, row-major)
+  std::string tensor;       // the stored tensor's name in the data file
+  const at::Tensor* local;  // the shard's local tensor
+  int64_t begin;            // first element in `local` (flat, row-major)
   int64_t count;
 };
 
@@ -34,8 +71,22 @@ class PieceSource {
   virtual int64_t piece_bytes() const { return kPieceBytes; }
 };
 
+// Hands out the state's own memory: no copy for CPU contiguous tensors (piece_on_host).
+// finish() checks that no tensor changed while it was written (check_unchanged): the bytes
+// were read from live tensors, and a step meanwhile would mix two steps.
+class DirectSource final : public PieceSource {
+ public:
+  explicit DirectSource(std::vector<const ShardedStateDict*> ranks) : ranks_(std::move(ranks)) {}
+  at::Tensor acquire(const Piece& piece) override;
+  void release(const Piece&) override {}
+  void finish() override;
+
+ private:
+  std::vector<const ShardedStateDict*> ranks_;
+};
+
 // Visits the pieces (at most piece_bytes each, at least one element) of one rank's replica-0
-// shards in write order.
+// stored tensors in write order (the order of its data file).
 void for_each_piece(const ShardedStateDict& state, size_t rank,
                     const std::function<void(const Piece&)>& fn, int64_t piece_bytes = kPieceBytes);
 
@@ -55,6 +106,18 @@ void check_unchanged(const std::vector<const ShardedStateDict*>& ranks, const ch
 
 // Throws, as save_checkpoint does, if `ranks` cannot be saved. No I/O.
 void check_savable(const std::vector<const ShardedStateDict*>& ranks);
+
+// Streams rank `rank`'s replica-0 stored tensors into `dir`/data_file_name(rank), piece by
+// piece as `source` hands them over, and fsyncs it; returns each stored tensor's checksums by
+// name and adds the bytes written to `bytes`. Writes no file when the rank stores nothing.
+std::map<std::string, WrittenTensor> write_rank_file(const Directory& dir, size_t rank,
+                                                     const ShardedStateDict& state,
+                                                     PieceSource& source, uint64_t block_bytes,
+                                                     uint64_t& bytes);
+
+// Fills each chunk's checksums from what its file's writer returned (`written[file][tensor]`).
+void fill_checksums(std::map<std::string, KeyEntry>& keys,
+                    std::map<std::string, std::map<std::string, WrittenTensor>>& written);
 
 // save_checkpoint with the bytes coming from `source`.
 SaveResult save_from_source(const std::filesystem::path& root, const std::string& name,

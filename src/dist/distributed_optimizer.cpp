@@ -1,7 +1,7 @@
 #include "mixprec/dist/distributed_optimizer.h"
 
 #include "detail/name_match.h"
-#include "dist/hyper_params_reader.h"
+#include "optim/algorithm_traits.h"
 #include "optim/offload/offload_pipeline.h"
 
 #include <ATen/ATen.h>
@@ -28,12 +28,12 @@ std::unique_ptr<torch::optim::OptimizerOptions> checked_defaults(
     const std::vector<torch::optim::OptimizerParamGroup>& groups,
     std::unique_ptr<torch::optim::OptimizerOptions> defaults) {
   TORCH_CHECK(defaults != nullptr, "[", kWho, "] defaults are null");
-  const auto expected = detail::algorithm_of(*defaults, kWho);
+  const optim::detail::AlgorithmTraits& expected = optim::detail::traits_for(*defaults, kWho);
   for (size_t g = 0; g < groups.size(); ++g) {
-    if (!groups[g].has_options()) continue;
-    TORCH_CHECK(typeid(groups[g].options()) == typeid(*defaults), "[", kWho, "] param group ", g,
-                " has ", detail::algorithm_name(detail::algorithm_of(groups[g].options(), kWho)),
-                " options but the defaults are ", detail::algorithm_name(expected),
+    if (!groups[g].has_options() || expected.owns(groups[g].options())) continue;
+    const auto& other = optim::detail::traits_for(groups[g].options(), kWho);
+    TORCH_CHECK(false, "[", kWho, "] param group ", g, " has ", other.options_name(),
+                " but the defaults are ", expected.options_name(),
                 "; all groups must use one algorithm");
   }
   return defaults;
@@ -54,7 +54,7 @@ DistributedOptimizer::DistributedOptimizer(GradReducer& reducer, const torch::nn
     : torch::optim::Optimizer(groups, checked_defaults(groups, std::move(defaults))),
       reducer_(reducer),
       options_(std::move(options)),
-      algorithm_(detail::algorithm_of(this->defaults(), kWho)),
+      traits_(&optim::detail::traits_for(this->defaults(), kWho)),
       scaler_(options_.loss_scaler()) {
   TORCH_CHECK(reducer_.options().mode() == ReduceMode::kReduceScatter, "[", kWho,
               "] the GradReducer must use ReduceMode::kReduceScatter (each rank receives only "
@@ -114,9 +114,11 @@ void DistributedOptimizer::build(const torch::nn::Module& model) {
           info_of_layout.emplace(found->second, info_.size());
         }
       }
+      shapes_.push_back(p.sizes().vec());
       info_.push_back(std::move(info));
     }
   }
+  steps_.assign(info_.size(), 0);
   mixprec::detail::check_no_problems(
       problems, std::string("[") + kWho + "] cannot optimize these parameters");
 
@@ -138,17 +140,41 @@ void DistributedOptimizer::build(const torch::nn::Module& model) {
       const c10::Device where = options_.offload() ? c10::Device(c10::kCPU) : param_view.device();
       shard.master = param_view.to(where, at::kFloat, /*non_blocking=*/false, /*copy=*/true);
     }
+    shard.state.resize(traits_->state_kinds().size());
+    shard_of_.emplace(piece.fqn, shards_.size());
     shards_.push_back(std::move(shard));
   }
+}
+
+optim::Algorithm DistributedOptimizer::algorithm() const { return traits_->algorithm(); }
+
+std::span<const std::string_view> DistributedOptimizer::state_kinds() const {
+  return traits_->state_kinds();
+}
+
+const at::Tensor& DistributedOptimizer::state_of(const LocalShard& shard,
+                                                 std::string_view kind) const {
+  const auto kinds = traits_->state_kinds();
+  for (size_t i = 0; i < kinds.size(); ++i) {
+    if (kinds[i] == kind) return shard.state.at(i);
+  }
+  TORCH_CHECK(false, "[", kWho, "] ", traits_->name(), " keeps no '", kind, "' state");
+}
+
+FlatRange DistributedOptimizer::piece_of(const std::string& fqn) const {
+  auto it = shard_of_.find(fqn);
+  if (it == shard_of_.end()) return {};
+  const ParamShard& piece = shards_[it->second].shard;
+  return {piece.begin, piece.end};
 }
 
 int64_t DistributedOptimizer::state_bytes(ParamRole role) const {
   int64_t bytes = 0;
   for (const LocalShard& s : shards_) {
     if (s.role != role) continue;
-    for (const at::Tensor* t :
-         {&s.master, &s.exp_avg, &s.exp_avg_sq, &s.max_exp_avg_sq, &s.momentum_buffer}) {
-      if (t->defined()) bytes += static_cast<int64_t>(t->nbytes());
+    if (s.master.defined()) bytes += static_cast<int64_t>(s.master.nbytes());
+    for (const at::Tensor& t : s.state) {
+      if (t.defined()) bytes += static_cast<int64_t>(t.nbytes());
     }
   }
   return bytes;
@@ -159,7 +185,7 @@ std::string DistributedOptimizer::describe() const {
   const Communicator& comm = reducer_.communicator();
   os << reducer_.layout().describe();
   os << "rank " << comm.rank() << " of " << comm.size() << " owns " << shards_.size()
-     << " piece(s) with optimizer state (" << detail::algorithm_name(algorithm_) << ")\n";
+     << " piece(s) with optimizer state (" << traits_->name() << ")\n";
   for (const LocalShard& s : shards_) {
     os << "  " << s.shard.fqn << "[" << s.shard.begin << ":" << s.shard.end << "] "
        << optim::to_string(s.role) << ", buffer " << s.shard.buffer << " bucket " << s.shard.bucket
@@ -181,13 +207,15 @@ at::Tensor DistributedOptimizer::step(LossClosure closure) {
 void DistributedOptimizer::save(torch::serialize::OutputArchive&) const {
   TORCH_CHECK(false, "[", kWho,
               "::save] LibTorch archives key state by pointer and hold one "
-              "rank's shard without its layout; save the sharded state instead");
+              "rank's shard without its layout; use sharded_state_dict() or "
+              "dist::save_training_state (dist/collective_checkpoint.h)");
 }
 
 void DistributedOptimizer::load(torch::serialize::InputArchive&) {
   TORCH_CHECK(false, "[", kWho,
               "::load] LibTorch archives key state by pointer and hold one "
-              "rank's shard without its layout; load the sharded state instead");
+              "rank's shard without its layout; use check_sharded_state_dict() and apply(), or "
+              "dist::load_training_state (dist/collective_checkpoint.h)");
 }
 
 }  // namespace mixprec::dist

@@ -3,7 +3,6 @@
 // which multiplier is decided by update() as without offloading.
 #include "mixprec/dist/distributed_optimizer.h"
 
-#include "mixprec/checkpoint/format/state_keys.h"
 #include "optim/algorithm_traits.h"
 #include "optim/offload/offload_pipeline.h"
 
@@ -11,37 +10,12 @@
 #include <c10/util/Exception.h>
 
 namespace mixprec::dist {
-namespace {
-
-namespace keys = mixprec::checkpoint::keys;
-
-// A piece's state tensors in the order the algorithm's traits list its state kinds.
-std::vector<at::Tensor*> state_fields(DistributedOptimizer::LocalShard& s,
-                                      std::span<const std::string_view> kinds) {
-  std::vector<at::Tensor*> out;
-  for (std::string_view kind : kinds) {
-    if (kind == keys::kExpAvg) {
-      out.push_back(&s.exp_avg);
-    } else if (kind == keys::kExpAvgSq) {
-      out.push_back(&s.exp_avg_sq);
-    } else if (kind == keys::kMaxExpAvgSq) {
-      out.push_back(&s.max_exp_avg_sq);
-    } else if (kind == keys::kMomentumBuffer) {
-      out.push_back(&s.momentum_buffer);
-    } else {
-      TORCH_INTERNAL_ASSERT(false, "LocalShard has no field for state kind ", kind);
-    }
-  }
-  return out;
-}
-
-}  // namespace
 
 void DistributedOptimizer::step_offloaded(double grad_multiplier) {
   TORCH_INTERNAL_ASSERT(options_.offload());
   offload_stats_ = optim::OffloadStats();
   if (shards_.empty()) return;
-  const optim::detail::AlgorithmTraits& traits = optim::detail::traits_for(defaults());
+  const optim::detail::AlgorithmTraits& traits = *traits_;
   const c10::Device device = shards_.front().param.device();  // the reducer's buffers' device
   if (!offload_) {
     offload_ = std::make_shared<optim::detail::OffloadPipeline>(
@@ -56,22 +30,16 @@ void DistributedOptimizer::step_offloaded(double grad_multiplier) {
     item.param = s.param;
     item.param_down = !s.master.defined();  // native FP32: stepped in place
     item.master = s.master;
-    std::vector<at::Tensor> state;
-    for (at::Tensor* field : state_fields(s, traits.state_kinds())) state.push_back(*field);
+    std::vector<at::Tensor> state = s.state;
     item.fresh = traits.allocate_state(options, s.param.sizes(), c10::kCPU, state);
     item.state = state;
     item.options = &options;
-    item.steps_before = s.step;
+    item.steps_before = steps_[s.info];  // update() counts the step once every piece is done
     items.push_back(std::move(item));
     whole_state.push_back(std::move(state));
   }
   offload_stats_ = offload_->run(traits, items, grad_multiplier);
-  for (size_t i = 0; i < shards_.size(); ++i) {
-    LocalShard& s = shards_[i];
-    const std::vector<at::Tensor*> fields = state_fields(s, traits.state_kinds());
-    for (size_t j = 0; j < fields.size(); ++j) *fields[j] = whole_state[i][j];
-    ++s.step;
-  }
+  for (size_t i = 0; i < shards_.size(); ++i) shards_[i].state = std::move(whole_state[i]);
 }
 
 }  // namespace mixprec::dist

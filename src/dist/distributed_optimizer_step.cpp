@@ -1,7 +1,7 @@
 // DistributedOptimizer::update: the collective step (see the header for the sequence).
 #include "mixprec/dist/distributed_optimizer.h"
 
-#include "dist/hyper_params_reader.h"
+#include "optim/algorithm_traits.h"
 
 #include <ATen/ATen.h>
 #include <c10/util/Exception.h>
@@ -12,7 +12,6 @@
 
 namespace mixprec::dist {
 
-using optim::Algorithm;
 using optim::ParamRole;
 
 optim::StepResult DistributedOptimizer::update() {
@@ -55,13 +54,16 @@ optim::StepResult DistributedOptimizer::update() {
     return result;
   }
 
-  // Every group's hyper-parameters are checked before any piece is stepped.
-  for (const auto& group : param_groups()) {
-    if (algorithm_ == Algorithm::kSgd) {
-      optim::check_hyper_params(detail::sgd_hyper_params(group.options()));
-    } else {
-      optim::check_hyper_params(detail::adam_hyper_params(group.options(), algorithm_));
-    }
+  // Every group's hyper-parameters are checked before any piece is stepped. Every rank
+  // holds the same groups, so every rank throws alike.
+  for (size_t g = 0; g < param_groups().size(); ++g) {
+    const auto& options = param_groups()[g].options();
+    TORCH_CHECK(traits_->owns(options),
+                "[mixprec::dist::DistributedOptimizer::update] param group ", g,
+                "'s options are not ", traits_->options_name(), " any more");
+    const std::string bad = traits_->range_problem(options);
+    TORCH_CHECK(bad.empty(), "[mixprec::dist::DistributedOptimizer::update] param group ", g, ": ",
+                bad);
   }
   double multiplier = inv_scale;
   if (options_.clip_grad() > 0 && result.grad_norm > options_.clip_grad()) {
@@ -78,8 +80,12 @@ optim::StepResult DistributedOptimizer::update() {
   gather_params();
   scaler_.update(/*found_inf=*/false);
   result.success = true;
-  for (const optim::ParamInfo& info : info_)
-    result.params_stepped += info.role != ParamRole::kFrozen;
+  // Every trainable parameter of the groups was stepped, on whichever rank owns its pieces.
+  for (size_t i = 0; i < info_.size(); ++i) {
+    if (info_[i].role == ParamRole::kFrozen) continue;
+    ++steps_[i];
+    ++result.params_stepped;
+  }
   last_result_ = result;
   return result;
 }
@@ -88,32 +94,11 @@ void DistributedOptimizer::step_shard(LocalShard& s, double grad_multiplier) {
   const auto& options = param_groups()[info_[s.info].group].options();
   const at::Tensor target = s.master.defined() ? s.master : s.param;
   const at::Tensor model_param = s.master.defined() ? s.param : at::Tensor();
-  const auto fp32 = target.options().dtype(at::kFloat);
-  // State is committed only after the kernel ran: a throwing kernel leaves none behind.
-  if (algorithm_ == Algorithm::kSgd) {
-    const optim::SgdHyperParams hp = detail::sgd_hyper_params(options);
-    const bool first = !s.momentum_buffer.defined();
-    at::Tensor buffer = s.momentum_buffer;
-    if (hp.momentum != 0 && first) buffer = at::empty_like(target, fp32);
-    optim::fused_sgd_step(target, s.grad, hp.momentum != 0 ? buffer : at::Tensor(), model_param,
-                          first, hp, grad_multiplier);
-    if (hp.momentum != 0) s.momentum_buffer = buffer;
-    ++s.step;
-    return;
-  }
-  const optim::AdamHyperParams hp = detail::adam_hyper_params(options, algorithm_);
-  at::Tensor exp_avg = s.exp_avg, exp_avg_sq = s.exp_avg_sq, max_sq = s.max_exp_avg_sq;
-  if (!exp_avg.defined()) {
-    exp_avg = at::zeros_like(target, fp32);
-    exp_avg_sq = at::zeros_like(target, fp32);
-  }
-  if (hp.amsgrad && !max_sq.defined()) max_sq = at::zeros_like(target, fp32);
-  optim::fused_adam_step(target, s.grad, exp_avg, exp_avg_sq, hp.amsgrad ? max_sq : at::Tensor(),
-                         model_param, s.step + 1, hp, grad_multiplier);
-  s.exp_avg = exp_avg;
-  s.exp_avg_sq = exp_avg_sq;
-  s.max_exp_avg_sq = max_sq;
-  ++s.step;
+  // The traits' step adds state only once its kernel ran: a throwing kernel leaves none.
+  traits_->step(
+      options,
+      optim::detail::StepArgs{target, s.grad, model_param, steps_[s.info], grad_multiplier},
+      s.state);
 }
 
 // Every rank contributes its shard of each bucket (the updated values of the pieces it owns,

@@ -250,7 +250,7 @@ std::vector<bool> AlgorithmTraits::allocate_state(const OptimizerOptions& option
   return fresh;
 }
 
-const AlgorithmTraits& traits_for(const OptimizerOptions& options) {
+const AlgorithmTraits& traits_for(const OptimizerOptions& options, std::string_view who) {
   static const Traits<AdamSpec<torch::optim::AdamWOptions, true>> adamw;
   static const Traits<AdamSpec<torch::optim::AdamOptions, false>> adam;
   static const Traits<SgdSpec> sgd;
@@ -260,7 +260,7 @@ const AlgorithmTraits& traits_for(const OptimizerOptions& options) {
     if (traits->owns(options)) return *traits;
     known += (known.empty() ? "" : ", ") + std::string(traits->options_name());
   }
-  TORCH_CHECK(false, "[mixprec::Float16Optimizer] options must be one of ", known, ", got ",
+  TORCH_CHECK(false, "[", who, "] options must be one of ", known, ", got ",
               typeid(options).name());
 }
 

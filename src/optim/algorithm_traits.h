@@ -84,7 +84,10 @@ class AlgorithmTraits {
                                    std::vector<at::Tensor>& state) const;
 };
 
-// The entry whose option type `options` has; throws c10::Error naming the type otherwise.
-const AlgorithmTraits& traits_for(const torch::optim::OptimizerOptions& options);
+// The entry whose option type `options` has; throws c10::Error "[<who>] ..." naming the type
+// otherwise. The one reader of torch's option types: Float16Optimizer and
+// dist::DistributedOptimizer both step, check and save hyper-parameters through it.
+const AlgorithmTraits& traits_for(const torch::optim::OptimizerOptions& options,
+                                  std::string_view who = "mixprec::Float16Optimizer");
 
 }  // namespace mixprec::optim::detail

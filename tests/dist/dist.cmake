@@ -19,6 +19,9 @@ add_executable(dist_mp_tests ${dist_mp_sources})
 target_link_libraries(dist_mp_tests PRIVATE mixprec::mixprec GTest::gtest)
 target_include_directories(dist_mp_tests PRIVATE ${CMAKE_CURRENT_SOURCE_DIR})
 target_precompile_headers(dist_mp_tests REUSE_FROM mixprec)
+# The Python reader is an oracle of the collective checkpoint tests.
+target_compile_definitions(dist_mp_tests PRIVATE
+  MIXPREC_SOURCE_DIR="${PROJECT_SOURCE_DIR}" MIXPREC_PYTHON="${MIXPREC_PYTHON}")
 
 # torchrun sits beside the python that has torch (MIXPREC_PYTHON, as the other tests use it).
 get_filename_component(_mixprec_python_bin "${MIXPREC_PYTHON}" DIRECTORY)
@@ -28,7 +31,8 @@ if(NOT EXISTS "${MIXPREC_TORCHRUN}")
   message(WARNING "mixprec: no torchrun at ${MIXPREC_TORCHRUN}; multi-process tests not added")
   return()
 endif()
-foreach(suite Collectives GradReducer ModelCheck DistributedOptimizer)
+foreach(suite Collectives GradReducer ModelCheck DistributedOptimizer ZeroStateDict
+              CollectiveCheckpoint)
   foreach(n 1 2 3 4)
     add_test(NAME dist.mp.${suite}.np${n}
              COMMAND "${MIXPREC_TORCHRUN}" --standalone --nproc-per-node ${n} --no-python
@@ -37,6 +41,17 @@ foreach(suite Collectives GradReducer ModelCheck DistributedOptimizer)
                          ENVIRONMENT "OMP_NUM_THREADS=1")
   endforeach()
 endforeach()
+
+# Checkpoints across launches: saved by N ranks and resumed by M (one entry: each torchrun
+# start costs seconds here), and a rank SIGKILLed in the middle of a collective save.
+add_test(NAME dist.resume
+         COMMAND bash ${CMAKE_CURRENT_LIST_DIR}/resume.sh "${MIXPREC_TORCHRUN}"
+                 $<TARGET_FILE:dist_mp_tests> 1:2 2:3 3:2 4:1 2:4)
+set_tests_properties(dist.resume PROPERTIES TIMEOUT 300 LABELS dist)
+add_test(NAME dist.crash_save
+         COMMAND bash ${CMAKE_CURRENT_LIST_DIR}/crash_save.sh "${MIXPREC_TORCHRUN}"
+                 $<TARGET_FILE:dist_mp_tests>)
+set_tests_properties(dist.crash_save PROPERTIES TIMEOUT 300 LABELS dist)
 
 # A launcher environment that contradicts itself fails at start-up with the variable named.
 add_test(NAME dist.env.rank_not_below_world_size COMMAND dist_mp_tests)

@@ -15,8 +15,8 @@
 // corrupt byte that the read does not need is not read, so it is not noticed unless it shares
 // a block with needed bytes; `verify_checkpoint` (format/verify.h) checks every byte.
 //
-// Before allocating any result tensor, every requested key's slice and the chunks it
-// touches are checked (slice inside the shape, chunk tensors present with the manifest's
+// Before allocating any result tensor, every requested key's slice (or flat range) and the
+// chunks it touches are checked (slice inside the shape, chunk tensors present with the manifest's
 // dtype and shape, chunks covering the slice), so a damaged manifest fails on what it says,
 // not on an allocation of the size it claims. BOOL data must hold only bytes 0 and 1.
 #pragma once
@@ -44,6 +44,15 @@ struct ReadOptions {
   std::function<std::optional<Box>(const std::string& key,
                                    const std::vector<int64_t>& global_shape)>
       slice;
+  // A flat range of key this reader needs instead (asked first; nullopt: `slice` decides):
+  // the result is a flat ShardedTensor (sharded_state_dict.h) whose 1-D local tensor holds
+  // elements [begin, end) of the key's row-major flattening, read as the boxes the range
+  // decomposes into (format/box.h: flat_range_boxes), each verified as any slice is. An empty
+  // range reads nothing and still checks the key's entry. A ZeRO-1 rank reads its pieces of
+  // the optimizer state so (dist/collective_checkpoint.h).
+  std::function<std::optional<FlatRange>(const std::string& key,
+                                         const std::vector<int64_t>& global_shape)>
+      flat_range;
   // Keys to read; empty: every key in the manifest.
   std::set<std::string> keys;
   // If set, receives what the read cost (on success).
@@ -72,7 +81,7 @@ std::filesystem::path resolve_checkpoint(const std::filesystem::path& path);
 // Reads the checkpoint in `dir` (manifest, common state, the requested slices): `dir` and
 // every file in it must be real, not links, FIFOs or devices (format/directory.h). Throws
 // FormatError / ChecksumError naming file and key (FormatError for BOOL data other than 0/1),
-// or c10::Error for a slice outside a key's global shape. Never returns partial data.
+// or c10::Error for a slice or flat range outside a key's global shape. Never returns partial data.
 ShardedStateDict read_checkpoint(const std::filesystem::path& dir, const ReadOptions& options = {});
 
 }  // namespace mixprec::checkpoint

@@ -17,7 +17,8 @@
 //   4. all-gather of every bucket's updated parameter values (in the parameter dtype), copied
 //      back into the model's parameters.
 // Semantics are Float16Optimizer's: Adam/AdamW/SGD from torch's option types read at every
-// step, loss scaler, clipping (clip_grad), NonFiniteGrads policy. Every trainable parameter
+// step through the same per-algorithm table (state names, hyper-parameters, fused kernel),
+// loss scaler, clipping (clip_grad), NonFiniteGrads policy. Every trainable parameter
 // has a gradient (a buffer view; zeros if backward did not reach it), so every trainable
 // parameter in the groups is stepped.
 //
@@ -31,6 +32,12 @@
 // Per-rank optimizer memory is about 1/N of Float16Optimizer's (state_bytes()); the buffers of
 // step 4 are transient (one bucket per bucket, in the parameter dtype).
 //
+// Checkpoints. sharded_state_dict() has exactly the keys, global shapes, dtypes and common
+// state of Float16Optimizer::sharded_state_dict() for the same parameters, each tensor this
+// rank's piece as a flat slice (ShardedTensor::flat_range = the piece's [begin, end)), so a
+// checkpoint of either loads into the other, on any number of ranks. dist/collective_checkpoint.h
+// saves and loads whole training states collectively.
+//
 // Offloading (Float16OptimizerOptions::offload, optim/offload.h): each rank keeps the masters
 // and moments of its own pieces on the host and steps them there, its pieces of parameters and
 // gradients copied in overlapped chunks (distributed_optimizer_offload.cpp); results are
@@ -43,14 +50,37 @@
 #include <torch/optim/optimizer.h>
 
 #include <memory>
+#include <span>
 #include <string>
+#include <string_view>
+#include <unordered_map>
 #include <vector>
 
 namespace mixprec::optim::detail {
+class AlgorithmTraits;
 class OffloadPipeline;
-}
+}  // namespace mixprec::optim::detail
 
 namespace mixprec::dist {
+
+class DistributedOptimizer;
+
+// A state checked against one DistributedOptimizer (check_sharded_state_dict); only its
+// apply() takes it.
+class CheckedShardedState {
+ public:
+  CheckedShardedState(CheckedShardedState&&) noexcept;
+  CheckedShardedState& operator=(CheckedShardedState&&) noexcept;
+  ~CheckedShardedState();
+  // What apply() will report: keys missing or unexpected (non-strict), notes.
+  const LoadReport& report() const;
+
+ private:
+  friend class DistributedOptimizer;
+  struct Plan;
+  explicit CheckedShardedState(std::unique_ptr<Plan> plan);
+  std::unique_ptr<Plan> plan_;
+};
 
 class DistributedOptimizer : public torch::optim::Optimizer {
  public:
@@ -76,9 +106,17 @@ class DistributedOptimizer : public torch::optim::Optimizer {
 
   double loss_scale() const { return scaler_.scale(); }
   const optim::LossScaler& loss_scaler() const { return scaler_; }
-  optim::Algorithm algorithm() const { return algorithm_; }
+  optim::Algorithm algorithm() const;
+  // The per-parameter state tensors' kinds (checkpoint/format/state_keys.h), in the order
+  // LocalShard::state holds them: exp_avg, exp_avg_sq, max_exp_avg_sq (Adam/AdamW);
+  // momentum_buffer (SGD).
+  std::span<const std::string_view> state_kinds() const;
+  // The group this optimizer's collectives (and collective checkpoints) run on.
+  Communicator& communicator() const { return reducer_.communicator(); }
   // Every parameter of the groups, as Float16Optimizer lists them (same ids, same roles).
   const std::vector<optim::ParamInfo>& params_info() const { return info_; }
+  // Updates applied to params_info()[info] so far: the same on every rank.
+  int64_t param_step(size_t info) const { return steps_.at(info); }
 
   // This rank's piece of one parameter and the optimizer state it owns for it.
   struct LocalShard {
@@ -88,11 +126,19 @@ class DistributedOptimizer : public torch::optim::Optimizer {
     at::Tensor param;   // view: elements [begin, end) of the model parameter (1-D)
     at::Tensor grad;    // view: the same elements of the gradient buffer (1-D)
     at::Tensor master;  // FP32 main copy of the piece (kMaster only; on the host if offloaded)
-    at::Tensor exp_avg, exp_avg_sq, max_exp_avg_sq, momentum_buffer;  // FP32, once stepped
-    int64_t step = 0;
+    // Parallel to state_kinds(): FP32, 1-D, defined once stepped with a kind the algorithm
+    // holds under the group's options (max_exp_avg_sq with amsgrad, SGD's with momentum); on
+    // the host if offloaded.
+    std::vector<at::Tensor> state;
   };
   // In buffer order; only parameters of the groups that are trainable.
   const std::vector<LocalShard>& local_shards() const { return shards_; }
+  // The state tensor of `kind` of `shard` (state_kinds()); undefined if not held. Throws
+  // c10::Error naming the kind if the algorithm has no such state.
+  const at::Tensor& state_of(const LocalShard& shard, std::string_view kind) const;
+  // This rank's piece of parameter `fqn` ([begin, end) of its flat elements); an empty range
+  // when it owns none of it or the parameter is not stepped by this optimizer.
+  FlatRange piece_of(const std::string& fqn) const;
   // Bytes of this rank's optimizer-owned tensors (masters and moments) for `role`.
   int64_t state_bytes(optim::ParamRole role) const;
   // The reducer's layout table followed by this rank's pieces and their roles.
@@ -100,8 +146,38 @@ class DistributedOptimizer : public torch::optim::Optimizer {
   // What the last update() that stepped did with offloading on (all zero without it).
   const optim::OffloadStats& offload_stats() const { return offload_stats_; }
 
-  // LibTorch's archives key state by pointer; mixprec keeps state by name, and collective
-  // checkpoints of the sharded state are not part of this class yet. Both throw c10::Error.
+  // FQN-keyed state, as Float16Optimizer::sharded_state_dict() keys it: for every parameter
+  // with a piece here, "optimizer.state.fp32_param.<fqn>" (kMaster) and, once stepped,
+  // "optimizer.state.<kind>.<fqn>" for each state it holds, each a flat ShardedTensor with
+  // the parameter's global shape and this rank's [begin, end), aliasing the optimizer's own
+  // tensors (no copy). Parameters with no piece here are absent: their owners hold them (a
+  // zero-element parameter is rank 0's). common["optimizer"] = {algorithm, step, steps,
+  // param_groups with FQN lists and hyper-parameters, frozen, without_state, scaler}: the
+  // same on every rank, and what Float16Optimizer writes for the same parameters and state.
+  // Not collective.
+  ShardedStateDict sharded_state_dict() const;
+  // Checks `state` against this optimizer and this rank's pieces; changes nothing; not
+  // collective. `state` holds common["optimizer"] and the optimizer's keys as whole tensors (a
+  // single-process state dict, or a checkpoint read whole) or as flat slices containing
+  // this rank's pieces (collective loads read every optimizer key, with an empty range where
+  // a rank owns nothing, so every rank judges key sets and shapes alike). Model keys may be
+  // there too: a parameter saved as native FP32 that now has a main copy takes it from the
+  // FP32 model tensor under its FQN. Same rules as Float16Optimizer::check_sharded_state_dict:
+  // algorithm, groups (same FQNs in the same order), hyper-parameters (the step's ranges),
+  // steps, scaler, every key's global shape equal to its parameter's and floating (FP32 for
+  // fp32_param); strict: missing or unexpected keys are errors. Throws c10::Error
+  // "[mixprec::dist::DistributedOptimizer] cannot load the state" listing every problem.
+  CheckedShardedState check_sharded_state_dict(const ShardedStateDict& state,
+                                               const LoadOptions& options = {}) const;
+  // Collective (every rank, with its own checked state): installs hyper-parameters, scaler,
+  // steps, this rank's masters and moments; rewrites its pieces of BF16/FP16 parameters from
+  // the masters (round-to-nearest-even) and all-gathers every parameter, so every rank holds
+  // the same values. Throws c10::Error, changing nothing, if `checked` was made by another
+  // optimizer or was applied already. Returns the check's report.
+  LoadReport apply(CheckedShardedState&& checked);
+
+  // LibTorch's archives key state by pointer and hold one rank's shard without its layout:
+  // both throw c10::Error (use sharded_state_dict(), or dist/collective_checkpoint.h).
   void save(torch::serialize::OutputArchive& archive) const override;
   void load(torch::serialize::InputArchive& archive) override;
 
@@ -114,10 +190,13 @@ class DistributedOptimizer : public torch::optim::Optimizer {
 
   GradReducer& reducer_;
   optim::Float16OptimizerOptions options_;
-  optim::Algorithm algorithm_;
+  const optim::detail::AlgorithmTraits* traits_;
   optim::LossScaler scaler_;
   std::vector<optim::ParamInfo> info_;
+  std::vector<std::vector<int64_t>> shapes_;  // parallel to info_: each parameter's shape
+  std::vector<int64_t> steps_;                // parallel to info_: replicated on every rank
   std::vector<LocalShard> shards_;
+  std::unordered_map<std::string, size_t> shard_of_;  // FQN → index into shards_
   // Views of every piece this rank owns in the layout (groups or not), for the all-gather.
   std::vector<std::pair<ParamShard, at::Tensor>> owned_pieces_;
   optim::StepResult last_result_;

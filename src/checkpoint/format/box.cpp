@@ -1,5 +1,7 @@
 #include "mixprec/checkpoint/format/box.h"
 
+#include "mixprec/checkpoint/format/error.h"
+
 #include <algorithm>
 #include <iterator>
 #include <map>
@@ -49,6 +51,73 @@ std::optional<Box> intersect(const Box& a, const Box& b) {
     out.offset.push_back(lo);
     out.shape.push_back(hi - lo);
   }
+  return out;
+}
+
+namespace {
+
+// Elements [begin, end) of the sub-tensor shape[dim:] at index `prefix` (dims < dim):
+// a partial leading row (recursively), the whole rows, a partial trailing row (recursively).
+void split_flat(const std::vector<std::int64_t>& shape, std::size_t dim,
+                std::vector<std::int64_t>& prefix, std::int64_t begin, std::int64_t end,
+                std::vector<Box>& out) {
+  if (begin >= end) return;
+  auto box_at = [&](std::int64_t first, std::int64_t count) {
+    Box box{prefix, std::vector<std::int64_t>(prefix.size(), 1)};
+    box.offset.push_back(first);
+    box.shape.push_back(count);
+    for (std::size_t d = dim + 1; d < shape.size(); ++d) {
+      box.offset.push_back(0);
+      box.shape.push_back(shape[d]);
+    }
+    out.push_back(std::move(box));
+  };
+  std::int64_t row = 1;  // elements per index of `dim`
+  for (std::size_t d = dim + 1; d < shape.size(); ++d) row *= shape[d];
+  if (dim + 1 == shape.size() || row == 0) {
+    box_at(begin / std::max<std::int64_t>(row, 1), (end - begin) / std::max<std::int64_t>(row, 1));
+    return;
+  }
+  if (begin % row != 0) {
+    const std::int64_t r = begin / row, stop = std::min(end, (r + 1) * row);
+    prefix.push_back(r);
+    split_flat(shape, dim + 1, prefix, begin - r * row, stop - r * row, out);
+    prefix.pop_back();
+    begin = stop;
+  }
+  if (end / row > begin / row && begin < end) {
+    box_at(begin / row, end / row - begin / row);
+    begin = end / row * row;
+  }
+  if (begin < end) {
+    const std::int64_t r = begin / row;
+    prefix.push_back(r);
+    split_flat(shape, dim + 1, prefix, 0, end - r * row, out);
+    prefix.pop_back();
+  }
+}
+
+}  // namespace
+
+std::vector<Box> flat_range_boxes(const std::vector<std::int64_t>& global_shape, std::int64_t begin,
+                                  std::int64_t end) {
+  std::uint64_t numel = 1;
+  for (std::int64_t d : global_shape) {
+    if (d < 0)
+      throw FormatError("[mixprec::checkpoint] flat range of shape " +
+                        dims_to_string(global_shape) + ": negative dimension");
+    numel *= static_cast<std::uint64_t>(d);
+  }
+  if (begin < 0 || begin > end || static_cast<std::uint64_t>(end) > numel) {
+    throw FormatError("[mixprec::checkpoint] flat range [" + std::to_string(begin) + ", " +
+                      std::to_string(end) + ") does not lie in a tensor of shape " +
+                      dims_to_string(global_shape) + " (" + std::to_string(numel) + " elements)");
+  }
+  std::vector<Box> out;
+  if (begin == end) return out;
+  if (global_shape.empty()) return {Box{}};
+  std::vector<std::int64_t> prefix;
+  split_flat(global_shape, 0, prefix, begin, end, out);
   return out;
 }
 

@@ -1,5 +1,7 @@
 #include "mixprec/checkpoint/format/box.h"
 
+#include "mixprec/checkpoint/format/error.h"
+
 #include <gtest/gtest.h>
 
 #include <random>
@@ -182,6 +184,72 @@ TEST(Tiling, AgreesWithBruteForceOnRandomLayouts) {
       }
     }
   }
+}
+
+// Flat ranges: every [begin, end) of every small shape decomposes into boxes that are, in
+// order, consecutive runs of the row-major order covering exactly the range, at most
+// 2·(rank − 1) + 1 of them.
+std::int64_t flat_index(const std::vector<std::int64_t>& shape,
+                        const std::vector<std::int64_t>& index) {
+  std::int64_t flat = 0;
+  for (std::size_t d = 0; d < shape.size(); ++d) flat = flat * shape[d] + index[d];
+  return flat;
+}
+
+// The flat indices of a box's elements in its own row-major order.
+std::vector<std::int64_t> box_elements(const std::vector<std::int64_t>& shape, const Box& box) {
+  std::vector<std::int64_t> out;
+  std::vector<std::int64_t> index(box.rank(), 0);
+  for (std::uint64_t n = 0; n < box.volume(); ++n) {
+    std::vector<std::int64_t> global(box.rank());
+    for (std::size_t d = 0; d < box.rank(); ++d) global[d] = box.offset[d] + index[d];
+    out.push_back(flat_index(shape, global));
+    for (std::size_t d = box.rank(); d-- > 0;) {
+      if (++index[d] < box.shape[d]) break;
+      index[d] = 0;
+    }
+  }
+  return out;
+}
+
+TEST(FlatRange, DecomposesEveryRangeOfSmallShapesIntoFewConsecutiveBoxes) {
+  const std::vector<std::vector<std::int64_t>> shapes = {
+      {7}, {3, 5}, {4, 1, 3}, {2, 3, 4}, {3, 2, 2, 3}, {1, 1, 5}, {5, 1}};
+  for (const auto& shape : shapes) {
+    std::int64_t numel = 1;
+    for (std::int64_t d : shape) numel *= d;
+    const std::size_t bound = 2 * (shape.size() - 1) + 1;
+    for (std::int64_t begin = 0; begin <= numel; ++begin) {
+      for (std::int64_t end = begin; end <= numel; ++end) {
+        SCOPED_TRACE(dims_to_string(shape) + " [" + std::to_string(begin) + ", " +
+                     std::to_string(end) + ")");
+        const std::vector<Box> boxes = flat_range_boxes(shape, begin, end);
+        EXPECT_LE(boxes.size(), bound);
+        std::int64_t next = begin;
+        for (const Box& box : boxes) {
+          ASSERT_TRUE(fits_in(box, shape)) << box.to_string();
+          EXPECT_GT(box.volume(), 0u);
+          for (std::int64_t flat : box_elements(shape, box)) EXPECT_EQ(flat, next++);
+        }
+        EXPECT_EQ(next, end);
+      }
+    }
+    EXPECT_EQ(flat_range_boxes(shape, 0, numel).size(), 1u) << "the whole tensor is one box";
+  }
+}
+
+TEST(FlatRange, ScalarsEmptyRangesAndBadRanges) {
+  const std::vector<Box> scalar = flat_range_boxes({}, 0, 1);
+  ASSERT_EQ(scalar.size(), 1u);
+  EXPECT_EQ(scalar[0].rank(), 0u);
+  EXPECT_TRUE(flat_range_boxes({}, 1, 1).empty());
+  EXPECT_TRUE(flat_range_boxes({0, 4}, 0, 0).empty());
+  EXPECT_TRUE(flat_range_boxes({3, 4}, 5, 5).empty());
+  EXPECT_THROW(flat_range_boxes({3, 4}, 5, 13), FormatError);
+  EXPECT_THROW(flat_range_boxes({3, 4}, 6, 5), FormatError);
+  EXPECT_THROW(flat_range_boxes({3, 4}, -1, 5), FormatError);
+  // The worst case of a rank-4 tensor: 3 partial levels in, one block, 3 partial levels out.
+  EXPECT_EQ(flat_range_boxes({4, 3, 3, 3}, 1 + 3 + 9, 3 * 27 + 2 * 9 + 2 * 3 + 2).size(), 7u);
 }
 
 }  // namespace

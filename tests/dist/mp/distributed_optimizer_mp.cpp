@@ -305,9 +305,7 @@ TEST(DistributedOptimizer, InterleavedModelStateMatchesKeyByKeyAndValueByValue) 
       int64_t begin = 0, end = 0;
       for (const auto& s : zero.local_shards()) {
         if (s.shard.fqn != info.fqn) continue;
-        const at::Tensor& piece = kind == keys_ns::kFp32Param ? s.master
-                                  : kind == keys_ns::kExpAvg  ? s.exp_avg
-                                                              : s.exp_avg_sq;
+        const at::Tensor& piece = kind == keys_ns::kFp32Param ? s.master : zero.state_of(s, kind);
         local.narrow(0, s.shard.begin, s.shard.numel()).copy_(piece);
         begin = s.shard.begin;
         end = s.shard.end;

@@ -117,12 +117,12 @@ TEST(DistributedOptimizer, OffloadedShardsStepBitwiseAsWithoutOffloading) {
           EXPECT_TRUE(bitwise_equal(a.master.defined() ? a.master : a.param,
                                     b.master.defined() ? b.master : b.param))
               << a.shard.fqn;
-          for (auto field : {&DistributedOptimizer::LocalShard::exp_avg,
-                             &DistributedOptimizer::LocalShard::exp_avg_sq,
-                             &DistributedOptimizer::LocalShard::max_exp_avg_sq,
-                             &DistributedOptimizer::LocalShard::momentum_buffer}) {
-            EXPECT_EQ((a.*field).defined(), (b.*field).defined()) << a.shard.fqn;
-            if ((a.*field).defined()) EXPECT_TRUE(bitwise_equal(a.*field, b.*field)) << a.shard.fqn;
+          ASSERT_EQ(a.state.size(), b.state.size());
+          for (size_t k = 0; k < a.state.size(); ++k) {
+            EXPECT_EQ(a.state[k].defined(), b.state[k].defined()) << a.shard.fqn;
+            if (a.state[k].defined()) {
+              EXPECT_TRUE(bitwise_equal(a.state[k], b.state[k])) << a.shard.fqn;
+            }
           }
         }
         if (chunk_bytes == 256 && !o.local_shards().empty()) {

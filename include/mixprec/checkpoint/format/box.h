@@ -35,6 +35,17 @@ bool fits_in(const Box& box, const std::vector<std::int64_t>& global_shape);
 // extent share nothing) or differ in rank. Requires offset + shape to fit in int64 per dim.
 std::optional<Box> intersect(const Box& a, const Box& b);
 
+// The boxes that elements [begin, end) of a tensor of `global_shape`, flattened in row-major
+// order, decompose into: in increasing flat order, each box one contiguous run of that order,
+// together exactly the range. At most 2·(rank − 1) + 1 boxes (a partial row at each level on
+// the way in, one block of whole rows, a partial row at each level on the way out); one box
+// for the whole tensor; none for an empty range. A rank-0 tensor has one element: [0, 1) is
+// its rank-0 box. This is how a ZeRO-1 rank's piece of a parameter ([begin, end) of its flat
+// elements, sharded_state_dict.h: FlatRange) is stored as manifest chunks.
+// Throws FormatError unless 0 <= begin <= end <= the number of elements.
+std::vector<Box> flat_range_boxes(const std::vector<std::int64_t>& global_shape, std::int64_t begin,
+                                  std::int64_t end);
+
 // How a set of boxes fails to tile a global shape exactly.
 struct TilingProblem {
   enum class Kind { kOutOfBounds, kOverlap, kGap } kind;

@@ -15,8 +15,13 @@
 //   optimizer.state.exp_avg_sq.<fqn>       Adam/AdamW second moment (FP32)
 //   optimizer.state.max_exp_avg_sq.<fqn>   Adam/AdamW with amsgrad (FP32)
 //   optimizer.state.momentum_buffer.<fqn>  SGD with momentum (FP32)
-//   rng.cpu                                the default CPU generator's state (uint8)
+//   rng.cpu                                the default CPU generator's state (uint8); in a
+//                                          collective (data-parallel) save, rank 0's
 //   rng.cuda.<index>                       a CUDA generator's state, where CUDA is present
+//   rng.rank.<r>.cpu, rng.rank.<r>.cuda.<index>
+//                                          a collective save's per-rank generators: data-
+//                                          parallel rank r's (dist/collective_checkpoint.h);
+//                                          a single-process load ignores them
 //
 // Common state (common.json), top-level fields:
 //   optimizer   {algorithm: "adam"|"adamw"|"sgd",
@@ -54,6 +59,7 @@ inline constexpr std::array<std::string_view, 5> kStateKinds = {kFp32Param, kExp
 // RNG tensors.
 inline constexpr std::string_view kRngCpu = "rng.cpu";
 inline constexpr std::string_view kRngCudaPrefix = "rng.cuda.";
+inline constexpr std::string_view kRngRankPrefix = "rng.rank.";
 
 // Top-level common-state fields.
 inline constexpr std::string_view kCommonOptimizer = "optimizer";
@@ -85,9 +91,17 @@ inline std::string optimizer_state_key(std::string_view kind, std::string_view f
 
 // True for keys the optimizer owns (never model keys).
 inline bool is_optimizer_key(std::string_view key) { return key.starts_with(kOptimizerPrefix); }
+// "rng.rank.<rank>." + what follows "rng." in `key` ("rng.cpu" → "rng.rank.3.cpu").
+inline std::string rng_rank_key(int rank, std::string_view key) {
+  constexpr std::string_view rng = "rng.";
+  std::string out(kRngRankPrefix);
+  out.append(std::to_string(rank)).append(".").append(key.substr(key.starts_with(rng) ? 4 : 0));
+  return out;
+}
+
 // True for the RNG tensors a training state adds.
 inline bool is_rng_key(std::string_view key) {
-  return key == kRngCpu || key.starts_with(kRngCudaPrefix);
+  return key == kRngCpu || key.starts_with(kRngCudaPrefix) || key.starts_with(kRngRankPrefix);
 }
 
 }  // namespace mixprec::checkpoint::keys

@@ -1,0 +1,269 @@
+// Collective checkpoint benchmark: dist::save_training_state and dist::load_training_state of a
+// ZeRO-1 training state, against raw writes and reads of the same bytes in the same run.
+//
+//   bench_dist_checkpoint        launcher mode: runs itself under torchrun, saving on
+//                                N = 1, 2, 4 ranks and loading each checkpoint on M = 1, 2, 4
+//                                (torchrun from MIXPREC_TORCHRUN or --torchrun PATH)
+//   torchrun ... bench_dist_checkpoint --save ROOT | --load ROOT     one launch's work
+//
+// Save on N: the bytes each rank writes (its data file) and the wall time of a save (max over
+// ranks, median of kRepeats) against the same ranks writing (write + fsync) as many bytes to
+// plain files at the same moment. Load on M (resharded when M != N): the bytes each rank
+// reads, of its optimizer pieces (verified block by block; "used" is exactly its pieces) and
+// of the model tensors and its RNG state (read whole), and the wall time of a load against
+// a plain pread of as many bytes. Reads come from the page cache, for both.
+// The root is under $TMPDIR; on this machine all ranks share one disk and two cores, so the
+// ratios (the protocol's and checksums' cost over raw I/O) are what carries over.
+#include "mixprec/dist/collective_checkpoint.h"
+#include "mixprec/dist/init.h"
+#include "mixprec/precision/convert.h"
+#include "mixprec/precision/keep_fp32.h"
+
+#include <ATen/ATen.h>
+#include <torch/nn/modules/linear.h>
+#include <torch/optim/adamw.h>
+
+#include <fcntl.h>
+#include <unistd.h>
+
+#include <algorithm>
+#include <chrono>
+#include <cstdio>
+#include <cstdlib>
+#include <cstring>
+#include <filesystem>
+#include <iostream>
+#include <memory>
+#include <string>
+#include <vector>
+
+namespace {
+
+using namespace mixprec;
+namespace fs = std::filesystem;
+using Clock = std::chrono::steady_clock;
+
+constexpr int64_t kWidth = 1024, kLayers = 6;
+constexpr int kRepeats = 3;
+
+struct MlpImpl : torch::nn::Module {
+  MlpImpl() {
+    at::manual_seed(3);
+    for (int64_t i = 0; i < kLayers; ++i) {
+      layers.push_back(
+          register_module("fc" + std::to_string(i), torch::nn::Linear(kWidth, kWidth)));
+      gates.push_back(
+          register_parameter("gate" + std::to_string(i), keep_in_fp32(at::ones({kWidth}))));
+    }
+    convert_module_to_dtype_except_fp32_marked(*this, at::kBFloat16);
+  }
+  at::Tensor loss(const at::Tensor& x) {
+    at::Tensor h = x.to(at::kBFloat16);
+    for (int64_t i = 0; i < kLayers; ++i) {
+      h = (at::tanh(layers[i](h)).to(at::kFloat) * gates[i]).to(at::kBFloat16);
+    }
+    return h.to(at::kFloat).pow(2).mean();
+  }
+  std::vector<torch::nn::Linear> layers;
+  std::vector<at::Tensor> gates;
+};
+TORCH_MODULE(Mlp);
+
+double max_over_ranks(dist::Communicator& comm, double value) {
+  at::Tensor t = at::tensor({value}, at::kDouble);
+  comm.all_reduce_max(t).wait();
+  return t.item<double>();
+}
+
+double median(std::vector<double> v) {
+  std::sort(v.begin(), v.end());
+  return v[v.size() / 2];
+}
+
+// Wall time of `fn` on every rank at once: barrier, run, max over ranks.
+template <typename Fn>
+double timed(dist::Communicator& comm, Fn&& fn) {
+  comm.barrier();
+  const auto t0 = Clock::now();
+  fn();
+  return max_over_ranks(comm, std::chrono::duration<double>(Clock::now() - t0).count());
+}
+
+// The raw baseline: `bytes` written in 64 MiB write(2) calls and fsynced, then read back.
+void raw_write(const fs::path& path, uint64_t bytes, const std::vector<char>& buffer) {
+  const int fd = ::open(path.c_str(), O_WRONLY | O_CREAT | O_TRUNC | O_CLOEXEC, 0644);
+  if (fd < 0) std::abort();
+  for (uint64_t done = 0; done < bytes;) {
+    const size_t n = static_cast<size_t>(std::min<uint64_t>(buffer.size(), bytes - done));
+    if (::write(fd, buffer.data(), n) != static_cast<ssize_t>(n)) std::abort();
+    done += n;
+  }
+  if (::fsync(fd) != 0) std::abort();
+  ::close(fd);
+}
+
+void raw_read(const fs::path& path, uint64_t bytes, std::vector<char>& buffer) {
+  const int fd = ::open(path.c_str(), O_RDONLY | O_CLOEXEC);
+  if (fd < 0) std::abort();
+  for (uint64_t done = 0; done < bytes;) {
+    const size_t n = static_cast<size_t>(std::min<uint64_t>(buffer.size(), bytes - done));
+    const ssize_t got = ::pread(fd, buffer.data(), n, static_cast<off_t>(done));
+    if (got <= 0) std::abort();
+    done += static_cast<uint64_t>(got);
+  }
+  ::close(fd);
+}
+
+std::string root_of(dist::Communicator& comm, const std::string& given) {
+  return comm.all_gather_strings(given)[0];
+}
+
+struct Setup {
+  Mlp model;
+  std::unique_ptr<dist::GradReducer> reducer;
+  std::unique_ptr<dist::DistributedOptimizer> optimizer;
+  explicit Setup(const std::shared_ptr<dist::Communicator>& comm) {
+    reducer = std::make_unique<dist::GradReducer>(
+        comm, *model, dist::GradReducerOptions().mode(dist::ReduceMode::kReduceScatter));
+    optimizer = std::make_unique<dist::DistributedOptimizer>(
+        *reducer, *model, torch::optim::AdamWOptions(1e-3).weight_decay(0.01));
+  }
+};
+
+// "a b c": every rank's value, in rank order (on rank 0).
+std::string per_rank(dist::Communicator& comm, uint64_t value) {
+  std::string out;
+  for (const std::string& v : comm.all_gather_strings(std::to_string(value))) {
+    out += (out.empty() ? "" : " ") + v;
+  }
+  return out;
+}
+
+int save_worker(const std::string& given) {
+  auto comm = dist::init_from_env();
+  const int rank = comm->rank(), n = comm->size();
+  const fs::path root = root_of(*comm, given);
+  Setup s(comm);
+  s.reducer->zero_grad();
+  at::manual_seed(7);
+  s.model->loss(at::randn({8, kWidth})).backward();
+  s.optimizer->update();
+
+  std::vector<double> save_s, write_s;
+  uint64_t written = 0;
+  std::vector<char> buffer(size_t{64} << 20, 'x');
+  const fs::path raw = root / ("raw-" + std::to_string(rank));
+  for (int i = 0; i < kRepeats; ++i) {
+    fs::path dir;
+    save_s.push_back(timed(*comm, [&] {
+      dir = dist::save_training_state(root, "step-" + std::to_string(i), *s.model, *s.optimizer, {},
+                                      checkpoint::SaveOptions().keep_last(1))
+                .dir;
+    }));
+    char file[48];
+    std::snprintf(file, sizeof file, "data-%05d.safetensors", rank);
+    written = fs::file_size(dir / file);
+    write_s.push_back(timed(*comm, [&] { raw_write(raw, written, buffer); }));
+  }
+  fs::remove(raw);
+  const std::string all = per_rank(*comm, written);
+  comm->barrier();
+  if (rank == 0) {
+    const double save = median(save_s), write = median(write_s);
+    std::printf(
+        "save on N=%d: bytes written per rank [%s]; save %.1f ms vs raw write+fsync "
+        "%.1f ms: ratio %.2f\n",
+        n, all.c_str(), save * 1e3, write * 1e3, save / write);
+    std::fflush(stdout);
+  }
+  return 0;
+}
+
+int load_worker(const std::string& given) {
+  auto comm = dist::init_from_env();
+  const int rank = comm->rank(), m = comm->size();
+  const fs::path root = root_of(*comm, given);
+  std::vector<double> load_s, read_s;
+  dist::ResumeResult loaded;
+  std::vector<char> buffer(size_t{64} << 20, 'x');
+  for (int i = 0; i < kRepeats; ++i) {
+    Setup fresh(comm);
+    load_s.push_back(timed(
+        *comm, [&] { loaded = dist::load_training_state(root, *fresh.model, *fresh.optimizer); }));
+    // As many bytes, pread from the files this rank read (page cache, as the load's were).
+    uint64_t left = loaded.optimizer_reads.bytes_read + loaded.model_reads.bytes_read;
+    read_s.push_back(timed(*comm, [&] {
+      for (const auto& entry : fs::directory_iterator(loaded.dir)) {
+        if (left == 0 || entry.path().extension() != ".safetensors") continue;
+        const uint64_t take = std::min<uint64_t>(left, fs::file_size(entry.path()));
+        raw_read(entry.path(), take, buffer);
+        left -= take;
+      }
+    }));
+  }
+  const std::string opt_read = per_rank(*comm, loaded.optimizer_reads.bytes_read);
+  const std::string opt_used = per_rank(*comm, loaded.optimizer_reads.bytes_used);
+  const std::string model_read = per_rank(*comm, loaded.model_reads.bytes_read);
+  comm->barrier();
+  if (rank == 0) {
+    const double load = median(load_s), read = median(read_s);
+    std::printf(
+        "  load on M=%d: optimizer bytes read per rank [%s] (used [%s]); model+RNG "
+        "bytes read per rank [%s]; load %.1f ms vs raw read %.1f ms: ratio %.2f\n",
+        m, opt_read.c_str(), opt_used.c_str(), model_read.c_str(), load * 1e3, read * 1e3,
+        load / read);
+    std::fflush(stdout);
+  }
+  return 0;
+}
+
+int launcher(const std::string& self, std::string torchrun) {
+  if (torchrun.empty()) {
+#ifdef MIXPREC_TORCHRUN
+    torchrun = MIXPREC_TORCHRUN;
+#endif
+  }
+  if (torchrun.empty()) {
+    std::cerr << "bench_dist_checkpoint: pass --torchrun PATH, or run it under torchrun with "
+                 "--save ROOT / --load ROOT\n";
+    return 2;
+  }
+  std::cout << "bench_dist_checkpoint: collective save/load of a ZeRO-1 training state (" << kLayers
+            << " x " << kWidth << " BF16 MLP with FP32 gates, AdamW) on Gloo; "
+            << "N, M = 1, 2, 4 on this machine's cores and disk (compare ratios)\n";
+  std::string templ = (fs::temp_directory_path() / "mixprec-bench-ckpt-XXXXXX").string();
+  if (::mkdtemp(templ.data()) == nullptr) return 1;
+  const fs::path base = templ;
+  auto launch = [&](int ranks, const std::string& mode, const fs::path& root) {
+    const std::string command = "OMP_NUM_THREADS=1 " + torchrun +
+                                " --standalone --nproc-per-node " + std::to_string(ranks) +
+                                " --no-python " + self + " " + mode + " " + root.string() +
+                                " 2>/dev/null";
+    std::cout.flush();
+    const bool ok = std::system(command.c_str()) == 0;
+    if (!ok) std::cerr << "bench_dist_checkpoint: failed: " << command << "\n";
+    return ok;
+  };
+  bool ok = true;
+  for (int n : {1, 2, 4}) {
+    const fs::path root = base / ("n" + std::to_string(n));
+    fs::create_directories(root);
+    ok = ok && launch(n, "--save", root);
+    for (int m : {1, 2, 4}) ok = ok && launch(m, "--load", root);
+  }
+  std::error_code ec;
+  fs::remove_all(base, ec);
+  return ok ? 0 : 1;
+}
+
+}  // namespace
+
+int main(int argc, char** argv) {
+  std::string torchrun;
+  for (int i = 1; i < argc; ++i) {
+    if (std::strcmp(argv[i], "--save") == 0 && i + 1 < argc) return save_worker(argv[i + 1]);
+    if (std::strcmp(argv[i], "--load") == 0 && i + 1 < argc) return load_worker(argv[i + 1]);
+    if (std::strcmp(argv[i], "--torchrun") == 0 && i + 1 < argc) torchrun = argv[++i];
+  }
+  return launcher(argv[0], torchrun);
+}

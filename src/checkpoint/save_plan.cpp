@@ -1,0 +1,165 @@
+// Planning a save: which tensors each rank's data file holds, and whether the ranks' chunks
+// together form every key exactly. Pure bookkeeping, no I/O: the synchronous, asynchronous and
+// collective (dist/collective_checkpoint.h) saves all check a state here before writing.
+#include "checkpoint/save_pipeline.h"
+
+#include "detail/name_match.h"
+#include "mixprec/checkpoint/format/box.h"
+#include "mixprec/checkpoint/tensor_dtype.h"
+
+#include <ATen/ATen.h>
+#include <c10/util/Exception.h>
+
+#include <cstdio>
+
+namespace mixprec::checkpoint::detail {
+
+std::string data_file_name(size_t rank) {
+  char name[48];
+  std::snprintf(name, sizeof(name), "data-%05zu.safetensors", rank);
+  return name;
+}
+
+std::vector<StoredTensor> stored_tensors(const std::string& key, const ShardedTensor& shard) {
+  if (!shard.flat_range) return {{key, Box{shard.global_offset, shard.local.sizes().vec()}, 0}};
+  const std::vector<Box> boxes =
+      flat_range_boxes(shard.global_shape, shard.flat_range->begin, shard.flat_range->end);
+  std::vector<StoredTensor> out;
+  int64_t begin = 0;
+  for (size_t i = 0; i < boxes.size(); ++i) {
+    std::string name = boxes.size() == 1 ? key : key + "/" + std::to_string(i);
+    out.push_back({std::move(name), boxes[i], begin});
+    begin += static_cast<int64_t>(boxes[i].volume());
+  }
+  return out;
+}
+
+namespace {
+
+// "" if the shard's local tensor, offset or flat range fit its global shape; else why not.
+std::string shape_problem(const ShardedTensor& shard) {
+  if (shard.flat_range) {
+    int64_t numel = 1;
+    for (int64_t d : shard.global_shape) numel *= d;
+    const FlatRange& r = *shard.flat_range;
+    if (shard.local.dim() == 1 && r.begin >= 0 && r.begin <= r.end && r.end <= numel &&
+        shard.local.numel() == r.numel() && shard.global_offset.empty()) {
+      return {};
+    }
+    return "flat range [" + std::to_string(r.begin) + ", " + std::to_string(r.end) +
+           ") with a local tensor of shape " + dims_to_string(shard.local.sizes().vec()) +
+           " does not fit global shape " + dims_to_string(shard.global_shape) +
+           " (the local tensor must be 1-D with the range's length, and no offset given)";
+  }
+  if (shard.global_offset.size() == shard.global_shape.size() &&
+      shard.local.dim() == static_cast<int64_t>(shard.global_shape.size())) {
+    return {};
+  }
+  return "local rank " + std::to_string(shard.local.dim()) + ", global shape " +
+         dims_to_string(shard.global_shape) + ", offset " + dims_to_string(shard.global_offset);
+}
+
+}  // namespace
+
+RankPlan plan_rank(const ShardedStateDict& state, size_t rank, std::vector<std::string>& problems) {
+  RankPlan plan;
+  for (const auto& [key, shard] : state.tensors) {
+    const std::string where = "key '" + key + "' (rank " + std::to_string(rank) + ")";
+    if (!shard.local.defined()) {
+      problems.push_back(where + ": undefined tensor");
+      continue;
+    }
+    const Dtype dtype = to_checkpoint_dtype(shard.local.scalar_type());
+    if (const std::string bad = shape_problem(shard); !bad.empty()) {
+      problems.push_back(where + ": " + bad);
+      continue;
+    }
+    RankPlan::Key& entry = plan.keys[key];
+    entry.dtype = dtype;
+    entry.global_shape = shard.global_shape;
+    if (shard.replica_id != 0) continue;  // a replica: written once, by its replica 0
+    for (StoredTensor& stored : stored_tensors(key, shard)) {
+      Chunk chunk;
+      chunk.file = data_file_name(rank);
+      chunk.tensor = std::move(stored.name);
+      chunk.bytes = stored.box.volume() * element_size(dtype);
+      chunk.box = std::move(stored.box);
+      entry.chunks.push_back(std::move(chunk));
+    }
+  }
+  return plan;
+}
+
+std::map<std::string, KeyEntry> merge_plans(const std::vector<RankPlan>& ranks,
+                                            std::vector<std::string> problems) {
+  std::map<std::string, KeyEntry> keys;
+  std::map<std::string, std::vector<size_t>> chunk_rank;  // per key, parallel to its chunks
+  for (size_t r = 0; r < ranks.size(); ++r) {
+    for (const auto& [key, planned] : ranks[r].keys) {
+      auto [it, inserted] =
+          keys.try_emplace(key, KeyEntry{planned.dtype, planned.global_shape, {}});
+      KeyEntry& entry = it->second;
+      if (!inserted && (entry.dtype != planned.dtype || entry.shape != planned.global_shape)) {
+        problems.push_back(
+            "key '" + key + "' (rank " + std::to_string(r) + "): dtype/global shape " +
+            std::string(dtype_name(planned.dtype)) + " " + dims_to_string(planned.global_shape) +
+            " disagrees with another rank's " + std::string(dtype_name(entry.dtype)) + " " +
+            dims_to_string(entry.shape));
+        continue;
+      }
+      for (const Chunk& chunk : planned.chunks) {
+        entry.chunks.push_back(chunk);
+        chunk_rank[key].push_back(r);
+      }
+    }
+  }
+  for (const auto& [key, entry] : keys) {
+    std::vector<Box> boxes;
+    for (const auto& c : entry.chunks) boxes.push_back(c.box);
+    if (auto problem = check_tiling(boxes, entry.shape)) {
+      using Kind = TilingProblem::Kind;
+      const std::vector<size_t>& rank_of = chunk_rank[key];
+      std::string what =
+          problem->kind == Kind::kOverlap
+              ? "shards of ranks " + std::to_string(rank_of[problem->first]) + " and " +
+                    std::to_string(rank_of[problem->second]) +
+                    " overlap (a shard written twice? mark duplicates with replica_id > 0)"
+          : problem->kind == Kind::kGap
+              ? "replica-0 shards cover " + std::to_string(problem->covered) + " of " +
+                    std::to_string(problem->total) + " elements"
+              : "shard " + entry.chunks[problem->first].box.to_string() + " lies outside " +
+                    dims_to_string(entry.shape);
+      problems.push_back("key '" + key + "': " + what);
+    }
+  }
+  mixprec::detail::check_no_problems(problems, "[mixprec::checkpoint::save] cannot save");
+  return keys;
+}
+
+void fill_checksums(std::map<std::string, KeyEntry>& keys,
+                    std::map<std::string, std::map<std::string, WrittenTensor>>& written) {
+  for (auto& [key, entry] : keys) {
+    for (Chunk& chunk : entry.chunks) {
+      WrittenTensor& w = written.at(chunk.file).at(chunk.tensor);
+      TORCH_INTERNAL_ASSERT(w.byte_size == chunk.bytes, "chunk '", chunk.tensor, "' of ",
+                            chunk.file, ": ", w.byte_size, " bytes written, ", chunk.bytes,
+                            " planned");
+      chunk.checksum = w.checksum;
+      chunk.block_checksums = std::move(w.block_checksums);
+    }
+  }
+}
+
+void check_savable(const std::vector<const ShardedStateDict*>& ranks) {
+  TORCH_CHECK(!ranks.empty(), "[mixprec::checkpoint::save] no state to save");
+  for (size_t r = 0; r < ranks.size(); ++r) {
+    TORCH_CHECK(ranks[r] != nullptr, "[mixprec::checkpoint::save] rank ", r, " state is null");
+  }
+  check_unchanged(ranks, "since the state dict was built");
+  std::vector<std::string> problems;
+  std::vector<RankPlan> plans;
+  for (size_t r = 0; r < ranks.size(); ++r) plans.push_back(plan_rank(*ranks[r], r, problems));
+  merge_plans(plans, std::move(problems));
+}
+
+}  // namespace mixprec::checkpoint::detail
