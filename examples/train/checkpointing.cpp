@@ -7,6 +7,7 @@
 #include "mixprec/checkpoint/format/state_keys.h"
 #include "mixprec/checkpoint/load.h"
 #include "mixprec/checkpoint/save.h"
+#include "mixprec/dist/collective_checkpoint.h"
 
 #include <fcntl.h>
 #include <unistd.h>
@@ -76,8 +77,14 @@ void ensure_writable_dir(const fs::path& dir, const std::string& what) {
   ::unlink(probe.c_str());
 }
 
-Checkpointer::Checkpointer(fs::path root, bool async, int64_t keep_last)
-    : root_(std::move(root)), keep_last_(keep_last) {
+Checkpointer::Checkpointer(fs::path root, bool async, int64_t keep_last,
+                           std::shared_ptr<mixprec::dist::Communicator> ranks)
+    : root_(std::move(root)), keep_last_(keep_last), ranks_(std::move(ranks)) {
+  if (async && ranks_) {
+    throw UsageError(
+        "--async-save writes from one process; with several ranks every save is a blocking "
+        "collective (drop --async-save)");
+  }
   if (async) {
     // The budget bounds staged-but-unwritten bytes; the smallest allowed is plenty for the
     // models this program trains.
@@ -94,6 +101,8 @@ void Checkpointer::save(int64_t step, mixprec::ShardedStateDict state) {
   const auto start = std::chrono::steady_clock::now();
   if (async_) {
     async_->save(root_, name, std::move(state), options);
+  } else if (ranks_) {
+    mixprec::dist::save_checkpoint(*ranks_, root_, name, state, options);
   } else {
     mixprec::checkpoint::save_checkpoint(root_, name, state, options);
   }

@@ -19,6 +19,10 @@
 #include <optional>
 #include <string>
 
+namespace mixprec::dist {
+class Communicator;
+}
+
 namespace train {
 
 // "step-000100".
@@ -47,10 +51,15 @@ class Checkpointer {
  public:
   // `async`: stage to host memory and write in the background (AsyncCheckpointSaver); at most
   // one save in flight, the next save or finish() waits for it. `keep_last`: retention.
-  Checkpointer(std::filesystem::path root, bool async, int64_t keep_last);
+  // `ranks`: data parallel; every save is then collective (each rank writes its own shard,
+  // rank 0 commits: mixprec/dist/collective_checkpoint.h) and blocking — `async` with ranks
+  // is a UsageError.
+  Checkpointer(std::filesystem::path root, bool async, int64_t keep_last,
+               std::shared_ptr<mixprec::dist::Communicator> ranks = nullptr);
 
-  // Saves `state` as <root>/step-<step> and points `latest` at it. Blocking saves return once
-  // committed; async ones once staged. Errors of a background save surface here or in finish().
+  // Saves `state` (this rank's part) as <root>/step-<step> and points `latest` at it. Blocking
+  // saves return once committed; async ones once staged. Errors of a background save surface
+  // here or in finish().
   void save(int64_t step, mixprec::ShardedStateDict state);
   // Waits for a background save to commit.
   void finish();
@@ -62,6 +71,7 @@ class Checkpointer {
   std::filesystem::path root_;
   int64_t keep_last_;
   std::unique_ptr<mixprec::checkpoint::AsyncCheckpointSaver> async_;
+  std::shared_ptr<mixprec::dist::Communicator> ranks_;
   SaveStats stats_;
 };
 

@@ -330,6 +330,7 @@ std::string describe(const TrainConfig& c) {
   s << c.layers << (c.layers == 1 ? " layer" : " layers") << ", d_model " << c.d_model << ", "
     << c.heads << " heads, " << c.experts << " experts (top-" << c.top_k << "), seq " << c.seq_len
     << " | " << c.precision << ", fp8 " << c.fp8;
+  if (c.world_size > 1) s << " | " << c.world_size << " ranks, ZeRO-1";
   return s.str();
 }
 

@@ -102,6 +102,12 @@ void GptImpl::update_expert_biases(double rate) {
   for (const auto& block : *blocks) block->as<BlockImpl>()->moe->update_expert_bias(rate);
 }
 
+std::vector<at::Tensor> GptImpl::expert_loads() const {
+  std::vector<at::Tensor> loads;
+  for (const auto& block : *blocks) loads.push_back(block->as<BlockImpl>()->moe->load());
+  return loads;
+}
+
 std::vector<std::string> GptImpl::expert_bias_names() const {
   std::vector<std::string> names;
   for (const auto& item : named_buffers()) {

@@ -77,6 +77,9 @@ struct GptImpl : torch::nn::Module {
 
   // Aux-loss-free balancing for every MoE layer (see MoEImpl::update_expert_bias).
   void update_expert_biases(double rate);
+  // Every MoE layer's token counter since the last update (MoEImpl::load), aliased: data
+  // parallelism sums them over ranks in place before the update.
+  std::vector<at::Tensor> expert_loads() const;
 
   // Fully qualified names of the expert-bias buffers ("blocks.0.moe.expert_bias", …): the
   // precision plan keeps them FP32 by name.

@@ -48,18 +48,22 @@ RunState RunState::from_json(const nlohmann::json& user, const std::string& sour
 double Loop::validation_loss() {
   torch::NoGradGuard no_grad;
   model.module->eval();
-  const int64_t rows = config.batch / config.world_size / config.grad_accum;
+  // Batches of one micro-batch's global rows; rank r evaluates its equal share of them, so the
+  // mean over ranks is the same validation loss for any number of ranks.
+  const int64_t rows = config.batch / config.grad_accum;
+  const int64_t rank_rows = rows / config.world_size;
   double total = 0;
   for (int64_t i = 0; i < config.eval_batches; ++i) {
-    const Batch b = val_batches.batch(i, rows, 0, rows);
+    const Batch b = val_batches.batch(i, rows, config.rank * rank_rows, rank_rows);
     total += cross_entropy(std::get<0>(model.forward(b.inputs)), b.targets).item<double>();
   }
   model.module->train();
-  return total / static_cast<double>(config.eval_batches);
+  return mean_over_ranks(ranks, total / static_cast<double>(config.eval_batches));
 }
 
 StepOutcome train_step(const TrainConfig& config, MixedModel& model, TrainingOptimizer& optimizer,
-                       const BatchSampler& batches, int64_t index, double lr) {
+                       const BatchSampler& batches, int64_t index, double lr,
+                       mixprec::dist::Communicator* ranks) {
   const int64_t rank_rows = config.batch / config.world_size;
   const int64_t micro_rows = rank_rows / config.grad_accum;
   optimizer.set_lr(lr);
@@ -69,6 +73,9 @@ StepOutcome train_step(const TrainConfig& config, MixedModel& model, TrainingOpt
   for (int64_t m = 0; m < config.grad_accum; ++m) {
     const int64_t first_row = config.rank * rank_rows + m * micro_rows;
     const Batch b = batches.batch(index, config.batch, first_row, micro_rows);
+    // Gradients are reduced across ranks once per step, in the last micro-batch's backward.
+    const std::shared_ptr<void> accumulating =
+        m + 1 < config.grad_accum ? optimizer.accumulate_only() : nullptr;
     auto [logits, aux] = model.forward(b.inputs);
     const at::Tensor loss = cross_entropy(logits, b.targets);
     const at::Tensor objective =
@@ -78,7 +85,11 @@ StepOutcome train_step(const TrainConfig& config, MixedModel& model, TrainingOpt
     out.aux_loss += aux.item<double>() / static_cast<double>(config.grad_accum);
   }
   out.result = optimizer.step();
-  // Aux-loss-free balancing uses the load of this step's tokens, whether or not it was skipped.
+  out.loss = mean_over_ranks(ranks, out.loss);
+  out.aux_loss = mean_over_ranks(ranks, out.aux_loss);
+  // Aux-loss-free balancing uses the load of this step's tokens, whether or not it was skipped:
+  // every rank's tokens, so the biases stay identical on every rank.
+  sum_over_ranks(ranks, model.gpt->expert_loads());
   model.gpt->update_expert_biases(config.bias_update_rate);
   return out;
 }
@@ -90,7 +101,8 @@ LoopOutcome Loop::run(RunState& state) {
     const auto start = Clock::now();
     const double lr =
         learning_rate(state.step, config.steps, config.lr, config.warmup, config.min_lr_ratio);
-    const StepOutcome done = train_step(config, model, optimizer, train_batches, state.step, lr);
+    const StepOutcome done =
+        train_step(config, model, optimizer, train_batches, state.step, lr, ranks);
     const mixprec::optim::StepResult& result = done.result;
     const double step_s = seconds_since(start);
     outcome.train_s += step_s;
@@ -118,7 +130,8 @@ LoopOutcome Loop::run(RunState& state) {
     if (metrics != nullptr) metrics->write(r);
     progress.step(r);
 
-    const bool stopping = stop.requested() || state.step == config.stop_at;
+    // A signal may reach the ranks between different steps; all stop after the same one.
+    const bool stopping = any_rank(ranks, stop.requested()) || state.step == config.stop_at;
     if (state.step % config.ckpt_every == 0 || state.step == config.steps || stopping) {
       checkpointer.save(state.step, optimizer.training_state(state.to_json(config, metrics_path)));
     }

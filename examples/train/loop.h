@@ -9,12 +9,14 @@
 //   optimizer step (unscale, skip on overflow, clip, AdamW), then aux-loss-free expert-bias
 //   update from the tokens each expert received
 // then, every --eval-every steps, the validation loss; a metrics line; every --ckpt-every
-// steps (and at the last step, or when a stop was requested) a checkpoint.
+// steps (and at the last step, or when a stop was requested) a checkpoint. Data parallel, every
+// rank runs this loop; the ranks agree on losses, expert loads and stopping (data_parallel.h).
 #pragma once
 
 #include "checkpointing.h"
 #include "config.h"
 #include "data.h"
+#include "data_parallel.h"
 #include "metrics.h"
 #include "optimizer.h"
 #include "plan.h"
@@ -47,14 +49,17 @@ struct LoopOutcome {
 
 // One optimizer step on global batch `index`: this rank's rows, in config.grad_accum
 // micro-batches, at learning rate `lr` (the step described at the top of this file, without
-// the bookkeeping around it). The benchmark times exactly this.
+// the bookkeeping around it). With `ranks` (data parallel) the losses returned are means over
+// ranks and the expert loads are summed over ranks before the bias update. The benchmark
+// times exactly this.
 struct StepOutcome {
   double loss = 0;      // mean cross-entropy over the micro-batches
   double aux_loss = 0;  // mean load-balancing loss
   mixprec::optim::StepResult result;
 };
 StepOutcome train_step(const TrainConfig& config, MixedModel& model, TrainingOptimizer& optimizer,
-                       const BatchSampler& batches, int64_t index, double lr);
+                       const BatchSampler& batches, int64_t index, double lr,
+                       mixprec::dist::Communicator* ranks = nullptr);
 
 struct Loop {
   const TrainConfig& config;
@@ -67,11 +72,13 @@ struct Loop {
   std::filesystem::path metrics_path;  // recorded in checkpoints, so --resume finds it
   Progress& progress;
   const StopRequest& stop;
+  mixprec::dist::Communicator* ranks = nullptr;  // data parallel: the ranks (data_parallel.h)
 
   // Trains from `state` to config.steps (or until a stop request), updating `state`.
   LoopOutcome run(RunState& state);
 
-  // Mean cross-entropy over config.eval_batches validation batches (no gradients).
+  // Mean cross-entropy over config.eval_batches validation batches (no gradients), the same
+  // rows for any number of ranks (each rank evaluates its share).
   double validation_loss();
 };
 

@@ -13,6 +13,7 @@
 #include "checkpointing.h"
 #include "config.h"
 #include "data.h"
+#include "data_parallel.h"
 #include "gpt.h"
 #include "loop.h"
 #include "optimizer.h"
@@ -24,6 +25,7 @@
 #include "summary.h"
 
 #include "mixprec/checkpoint/format/error.h"
+#include "mixprec/dist/communicator.h"
 
 #include <ATen/Parallel.h>
 #include <c10/util/Exception.h>
@@ -37,17 +39,12 @@ namespace {
 
 using namespace train;
 
-// Rank and world size from a launcher (torchrun sets RANK and WORLD_SIZE); 0 and 1 without.
-void read_launcher(TrainConfig& config) {
-  const char* world = std::getenv("WORLD_SIZE");
-  const char* rank = std::getenv("RANK");
-  config.world_size = world != nullptr ? std::atoll(world) : 1;
-  config.rank = rank != nullptr ? std::atoll(rank) : 0;
-  if (config.world_size > 1) {
-    throw UsageError("WORLD_SIZE=" + std::to_string(config.world_size) +
-                     ": data-parallel training needs mixprec's distributed optimizer, which this "
-                     "build does not have yet; run a single process");
-  }
+// Rank and world size from the launcher's ranks (torchrun sets RANK and WORLD_SIZE); 0 and 1
+// without. The batch must split evenly over them: checked again now that their number is known.
+void adopt_ranks(TrainConfig& config, const mixprec::dist::Communicator* ranks) {
+  config.world_size = ranks != nullptr ? ranks->size() : 1;
+  config.rank = ranks != nullptr ? ranks->rank() : 0;
+  validate(config);
 }
 
 int run(int argc, char** argv) {
@@ -59,7 +56,12 @@ int run(int argc, char** argv) {
     return 0;
   }
   TrainConfig config = args.config;
-  read_launcher(config);
+  const std::shared_ptr<mixprec::dist::Communicator> ranks = join_ranks();
+  adopt_ranks(config, ranks.get());
+  // A fresh run's directory is named by the time it starts: rank 0's time, for every rank.
+  if (ranks && config.out.empty() && config.ckpt_dir.empty() && !config.resume) {
+    config.out = ranks->all_gather_strings(new_run_dir().string()).front();
+  }
   const RunPaths paths = resolve_run_paths(config);
   if (config.threads > 0) at::set_num_threads(static_cast<int>(config.threads));
   const bool rank0 = config.rank == 0;
@@ -79,9 +81,11 @@ int run(int argc, char** argv) {
   //    expert biases (by name) and the norms (by pattern), which stay FP32.
   MixedModel model = apply_precision(gpt, precision);
 
-  // 5. Optimizer: AdamW with FP32 masters for the half parameters only.
+  // 5. Optimizer: AdamW with FP32 masters for the half parameters only; with several ranks,
+  //    ZeRO-1 (each rank holds and steps 1/N of masters and moments).
   std::unique_ptr<TrainingOptimizer> optimizer =
-      make_single_process_optimizer(*model.module, config, precision);
+      ranks ? make_data_parallel_optimizer(*model.module, config, precision, ranks)
+            : make_single_process_optimizer(*model.module, config, precision);
 
   // 6. Resume: model, optimizer, RNG and the run's position, all from one checkpoint.
   RunState state;
@@ -110,7 +114,7 @@ int run(int argc, char** argv) {
     }
     std::fflush(stdout);
   }
-  Checkpointer checkpointer(paths.ckpt_root, config.async_save, config.keep_last);
+  Checkpointer checkpointer(paths.ckpt_root, config.async_save, config.keep_last, ranks);
   Progress progress(rank0 ? progress_mode(config.progress) : ProgressMode::kNone, config.steps,
                     config.log_every);
   StopRequest stop;
@@ -123,7 +127,8 @@ int run(int argc, char** argv) {
             metrics ? &*metrics : nullptr,
             paths.metrics,
             progress,
-            stop};
+            stop,
+            ranks.get()};
   const LoopOutcome outcome = loop.run(state);
 
   // 8. Checkpoint: the last save may still be writing in the background.

@@ -22,10 +22,9 @@ class SingleProcessOptimizer final : public TrainingOptimizer {
   SingleProcessOptimizer(torch::nn::Module& model, const TrainConfig& config,
                          const Precision& precision)
       : model_(model),
-        optimizer_(model, groups(model, config), defaults(config),
-                   mixprec::optim::Float16OptimizerOptions()
-                       .clip_grad(config.clip_grad)
-                       .loss_scaler(precision.scaler)) {}
+        optimizer_(model, adamw_groups(model, config),
+                   std::make_unique<torch::optim::AdamWOptions>(adamw_options(config)),
+                   float16_options(config, precision)) {}
 
   double loss_scale() const override { return optimizer_.loss_scale(); }
   void zero_grad() override { optimizer_.zero_grad(); }
@@ -42,45 +41,57 @@ class SingleProcessOptimizer final : public TrainingOptimizer {
   }
 
   OptimizerMemory memory() const override {
-    OptimizerMemory m;
-    m.state_bytes =
-        optimizer_.state_bytes(ParamRole::kMaster) + optimizer_.state_bytes(ParamRole::kNativeFp32);
-    const auto params = model_.named_parameters();
-    for (const auto& info : optimizer_.params_info()) {
-      const int64_t n = params[info.fqn].numel();
-      if (info.role == ParamRole::kMaster) m.master_params += n;
-      if (info.role == ParamRole::kNativeFp32) m.native_fp32_params += n;
-      if (info.role != ParamRole::kFrozen) m.trainable_params += n;
-    }
-    return m;
+    return optimizer_memory(model_, optimizer_.params_info(),
+                            optimizer_.state_bytes(ParamRole::kMaster) +
+                                optimizer_.state_bytes(ParamRole::kNativeFp32));
   }
 
  private:
-  static std::vector<torch::optim::OptimizerParamGroup> groups(torch::nn::Module& model,
-                                                               const TrainConfig& config) {
-    std::vector<at::Tensor> with_decay, without_decay;
-    for (const auto& item : model.named_parameters()) {
-      (decays(item.key(), item.value()) ? with_decay : without_decay).push_back(item.value());
-    }
-    std::vector<torch::optim::OptimizerParamGroup> out;
-    out.emplace_back(with_decay, std::make_unique<torch::optim::AdamWOptions>(
-                                     adamw(config).weight_decay(config.weight_decay)));
-    out.emplace_back(without_decay,
-                     std::make_unique<torch::optim::AdamWOptions>(adamw(config).weight_decay(0)));
-    return out;
-  }
-  static torch::optim::AdamWOptions adamw(const TrainConfig& config) {
-    return torch::optim::AdamWOptions(config.lr).betas({0.9, 0.95}).eps(1e-8);
-  }
-  static std::unique_ptr<torch::optim::OptimizerOptions> defaults(const TrainConfig& config) {
-    return std::make_unique<torch::optim::AdamWOptions>(adamw(config));
-  }
-
   torch::nn::Module& model_;
   Float16Optimizer optimizer_;
 };
 
 }  // namespace
+
+std::vector<torch::optim::OptimizerParamGroup> adamw_groups(torch::nn::Module& model,
+                                                            const TrainConfig& config) {
+  std::vector<at::Tensor> with_decay, without_decay;
+  for (const auto& item : model.named_parameters()) {
+    (decays(item.key(), item.value()) ? with_decay : without_decay).push_back(item.value());
+  }
+  std::vector<torch::optim::OptimizerParamGroup> out;
+  out.emplace_back(with_decay, std::make_unique<torch::optim::AdamWOptions>(
+                                   adamw_options(config).weight_decay(config.weight_decay)));
+  out.emplace_back(without_decay, std::make_unique<torch::optim::AdamWOptions>(
+                                      adamw_options(config).weight_decay(0)));
+  return out;
+}
+
+OptimizerMemory optimizer_memory(const torch::nn::Module& model,
+                                 const std::vector<mixprec::optim::ParamInfo>& params_info,
+                                 int64_t state_bytes) {
+  OptimizerMemory m;
+  m.state_bytes = state_bytes;
+  const auto params = model.named_parameters();
+  for (const auto& info : params_info) {
+    const int64_t n = params[info.fqn].numel();
+    if (info.role == ParamRole::kMaster) m.master_params += n;
+    if (info.role == ParamRole::kNativeFp32) m.native_fp32_params += n;
+    if (info.role != ParamRole::kFrozen) m.trainable_params += n;
+  }
+  return m;
+}
+
+torch::optim::AdamWOptions adamw_options(const TrainConfig& config) {
+  return torch::optim::AdamWOptions(config.lr).betas({0.9, 0.95}).eps(1e-8);
+}
+
+mixprec::optim::Float16OptimizerOptions float16_options(const TrainConfig& config,
+                                                        const Precision& precision) {
+  return mixprec::optim::Float16OptimizerOptions()
+      .clip_grad(config.clip_grad)
+      .loss_scaler(precision.scaler);
+}
 
 std::unique_ptr<TrainingOptimizer> make_single_process_optimizer(torch::nn::Module& model,
                                                                  const TrainConfig& config,

@@ -1,11 +1,14 @@
-// What the training loop needs from an optimizer, and the single-process one.
+// What the training loop needs from an optimizer: the single-process one and the data-parallel
+// one.
 //
 // The loop sees only TrainingOptimizer: scale the loss, step, set the learning rate, and hand
 // the training state to a checkpoint or take it back. The single-process implementation wraps
 // mixprec::optim::Float16Optimizer (AdamW with FP32 masters for BF16/FP16 parameters, FP32
-// parameters stepped in place). A data-parallel optimizer (ZeRO-1: gradients reduce-scattered,
-// masters and moments sharded, parameters all-gathered) implements the same interface, with
-// step() doing the collectives and training_state() returning this rank's shard.
+// parameters stepped in place). The data-parallel one (data_parallel.cpp) is ZeRO-1:
+// mixprec::dist::GradReducer reduce-scatters gradients in buckets during backward,
+// mixprec::dist::DistributedOptimizer steps this rank's shard of masters and moments and
+// all-gathers the parameters; training_state() is this rank's shard of a collective
+// checkpoint, and load() reads one written by any number of ranks.
 #pragma once
 
 #include "config.h"
@@ -16,9 +19,15 @@
 
 #include <filesystem>
 #include <memory>
+#include <vector>
+
+#include <torch/optim/adamw.h>
 
 namespace torch::nn {
 class Module;
+}
+namespace mixprec::dist {
+class Communicator;
 }
 
 namespace train {
@@ -38,6 +47,9 @@ class TrainingOptimizer {
   // Multiply the loss by this before backward (1 unless FP16's dynamic scaler is active).
   virtual double loss_scale() const = 0;
   virtual void zero_grad() = 0;
+  // While the returned guard lives, backward only accumulates gradients: the micro-batches
+  // before the last of a step need no reduction across ranks. Null for one process.
+  virtual std::shared_ptr<void> accumulate_only() { return nullptr; }
   // Sets the learning rate of every parameter group (the schedule calls it each step).
   virtual void set_lr(double lr) = 0;
   // One step over the accumulated gradients: unscale, skip on Inf/NaN (FP16), clip, AdamW.
@@ -58,5 +70,23 @@ class TrainingOptimizer {
 std::unique_ptr<TrainingOptimizer> make_single_process_optimizer(torch::nn::Module& model,
                                                                  const TrainConfig& config,
                                                                  const Precision& precision);
+
+// The same AdamW, clipping and loss scaler, data parallel over `ranks` (ZeRO-1). Collective:
+// every rank calls it at the same point with the same model (checked: an error names the first
+// parameter that differs).
+std::unique_ptr<TrainingOptimizer> make_data_parallel_optimizer(
+    torch::nn::Module& model, const TrainConfig& config, const Precision& precision,
+    std::shared_ptr<mixprec::dist::Communicator> ranks);
+
+// What both share: the summary's memory figures (state_bytes: this rank's), the two parameter
+// groups (decay / no decay) and AdamW's options.
+std::vector<torch::optim::OptimizerParamGroup> adamw_groups(torch::nn::Module& model,
+                                                            const TrainConfig& config);
+torch::optim::AdamWOptions adamw_options(const TrainConfig& config);
+OptimizerMemory optimizer_memory(const torch::nn::Module& model,
+                                 const std::vector<mixprec::optim::ParamInfo>& params_info,
+                                 int64_t state_bytes);
+mixprec::optim::Float16OptimizerOptions float16_options(const TrainConfig& config,
+                                                        const Precision& precision);
 
 }  // namespace train

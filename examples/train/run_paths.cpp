@@ -13,19 +13,6 @@ namespace {
 
 const fs::path kRunsDir = "runs";
 
-fs::path new_run_dir() {
-  char stamp[32];
-  const std::time_t now = std::time(nullptr);
-  std::tm local{};
-  localtime_r(&now, &local);
-  std::strftime(stamp, sizeof stamp, "%Y%m%d-%H%M%S", &local);
-  fs::path dir = kRunsDir / stamp;
-  std::error_code ec;
-  for (int i = 2; fs::exists(dir, ec); ++i)
-    dir = kRunsDir / (std::string(stamp) + "-" + std::to_string(i));
-  return dir;
-}
-
 // The newest run directory under runs/ whose checkpoints/ has a `latest`.
 std::optional<fs::path> newest_resumable_run() {
   std::vector<fs::path> runs;
@@ -41,6 +28,19 @@ std::optional<fs::path> newest_resumable_run() {
 }
 
 }  // namespace
+
+fs::path new_run_dir() {
+  char stamp[32];
+  const std::time_t now = std::time(nullptr);
+  std::tm local{};
+  localtime_r(&now, &local);
+  std::strftime(stamp, sizeof stamp, "%Y%m%d-%H%M%S", &local);
+  fs::path dir = kRunsDir / stamp;
+  std::error_code ec;
+  for (int i = 2; fs::exists(dir, ec); ++i)
+    dir = kRunsDir / (std::string(stamp) + "-" + std::to_string(i));
+  return dir;
+}
 
 RunPaths resolve_run_paths(TrainConfig& config) {
   fs::path out = config.out;

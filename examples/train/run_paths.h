@@ -19,6 +19,9 @@ struct RunPaths {
   std::optional<std::filesystem::path> resume_from;  // the checkpoint to load (with --resume)
 };
 
+// runs/<date>-<time> (with a suffix if taken): a fresh run's directory unless --out is given.
+std::filesystem::path new_run_dir();
+
 // Decides the paths without writing anything. With --resume, reads the checkpoint's saved
 // configuration into `config` (adopt_run_shape) and its metrics path unless --metrics is given.
 // Throws UsageError: --resume without a checkpoint; a fresh run into a root with checkpoints;

@@ -71,8 +71,9 @@ inline std::vector<std::string> operator+(std::vector<std::string> a,
 }
 
 // Starts mixprec-train with `args` (stdout/stderr to files in `scratch`); returns its pid.
+// `ranks` > 0: under `torchrun --standalone --nproc-per-node <ranks> --no-python`.
 inline pid_t start_program(const fs::path& scratch, const std::vector<std::string>& args,
-                           const std::string& tag) {
+                           const std::string& tag, int ranks = 0) {
   const fs::path out = scratch / (tag + ".out"), err = scratch / (tag + ".err");
   const pid_t pid = ::fork();
   if (pid == 0) {
@@ -82,8 +83,16 @@ inline pid_t start_program(const fs::path& scratch, const std::vector<std::strin
     ::dup2(o, 1), ::dup2(e, 2), ::dup2(in, 0);
     std::vector<char*> argv;
     std::string bin = MIXPREC_TRAIN_BIN;
-    argv.push_back(bin.data());
     std::vector<std::string> copy = args;
+#ifdef MIXPREC_TORCHRUN
+    if (ranks > 0) {
+      copy.insert(copy.begin(),
+                  {"--standalone", "--nproc-per-node", std::to_string(ranks), "--no-python", bin});
+      bin = MIXPREC_TORCHRUN;
+      ::setenv("OMP_NUM_THREADS", "1", 1);
+    }
+#endif
+    argv.push_back(bin.data());
     for (auto& a : copy) argv.push_back(a.data());
     argv.push_back(nullptr);
     ::chdir(scratch.c_str());  // the default runs/ directory lands in the scratch directory
@@ -104,8 +113,8 @@ inline ProgramRun wait_program(const fs::path& scratch, pid_t pid, const std::st
 }
 
 inline ProgramRun run_program(const fs::path& scratch, const std::vector<std::string>& args,
-                              const std::string& tag = "run") {
-  return wait_program(scratch, start_program(scratch, args, tag), tag);
+                              const std::string& tag = "run", int ranks = 0) {
+  return wait_program(scratch, start_program(scratch, args, tag, ranks), tag);
 }
 
 // The metrics file's records, in file order.

@@ -1,0 +1,34 @@
+// Data parallelism in mixprec-train: what the loop agrees on across ranks.
+//
+// Under `torchrun --nproc-per-node N --no-python mixprec-train …` every rank builds the same
+// model from the seed, takes rows [rank·B/N, (rank+1)·B/N) of every global batch of B rows, and
+// the ZeRO-1 optimizer (optimizer.h: make_data_parallel_optimizer) averages gradients. What
+// the ranks must also share goes through these helpers: the logged losses (a mean over ranks:
+// the global batch's), the experts' token counts (summed, so every rank moves its expert biases
+// exactly as one process seeing the whole batch would), and the decision to stop (a signal that
+// reached one rank stops every rank after the same step). `ranks` null: one process, no-ops.
+#pragma once
+
+#include <ATen/core/Tensor.h>
+
+#include <memory>
+#include <vector>
+
+namespace mixprec::dist {
+class Communicator;
+}
+
+namespace train {
+
+// The launcher's ranks (torchrun's environment, checked), or null without a launcher.
+// Collective when launched: every rank joins the process group here.
+std::shared_ptr<mixprec::dist::Communicator> join_ranks();
+
+// The mean of `value` over ranks.
+double mean_over_ranks(mixprec::dist::Communicator* ranks, double value);
+// True on every rank if `mine` is true on any.
+bool any_rank(mixprec::dist::Communicator* ranks, bool mine);
+// Each tensor (in place) becomes its sum over ranks.
+void sum_over_ranks(mixprec::dist::Communicator* ranks, const std::vector<at::Tensor>& tensors);
+
+}  // namespace train
