@@ -164,10 +164,15 @@ std::string summary(const RunReport& r) {
   // Optimizer memory.
   const OptimizerMemory& m = r.optimizer;
   if (m.trainable_params > 0) {
+    // ZeRO-1: each rank holds about 1/N of the state; rank 0's share is what is shown.
+    const std::string where =
+        r.config.world_size > 1
+            ? " on rank 0 of " + std::to_string(r.config.world_size) + " (ZeRO-1 shards)"
+            : "";
     std::snprintf(line, sizeof line,
-                  "optimizer   AdamW: %s of state, %.2f bytes per parameter (FP32 master + 2 "
+                  "optimizer   AdamW: %s of state%s, %.2f bytes per parameter (FP32 master + 2 "
                   "moments for %s half params, moments only for %s FP32 params)\n",
-                  bytes_text(static_cast<double>(m.state_bytes)).c_str(),
+                  bytes_text(static_cast<double>(m.state_bytes)).c_str(), where.c_str(),
                   static_cast<double>(m.state_bytes) / static_cast<double>(m.trainable_params),
                   count_text(m.master_params).c_str(), count_text(m.native_fp32_params).c_str());
     s << line;
@@ -223,6 +228,7 @@ std::string summary(const RunReport& r) {
   }
   const std::string root = r.saves.last_dir.empty() ? "" : r.saves.last_dir.parent_path().string();
   if (!root.empty()) {
+    // Any number of ranks resumes it: the same command alone, or under torchrun.
     s << "resume      mixprec-train --resume --ckpt-dir " << root;
     if (!r.stopped_early) s << " --steps " << r.config.steps * 2;
     s << "\n";
