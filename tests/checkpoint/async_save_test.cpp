@@ -15,7 +15,7 @@
 #include <atomic>
 
 namespace mixprec::checkpoint {
-namespace {
+namespace MIXPREC_UNITY_ID {  // anonymous outside unity builds (tests/CMakeLists.txt)
 
 namespace fs = std::filesystem;
 using mixprec::testing::TrainingSetup;
@@ -178,5 +178,5 @@ TEST(AsyncSave, PieceAndBudgetOptionsAreValidated) {
   EXPECT_THROW(AsyncCheckpointSaver{small_budget}, c10::Error);
 }
 
-}  // namespace
+}  // namespace MIXPREC_UNITY_ID
 }  // namespace mixprec::checkpoint

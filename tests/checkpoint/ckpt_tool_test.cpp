@@ -16,7 +16,7 @@
 #include <regex>
 
 namespace mixprec::checkpoint {
-namespace {
+namespace MIXPREC_UNITY_ID {  // anonymous outside unity builds (tests/CMakeLists.txt)
 
 namespace fs = std::filesystem;
 using testing::TempDir;
@@ -271,5 +271,5 @@ TEST_F(CkptTool, BadArgumentsAndPathsAreOneLineErrors) {
   EXPECT_EQ(tool({"diff", "--help"}).status, 0);
 }
 
-}  // namespace
+}  // namespace MIXPREC_UNITY_ID
 }  // namespace mixprec::checkpoint

@@ -18,7 +18,7 @@
 #include <cstdlib>
 
 namespace mixprec::checkpoint {
-namespace {
+namespace MIXPREC_UNITY_ID {  // anonymous outside unity builds (tests/CMakeLists.txt)
 
 namespace fs = std::filesystem;
 
@@ -86,5 +86,5 @@ TEST(CrashDuringSave, EveryKillPointLeavesALoadableLatest) {
   fs::remove_all(root);
 }
 
-}  // namespace
+}  // namespace MIXPREC_UNITY_ID
 }  // namespace mixprec::checkpoint

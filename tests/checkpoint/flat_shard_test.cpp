@@ -14,7 +14,7 @@
 #include <gtest/gtest.h>
 
 namespace mixprec::checkpoint {
-namespace {
+namespace MIXPREC_UNITY_ID {  // anonymous outside unity builds (tests/CMakeLists.txt)
 
 namespace fs = std::filesystem;
 using mixprec::testing::error_of;
@@ -188,5 +188,5 @@ TEST(FlatShard, EmptyRangesAreKeysWithoutBytesAndBadPiecesAreRefused) {
             std::string::npos);
 }
 
-}  // namespace
+}  // namespace MIXPREC_UNITY_ID
 }  // namespace mixprec::checkpoint

@@ -14,7 +14,7 @@
 #include <functional>
 
 namespace mixprec::checkpoint {
-namespace {
+namespace MIXPREC_UNITY_ID {  // anonymous outside unity builds (tests/CMakeLists.txt)
 
 namespace fs = std::filesystem;
 using mixprec::testing::TrainingSetup;
@@ -128,5 +128,5 @@ TEST(LoadHostileRoot, PlantedLatestTmpLinkLeavesTheOutsideFileAlone) {
   EXPECT_EQ(checkpoint::testing::current_stamp(victim), before);
 }
 
-}  // namespace
+}  // namespace MIXPREC_UNITY_ID
 }  // namespace mixprec::checkpoint

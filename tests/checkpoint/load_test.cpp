@@ -16,7 +16,7 @@
 #include <gtest/gtest.h>
 
 namespace mixprec::checkpoint {
-namespace {
+namespace MIXPREC_UNITY_ID {  // anonymous outside unity builds (tests/CMakeLists.txt)
 
 namespace fs = std::filesystem;
 using testing::TempDir;
@@ -113,5 +113,5 @@ TEST(ReadCheckpoint, BoolTensorsMustHoldOnlyZeroAndOne) {
             std::string::npos);
 }
 
-}  // namespace
+}  // namespace MIXPREC_UNITY_ID
 }  // namespace mixprec::checkpoint

@@ -20,7 +20,7 @@
 #include <cstdio>
 
 namespace mixprec::checkpoint {
-namespace {
+namespace MIXPREC_UNITY_ID {  // anonymous outside unity builds (tests/CMakeLists.txt)
 
 namespace fs = std::filesystem;
 using optim::ParamRole;
@@ -179,5 +179,5 @@ INSTANTIATE_TEST_SUITE_P(Implementations, PythonClient,
                            return info.param.impl + (info.param.amsgrad ? "_amsgrad" : "");
                          });
 
-}  // namespace
+}  // namespace MIXPREC_UNITY_ID
 }  // namespace mixprec::checkpoint

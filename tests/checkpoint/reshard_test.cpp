@@ -16,7 +16,7 @@
 #include <iostream>
 
 namespace mixprec::checkpoint {
-namespace {
+namespace MIXPREC_UNITY_ID {  // anonymous outside unity builds (tests/CMakeLists.txt)
 
 namespace fs = std::filesystem;
 
@@ -258,5 +258,5 @@ TEST(ReshardChecksums, BytesReadBy3To2Reshard) {
   }
 }
 
-}  // namespace
+}  // namespace MIXPREC_UNITY_ID
 }  // namespace mixprec::checkpoint

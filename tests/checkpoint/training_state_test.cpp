@@ -17,7 +17,7 @@
 #include <fstream>
 
 namespace mixprec::checkpoint {
-namespace {
+namespace MIXPREC_UNITY_ID {  // anonymous outside unity builds (tests/CMakeLists.txt)
 
 namespace fs = std::filesystem;
 using mixprec::testing::expect_unchanged;
@@ -326,5 +326,5 @@ TEST(AsyncSave, BudgetBelowOnePieceIsRefused) {
   EXPECT_THROW(AsyncCheckpointSaver(AsyncSaveOptions().staging_budget_bytes(1u << 20)), c10::Error);
 }
 
-}  // namespace
+}  // namespace MIXPREC_UNITY_ID
 }  // namespace mixprec::checkpoint

@@ -7,7 +7,7 @@
 #include <map>
 
 namespace mixprec::dist {
-namespace {
+namespace MIXPREC_UNITY_ID {  // anonymous outside unity builds (tests/CMakeLists.txt)
 
 using testing::error_of;
 
@@ -155,5 +155,5 @@ TEST(BufferLayout, BadInputNamesTheParameter) {
             std::string::npos);
 }
 
-}  // namespace
+}  // namespace MIXPREC_UNITY_ID
 }  // namespace mixprec::dist

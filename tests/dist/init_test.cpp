@@ -10,7 +10,7 @@
 #include <map>
 
 namespace mixprec::dist {
-namespace {
+namespace MIXPREC_UNITY_ID {  // anonymous outside unity builds (tests/CMakeLists.txt)
 
 using testing::error_of;
 using Env = std::map<std::string, std::string>;
@@ -168,5 +168,5 @@ TEST(SingleProcess, NcclIsRefusedClearlyWithoutCuda) {
             std::string::npos);
 }
 
-}  // namespace
+}  // namespace MIXPREC_UNITY_ID
 }  // namespace mixprec::dist

@@ -11,7 +11,7 @@
 #include <gtest/gtest.h>
 
 namespace mixprec::optim {
-namespace {
+namespace MIXPREC_UNITY_ID {  // anonymous outside unity builds (tests/CMakeLists.txt)
 
 using mixprec::testing::AlgoCase;
 using mixprec::testing::error_of;
@@ -340,5 +340,5 @@ TEST(RemainderResume, TrainSaveLoadTrainIsBitwiseTrainingStraight) {
   }
 }
 
-}  // namespace
+}  // namespace MIXPREC_UNITY_ID
 }  // namespace mixprec::optim

@@ -13,7 +13,7 @@
 #include <atomic>
 
 namespace mixprec::optim {
-namespace {
+namespace MIXPREC_UNITY_ID {  // anonymous outside unity builds (tests/CMakeLists.txt)
 
 using mixprec::testing::Interleaved;
 using mixprec::testing::set_grads;
@@ -305,5 +305,5 @@ TEST(Float16Optimizer, SgdMomentumMatchesTorch) {
   EXPECT_TRUE(at::allclose(ours->w, theirs, 0, 1e-6));
 }
 
-}  // namespace
+}  // namespace MIXPREC_UNITY_ID
 }  // namespace mixprec::optim

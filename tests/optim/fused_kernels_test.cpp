@@ -40,7 +40,7 @@
 #include "../../src/optim/kernels/kernel_args.h"
 
 namespace mixprec::optim {
-namespace {
+namespace MIXPREC_UNITY_ID {  // anonymous outside unity builds (tests/CMakeLists.txt)
 
 using mixprec::testing::expect_rejected;
 using mixprec::testing::same_bits;
@@ -645,5 +645,5 @@ TEST(FusedKernels, EmptyTensorsAreNoOps) {
   EXPECT_NO_THROW(copy_master_to_model(at::empty({0}), at::empty({0}, at::kHalf)));
 }
 
-}  // namespace
+}  // namespace MIXPREC_UNITY_ID
 }  // namespace mixprec::optim

@@ -5,7 +5,7 @@
 #include <nlohmann/json.hpp>
 
 namespace mixprec::optim {
-namespace {
+namespace MIXPREC_UNITY_ID {  // anonymous outside unity builds (tests/CMakeLists.txt)
 
 TEST(LossScaler, ConstantIgnoresOverflow) {
   LossScaler s;
@@ -80,5 +80,5 @@ TEST(LossScaler, BadOptionsNameTheField) {
   EXPECT_THROW(LossScaler{o}, c10::Error);
 }
 
-}  // namespace
+}  // namespace MIXPREC_UNITY_ID
 }  // namespace mixprec::optim

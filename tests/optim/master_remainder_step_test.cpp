@@ -23,7 +23,7 @@
 #include "../../src/optim/kernels/kernel_args.h"
 
 namespace mixprec::optim {
-namespace {
+namespace MIXPREC_UNITY_ID {  // anonymous outside unity builds (tests/CMakeLists.txt)
 
 using mixprec::testing::expect_rejected;
 using mixprec::testing::same_bits;
@@ -363,5 +363,5 @@ TEST(RemainderAtenFallback, NonCpuTensorsTakeTheAtenPath) {
       fused_sgd_step_remainder(param, rem, at::empty({n}, meta), at::empty({n}, meta), true, sgd));
 }
 
-}  // namespace
+}  // namespace MIXPREC_UNITY_ID
 }  // namespace mixprec::optim

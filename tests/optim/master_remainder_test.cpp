@@ -23,7 +23,7 @@
 #include "../../src/optim/kernels/kernel_args.h"
 
 namespace mixprec::optim {
-namespace {
+namespace MIXPREC_UNITY_ID {  // anonymous outside unity builds (tests/CMakeLists.txt)
 
 using mixprec::testing::expect_rejected;
 using mixprec::testing::same_bits;
@@ -195,5 +195,5 @@ TEST(SplitJoinMaster, NonCpuTensorsTakeTheAtenPath) {
   EXPECT_NO_THROW(join_master_out(param, rem, at::empty({n}, meta)));
 }
 
-}  // namespace
+}  // namespace MIXPREC_UNITY_ID
 }  // namespace mixprec::optim

@@ -14,7 +14,7 @@
 #include <fstream>
 
 namespace mixprec::optim {
-namespace {
+namespace MIXPREC_UNITY_ID {  // anonymous outside unity builds (tests/CMakeLists.txt)
 
 const nlohmann::json& reference() {
   static const nlohmann::json doc = [] {
@@ -120,5 +120,5 @@ TEST(MixedReference, CloseToTorchSingleTensorAdamW) {
   EXPECT_EQ(cases, 2);
 }
 
-}  // namespace
+}  // namespace MIXPREC_UNITY_ID
 }  // namespace mixprec::optim

@@ -11,7 +11,7 @@
 #include <torch/optim/sgd.h>
 
 namespace mixprec::optim {
-namespace {
+namespace MIXPREC_UNITY_ID {  // anonymous outside unity builds (tests/CMakeLists.txt)
 
 using mixprec::testing::bitwise_equal;
 using mixprec::testing::error_of;
@@ -368,5 +368,5 @@ TEST(ModelChanges, TiedWeightsAreOneParameterUnderTheFirstName) {
   EXPECT_TRUE(bitwise_equal(other->head->weight, model->head->weight));
 }
 
-}  // namespace
+}  // namespace MIXPREC_UNITY_ID
 }  // namespace mixprec::optim

@@ -17,7 +17,7 @@
 #include <limits>
 
 namespace mixprec::optim {
-namespace {
+namespace MIXPREC_UNITY_ID {  // anonymous outside unity builds (tests/CMakeLists.txt)
 
 using mixprec::testing::AlgoCase;
 using mixprec::testing::error_of;
@@ -304,5 +304,5 @@ TEST(OffloadCuda, GpuParamsStepBitwiseAsThePlainCpuOptimizer) {
   }
 }
 
-}  // namespace
+}  // namespace MIXPREC_UNITY_ID
 }  // namespace mixprec::optim

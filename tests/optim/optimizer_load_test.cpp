@@ -12,7 +12,7 @@
 #include <limits>
 
 namespace mixprec::optim {
-namespace {
+namespace MIXPREC_UNITY_ID {  // anonymous outside unity builds (tests/CMakeLists.txt)
 
 using mixprec::testing::bitwise_equal;
 using mixprec::testing::error_of;
@@ -195,5 +195,5 @@ TEST(OptimizerLoad, ApplyRefusesAStateCheckedBeforeARoleChange) {
   EXPECT_TRUE(bitwise_equal(target.model->gate, gate_before));
 }
 
-}  // namespace
+}  // namespace MIXPREC_UNITY_ID
 }  // namespace mixprec::optim

@@ -15,7 +15,7 @@
 #include <gtest/gtest.h>
 
 namespace mixprec::optim {
-namespace {
+namespace MIXPREC_UNITY_ID {  // anonymous outside unity builds (tests/CMakeLists.txt)
 
 using mixprec::testing::error_of;
 using mixprec::testing::expect_params_consistent;
@@ -132,5 +132,5 @@ TEST_P(SnapshotChecks, StepDuringAsyncStagingIsRefused) {
 INSTANTIATE_TEST_SUITE_P(Holdings, SnapshotChecks, ::testing::ValuesIn(holdings()),
                          [](const auto& info) { return info.param.name(); });
 
-}  // namespace
+}  // namespace MIXPREC_UNITY_ID
 }  // namespace mixprec::optim

@@ -16,7 +16,7 @@
 #include <set>
 
 namespace mixprec::optim {
-namespace {
+namespace MIXPREC_UNITY_ID {  // anonymous outside unity builds (tests/CMakeLists.txt)
 
 using mixprec::testing::bitwise_equal;
 using mixprec::testing::Interleaved;
@@ -441,5 +441,5 @@ TEST(OptimizerStateDictErrors, ModelLoadValidatesFirst) {
   EXPECT_TRUE(at::equal(target->pre->weight, pre_before));
 }
 
-}  // namespace
+}  // namespace MIXPREC_UNITY_ID
 }  // namespace mixprec::optim

@@ -10,7 +10,7 @@
 #include <map>
 
 namespace mixprec {
-namespace {
+namespace MIXPREC_UNITY_ID {  // anonymous outside unity builds (tests/CMakeLists.txt)
 
 using testing::ToyNet;
 
@@ -246,5 +246,5 @@ TEST(Convert, ModelStateDictSavesWhyTensorsAreFp32) {
   EXPECT_EQ(model_sharded_state_dict(*net).common.at("precision"), without_norm);
 }
 
-}  // namespace
+}  // namespace MIXPREC_UNITY_ID
 }  // namespace mixprec

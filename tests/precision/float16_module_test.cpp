@@ -8,7 +8,7 @@
 #include <sstream>
 
 namespace mixprec {
-namespace {
+namespace MIXPREC_UNITY_ID {  // anonymous outside unity builds (tests/CMakeLists.txt)
 
 using testing::ToyNet;
 
@@ -127,5 +127,5 @@ TEST(Float16Module, BadDtypeIsAnErrorAndChangesNothing) {
   EXPECT_EQ(net->fc->weight.scalar_type(), at::kFloat);
 }
 
-}  // namespace
+}  // namespace MIXPREC_UNITY_ID
 }  // namespace mixprec

@@ -12,7 +12,7 @@
 #include <thread>
 
 namespace mixprec {
-namespace {
+namespace MIXPREC_UNITY_ID {  // anonymous outside unity builds (tests/CMakeLists.txt)
 
 using testing::ToyNet;
 
@@ -165,5 +165,5 @@ TEST(KeepFp32, ConcurrentMarking) {
   for (const auto& t : tensors) EXPECT_TRUE(is_kept_in_fp32(t));
 }
 
-}  // namespace
+}  // namespace MIXPREC_UNITY_ID
 }  // namespace mixprec

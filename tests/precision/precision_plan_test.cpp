@@ -7,7 +7,7 @@
 #include <gtest/gtest.h>
 
 namespace mixprec {
-namespace {
+namespace MIXPREC_UNITY_ID {  // anonymous outside unity builds (tests/CMakeLists.txt)
 
 using testing::ToyNet;
 
@@ -95,5 +95,5 @@ TEST(PrecisionPlan, EmptyNameOrPatternRejected) {
   EXPECT_THROW(PrecisionPlan().keep_fp32_pattern(""), c10::Error);
 }
 
-}  // namespace
+}  // namespace MIXPREC_UNITY_ID
 }  // namespace mixprec

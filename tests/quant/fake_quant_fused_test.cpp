@@ -19,7 +19,7 @@
 #include <vector>
 
 namespace mixprec::quant {
-namespace {
+namespace MIXPREC_UNITY_ID {  // anonymous outside unity builds (tests/CMakeLists.txt)
 
 constexpr c10::ScalarType kFp8s[] = {at::kFloat8_e4m3fn, at::kFloat8_e5m2};
 
@@ -243,5 +243,5 @@ TEST(FusedFakeQuant, EverySimdTargetAgrees) {
   }
 }
 
-}  // namespace
+}  // namespace MIXPREC_UNITY_ID
 }  // namespace mixprec::quant

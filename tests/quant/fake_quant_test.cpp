@@ -5,7 +5,7 @@
 #include <torch/types.h>
 
 namespace mixprec::quant {
-namespace {
+namespace MIXPREC_UNITY_ID {  // anonymous outside unity builds (tests/CMakeLists.txt)
 
 TEST(FakeQuantFp8, ValuesAreExactlyRepresentableAndAmaxMapsToMax) {
   at::manual_seed(0);
@@ -91,5 +91,5 @@ TEST(QuantizeForGemm, BackwardQuantizesGradientsInTheRecipesFormat) {
   EXPECT_TRUE(quantize_for_gemm(x, QuantFormat::kNone).is_same(x));
 }
 
-}  // namespace
+}  // namespace MIXPREC_UNITY_ID
 }  // namespace mixprec::quant

@@ -6,7 +6,7 @@
 #include <torch/types.h>
 
 namespace mixprec::quant {
-namespace {
+namespace MIXPREC_UNITY_ID {  // anonymous outside unity builds (tests/CMakeLists.txt)
 
 const OperandRecipe kRecipe{QuantFormat::kFp8E4M3, at::kFloat};
 
@@ -112,5 +112,5 @@ TEST(OperandCache, ACopyStartsEmptyAndClearForgets) {
   EXPECT_EQ(d.cache.computations(), 2);
 }
 
-}  // namespace
+}  // namespace MIXPREC_UNITY_ID
 }  // namespace mixprec::quant

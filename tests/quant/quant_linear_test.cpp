@@ -15,7 +15,7 @@
 #include <filesystem>
 
 namespace mixprec::quant {
-namespace {
+namespace MIXPREC_UNITY_ID {  // anonymous outside unity builds (tests/CMakeLists.txt)
 
 const QuantConfig kFp8 = QuantConfig().fp8(Fp8Recipe::kHybrid);
 const QuantConfig kFp8Param = QuantConfig().fp8(Fp8Recipe::kE4M3).fp8_param(true);
@@ -293,5 +293,5 @@ TEST(QuantLinear, BadInputNamesTheShape) {
   EXPECT_THROW(QuantLinear(0, 4), c10::Error);
 }
 
-}  // namespace
+}  // namespace MIXPREC_UNITY_ID
 }  // namespace mixprec::quant

@@ -7,7 +7,7 @@
 #include <thread>
 
 namespace mixprec::quant {
-namespace {
+namespace MIXPREC_UNITY_ID {  // anonymous outside unity builds (tests/CMakeLists.txt)
 
 QuantConfig fp8_only() { return QuantConfig().fp8(Fp8Recipe::kHybrid); }
 QuantConfig fp4_only() { return QuantConfig().fp4(Fp4Recipe::kNvFp4); }
@@ -162,5 +162,5 @@ TEST(Fp8DisabledContext, InvalidConfigThrowsBeforeTouchingState) {
   EXPECT_FALSE(autocast_state().enabled);
 }
 
-}  // namespace
+}  // namespace MIXPREC_UNITY_ID
 }  // namespace mixprec::quant

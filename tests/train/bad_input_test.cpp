@@ -7,7 +7,7 @@
 #include <gtest/gtest.h>
 
 namespace train {
-namespace {
+namespace MIXPREC_UNITY_ID {  // anonymous outside unity builds (tests/CMakeLists.txt)
 
 using namespace train::testing;
 
@@ -99,5 +99,5 @@ TEST_F(BadInput, FreshRunIntoAnExistingRunsCheckpoints) {
                  "already holds a run (latest: step-000002); --resume continues it");
 }
 
-}  // namespace
+}  // namespace MIXPREC_UNITY_ID
 }  // namespace train

@@ -5,7 +5,7 @@
 #include <gtest/gtest.h>
 
 namespace train {
-namespace {
+namespace MIXPREC_UNITY_ID {  // anonymous outside unity builds (tests/CMakeLists.txt)
 
 ParsedArgs parse(std::vector<std::string> args) {
   std::vector<const char*> argv = {"mixprec-train"};
@@ -108,5 +108,5 @@ TEST(TrainConfig, ResumeAdoptsTheSavedShapeAndRefusesAGivenDifferentOne) {
   }
 }
 
-}  // namespace
+}  // namespace MIXPREC_UNITY_ID
 }  // namespace train

@@ -15,7 +15,7 @@
 #include <cmath>
 
 namespace train {
-namespace {
+namespace MIXPREC_UNITY_ID {  // anonymous outside unity builds (tests/CMakeLists.txt)
 
 using namespace train::testing;
 
@@ -146,5 +146,5 @@ TEST(DataParallel, AsyncSaveIsRefusedOnEveryRank) {
 
 #endif  // MIXPREC_TORCHRUN
 
-}  // namespace
+}  // namespace MIXPREC_UNITY_ID
 }  // namespace train

@@ -9,7 +9,7 @@
 #include <gtest/gtest.h>
 
 namespace train {
-namespace {
+namespace MIXPREC_UNITY_ID {  // anonymous outside unity builds (tests/CMakeLists.txt)
 
 using testing::Scratch;
 
@@ -101,5 +101,5 @@ TEST(BatchSampler, BatchesAreAFunctionOfSeedStreamAndIndex) {
   EXPECT_TRUE(at::equal(a.batch(3, 8, 2, 3).inputs, b.inputs.narrow(0, 2, 3)));
 }
 
-}  // namespace
+}  // namespace MIXPREC_UNITY_ID
 }  // namespace train

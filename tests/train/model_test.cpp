@@ -10,7 +10,7 @@
 #include <torch/types.h>
 
 namespace train {
-namespace {
+namespace MIXPREC_UNITY_ID {  // anonymous outside unity builds (tests/CMakeLists.txt)
 
 GptConfig tiny(mixprec::quant::Fp8Recipe fp8 = mixprec::quant::Fp8Recipe::kHybrid) {
   GptConfig c;
@@ -152,5 +152,5 @@ TEST(MixedModel, Fp16KeepsTheSameTensorsFp32) {
   EXPECT_TRUE(at::isfinite(logits).all().item<bool>());
 }
 
-}  // namespace
+}  // namespace MIXPREC_UNITY_ID
 }  // namespace train

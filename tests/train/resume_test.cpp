@@ -11,7 +11,7 @@
 #include <csignal>
 
 namespace train {
-namespace {
+namespace MIXPREC_UNITY_ID {  // anonymous outside unity builds (tests/CMakeLists.txt)
 
 using namespace train::testing;
 
@@ -122,5 +122,5 @@ TEST(SigtermResume, SigtermSavesExitsZeroAndResumeContinues) {
       fs::exists(dir / "run/checkpoints" / checkpoint_name(stopped_at + 3) / "manifest.json"));
 }
 
-}  // namespace
+}  // namespace MIXPREC_UNITY_ID
 }  // namespace train

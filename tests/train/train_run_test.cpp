@@ -8,7 +8,7 @@
 #include <regex>
 
 namespace train {
-namespace {
+namespace MIXPREC_UNITY_ID {  // anonymous outside unity builds (tests/CMakeLists.txt)
 
 using namespace train::testing;
 
@@ -124,5 +124,5 @@ TEST(TrainRun, GradientAccumulationAndAsyncSaveTrainTheSameSteps) {
   EXPECT_TRUE(fs::exists(dir / "acc/checkpoints/step-000006/manifest.json"));
 }
 
-}  // namespace
+}  // namespace MIXPREC_UNITY_ID
 }  // namespace train
