@@ -1,6 +1,6 @@
 # bench_dist and bench_dist_checkpoint launch themselves under torchrun (bench/dist_bench.cpp,
 # bench/dist_checkpoint_bench.cpp): they need torchrun's path, beside the python that has torch
-# (tests/dist/dist.cmake caches the same path).
+# (tests/distributed/distributed.cmake caches the same path).
 if(TARGET bench_dist)
   if(NOT MIXPREC_TORCHRUN AND MIXPREC_PYTHON)
     get_filename_component(_mixprec_python_bin "${MIXPREC_PYTHON}" DIRECTORY)

@@ -12,8 +12,8 @@
 // each rank hands to collectives per step against the ZeRO-1 minimum 2(N-1)/N of the
 // parameter bytes, and how much of the gradient reduction backward hides: 1 - (finish() time
 // with overlap) / (finish() time without overlap), fastest step of each.
-#include "mixprec/dist/distributed_optimizer.h"
-#include "mixprec/dist/init.h"
+#include "mixprec/distributed/distributed_optimizer.h"
+#include "mixprec/distributed/init.h"
 #include "mixprec/precision/convert.h"
 #include "mixprec/precision/keep_fp32.h"
 
@@ -71,7 +71,7 @@ struct Figures {
   int64_t launched = 0, buckets = 0;
 };
 
-double max_over_ranks(dist::Communicator& comm, double value) {
+double max_over_ranks(distributed::Communicator& comm, double value) {
   at::Tensor t = at::tensor({value}, at::kDouble);
   comm.all_reduce_max(t).wait();
   return t.item<double>();
@@ -82,21 +82,21 @@ double median(std::vector<double> v) {
   return v[v.size() / 2];
 }
 
-Figures measure(const std::shared_ptr<dist::Communicator>& comm, bool zero, bool overlap,
+Figures measure(const std::shared_ptr<distributed::Communicator>& comm, bool zero, bool overlap,
                 bool fp32_reduce) {
   Mlp model;
-  const auto reduce =
-      dist::GradReducerOptions()
-          .mode(zero ? dist::ReduceMode::kReduceScatter : dist::ReduceMode::kAllReduce)
-          .overlap(overlap)
-          .grad_reduce_in_fp32(fp32_reduce)
-          .bucket_numel(kWidth * kWidth / 2);
-  dist::GradReducer reducer(comm, *model, reduce);
+  const auto reduce = distributed::GradReducerOptions()
+                          .mode(zero ? distributed::ReduceMode::kReduceScatter
+                                     : distributed::ReduceMode::kAllReduce)
+                          .overlap(overlap)
+                          .grad_reduce_in_fp32(fp32_reduce)
+                          .bucket_numel(kWidth * kWidth / 2);
+  distributed::GradReducer reducer(comm, *model, reduce);
   const auto adamw = torch::optim::AdamWOptions(1e-3).weight_decay(0.01);
-  std::unique_ptr<dist::DistributedOptimizer> zero_opt;
+  std::unique_ptr<distributed::DistributedOptimizer> zero_opt;
   std::unique_ptr<optim::Float16Optimizer> dp_opt;
   if (zero) {
-    zero_opt = std::make_unique<dist::DistributedOptimizer>(reducer, *model, adamw);
+    zero_opt = std::make_unique<distributed::DistributedOptimizer>(reducer, *model, adamw);
   } else {
     dp_opt = std::make_unique<optim::Float16Optimizer>(*model, adamw);
   }
@@ -123,7 +123,7 @@ Figures measure(const std::shared_ptr<dist::Communicator>& comm, bool zero, bool
       finishes.push_back(max_over_ranks(*comm, finish));
     }
   }
-  using dist::Collective;
+  using distributed::Collective;
   for (Collective c :
        {Collective::kAllReduce, Collective::kReduceScatter, Collective::kAllGather}) {
     // kSteps steps, plus the timing all-reduces of 8 bytes (2 per step) and barriers (1 per step)
@@ -150,7 +150,7 @@ Figures measure(const std::shared_ptr<dist::Communicator>& comm, bool zero, bool
 }
 
 int worker() {
-  auto comm = dist::init_from_env();
+  auto comm = distributed::init_from_env();
   const int n = comm->size();
   Mlp probe;
   double param_bytes = 0;

@@ -1,5 +1,6 @@
-// Collective checkpoint benchmark: dist::save_training_state and dist::load_training_state of a
-// ZeRO-1 training state, against raw writes and reads of the same bytes in the same run.
+// Collective checkpoint benchmark: distributed::save_training_state and
+// distributed::load_training_state of a ZeRO-1 training state, against raw writes and reads of the
+// same bytes in the same run.
 //
 //   bench_dist_checkpoint        launcher mode: runs itself under torchrun, saving on
 //                                N = 1, 2, 4 ranks and loading each checkpoint on M = 1, 2, 4
@@ -14,8 +15,8 @@
 // a plain pread of as many bytes. Reads come from the page cache, for both.
 // The root is under $TMPDIR; on this machine all ranks share one disk and two cores, so the
 // ratios (the protocol's and checksums' cost over raw I/O) are what carries over.
-#include "mixprec/dist/collective_checkpoint.h"
-#include "mixprec/dist/init.h"
+#include "mixprec/distributed/collective_checkpoint.h"
+#include "mixprec/distributed/init.h"
 #include "mixprec/precision/convert.h"
 #include "mixprec/precision/keep_fp32.h"
 
@@ -69,7 +70,7 @@ struct MlpImpl : torch::nn::Module {
 };
 TORCH_MODULE(Mlp);
 
-double max_over_ranks(dist::Communicator& comm, double value) {
+double max_over_ranks(distributed::Communicator& comm, double value) {
   at::Tensor t = at::tensor({value}, at::kDouble);
   comm.all_reduce_max(t).wait();
   return t.item<double>();
@@ -82,7 +83,7 @@ double median(std::vector<double> v) {
 
 // Wall time of `fn` on every rank at once: barrier, run, max over ranks.
 template <typename Fn>
-double timed(dist::Communicator& comm, Fn&& fn) {
+double timed(distributed::Communicator& comm, Fn&& fn) {
   comm.barrier();
   const auto t0 = Clock::now();
   fn();
@@ -114,24 +115,25 @@ void raw_read(const fs::path& path, uint64_t bytes, std::vector<char>& buffer) {
   ::close(fd);
 }
 
-std::string root_of(dist::Communicator& comm, const std::string& given) {
+std::string root_of(distributed::Communicator& comm, const std::string& given) {
   return comm.all_gather_strings(given)[0];
 }
 
 struct Setup {
   Mlp model;
-  std::unique_ptr<dist::GradReducer> reducer;
-  std::unique_ptr<dist::DistributedOptimizer> optimizer;
-  explicit Setup(const std::shared_ptr<dist::Communicator>& comm) {
-    reducer = std::make_unique<dist::GradReducer>(
-        comm, *model, dist::GradReducerOptions().mode(dist::ReduceMode::kReduceScatter));
-    optimizer = std::make_unique<dist::DistributedOptimizer>(
+  std::unique_ptr<distributed::GradReducer> reducer;
+  std::unique_ptr<distributed::DistributedOptimizer> optimizer;
+  explicit Setup(const std::shared_ptr<distributed::Communicator>& comm) {
+    reducer = std::make_unique<distributed::GradReducer>(
+        comm, *model,
+        distributed::GradReducerOptions().mode(distributed::ReduceMode::kReduceScatter));
+    optimizer = std::make_unique<distributed::DistributedOptimizer>(
         *reducer, *model, torch::optim::AdamWOptions(1e-3).weight_decay(0.01));
   }
 };
 
 // "a b c": every rank's value, in rank order (on rank 0).
-std::string per_rank(dist::Communicator& comm, uint64_t value) {
+std::string per_rank(distributed::Communicator& comm, uint64_t value) {
   std::string out;
   for (const std::string& v : comm.all_gather_strings(std::to_string(value))) {
     out += (out.empty() ? "" : " ") + v;
@@ -140,7 +142,7 @@ std::string per_rank(dist::Communicator& comm, uint64_t value) {
 }
 
 int save_worker(const std::string& given) {
-  auto comm = dist::init_from_env();
+  auto comm = distributed::init_from_env();
   const int rank = comm->rank(), n = comm->size();
   const fs::path root = root_of(*comm, given);
   Setup s(comm);
@@ -156,9 +158,10 @@ int save_worker(const std::string& given) {
   for (int i = 0; i < kRepeats; ++i) {
     fs::path dir;
     save_s.push_back(timed(*comm, [&] {
-      dir = dist::save_training_state(root, "step-" + std::to_string(i), *s.model, *s.optimizer, {},
-                                      checkpoint::SaveOptions().keep_last(1))
-                .dir;
+      dir =
+          distributed::save_training_state(root, "step-" + std::to_string(i), *s.model,
+                                           *s.optimizer, {}, checkpoint::SaveOptions().keep_last(1))
+              .dir;
     }));
     char file[48];
     std::snprintf(file, sizeof file, "data-%05d.safetensors", rank);
@@ -180,16 +183,17 @@ int save_worker(const std::string& given) {
 }
 
 int load_worker(const std::string& given) {
-  auto comm = dist::init_from_env();
+  auto comm = distributed::init_from_env();
   const int rank = comm->rank(), m = comm->size();
   const fs::path root = root_of(*comm, given);
   std::vector<double> load_s, read_s;
-  dist::ResumeResult loaded;
+  distributed::ResumeResult loaded;
   std::vector<char> buffer(size_t{64} << 20, 'x');
   for (int i = 0; i < kRepeats; ++i) {
     Setup fresh(comm);
-    load_s.push_back(timed(
-        *comm, [&] { loaded = dist::load_training_state(root, *fresh.model, *fresh.optimizer); }));
+    load_s.push_back(timed(*comm, [&] {
+      loaded = distributed::load_training_state(root, *fresh.model, *fresh.optimizer);
+    }));
     // As many bytes, pread from the files this rank read (page cache, as the load's were).
     uint64_t left = loaded.optimizer_reads.bytes_read + loaded.model_reads.bytes_read;
     read_s.push_back(timed(*comm, [&] {

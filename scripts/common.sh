@@ -13,10 +13,11 @@ log() { printf '[mixprec setup] %s\n' "$*" >&2; }
 # and the libraries later layers use (JSON, SIMD dispatch, checksums, the gloo headers that
 # LibTorch's ProcessGroupGloo.hpp includes but the wheel does not ship).
 # clang and its libFuzzer runtime build the format layer's fuzz targets (fuzz/run-fuzz.sh);
-# clang-format checks the style (scripts/check-format, ctest style.clang_format).
+# clang-format checks the style (scripts/check-format, ctest style.clang_format); ccache lets
+# a second build, or another clone, reuse compiled objects; mold links in a fraction of the time.
 MIXPREC_DEBIAN_PACKAGES=(g++ cmake ninja-build python3-venv libgtest-dev libgmock-dev
   libbenchmark-dev nlohmann-json3-dev libhwy-dev libxxhash-dev clang libclang-rt-14-dev
-  libgloo-dev clang-format)
+  libgloo-dev clang-format ccache mold)
 
 ensure_debian_packages() {
   local missing=()
@@ -63,50 +64,33 @@ ensure_venv() {
   fi
 }
 
-# Configures build folder $1 once (a folder with a CMakeCache is reused; extra CMake
-# arguments follow), then builds it incrementally.
-configure_and_build() {
-  local dir="$1"
-  shift
-  if [[ ! -f "$dir/CMakeCache.txt" ]]; then
+# Configures the build folder once (a folder with a CMakeCache is reused; extra CMake arguments
+# follow), then builds the given target incrementally (default: all).
+configure_build() {
+  if [[ ! -f "$MIXPREC_BUILD/CMakeCache.txt" ]]; then
     local prefix
     prefix="$("$MIXPREC_VENV/bin/python" -c 'import torch.utils; print(torch.utils.cmake_prefix_path)' 2>/dev/null)"
-    local launcher=()
-    command -v ccache >/dev/null && launcher=(-DCMAKE_CXX_COMPILER_LAUNCHER=ccache)
-    log "configuring $dir"
-    cmake -S "$MIXPREC_ROOT" -B "$dir" -G Ninja \
+    log "configuring $MIXPREC_BUILD"
+    cmake -S "$MIXPREC_ROOT" -B "$MIXPREC_BUILD" -G Ninja -DCMAKE_BUILD_TYPE=Release \
       -DCMAKE_PREFIX_PATH="${CMAKE_PREFIX_PATH:+$CMAKE_PREFIX_PATH;}$prefix" \
-      -DMIXPREC_PYTHON="$MIXPREC_VENV/bin/python" "${launcher[@]}" "$@" >/dev/null
+      -DMIXPREC_PYTHON="$MIXPREC_VENV/bin/python" "$@" >/dev/null
   fi
-  local start=$SECONDS
-  cmake --build "$dir" --parallel "$(nproc)"
-  log "build of $dir finished in $((SECONDS - start)) s"
 }
 
-build_project() {
-  configure_and_build "$MIXPREC_BUILD" -DCMAKE_BUILD_TYPE=Release
+build_target() {
+  configure_build
+  cmake --build "$MIXPREC_BUILD" --parallel "$(nproc)" ${1:+--target "$1"}
 }
 
-# The second build: the whole unit-test suite under AddressSanitizer and
-# UndefinedBehaviorSanitizer, linked with the same (uninstrumented) LibTorch from the wheel.
-# -O1 keeps the build and the run fast while ASan still sees every access; no benchmarks,
-# no demo, and no fuzz test (the normal build's ctest already runs it, under its own ASan).
-# MIXPREC_SANITIZE=0 skips it.
-MIXPREC_ASAN_BUILD="${MIXPREC_ASAN_BUILD:-$MIXPREC_ROOT/build-asan}"
+build_project() { build_target; }
+
+# The sanitized pass (cmake/build_tools.cmake): what handles untrusted bytes and raw memory,
+# compiled again with AddressSanitizer + UndefinedBehaviorSanitizer and linked with the normal
+# build's other objects, its tests, and the format layer's fuzzers. MIXPREC_SANITIZE=0 skips it.
 MIXPREC_SANITIZE="${MIXPREC_SANITIZE:-1}"
-MIXPREC_SANITIZER_FLAGS="-fsanitize=address,undefined -fno-sanitize-recover=all -fno-omit-frame-pointer"
-# GCC at -O1 with ASan reports maybe-uninitialized falsely, mostly inside LibTorch headers.
-MIXPREC_SANITIZER_WARNINGS="-Wno-maybe-uninitialized"
-
 build_sanitized() {
   sanitizer_env  # the build runs the test binaries to list their tests
-  configure_and_build "$MIXPREC_ASAN_BUILD" -DCMAKE_BUILD_TYPE=RelWithDebInfo \
-    -DCMAKE_CXX_FLAGS_RELWITHDEBINFO="-O1 -g1 -DNDEBUG" \
-    -DCMAKE_CXX_FLAGS="$MIXPREC_SANITIZER_FLAGS $MIXPREC_SANITIZER_WARNINGS" \
-    -DCMAKE_EXE_LINKER_FLAGS="$MIXPREC_SANITIZER_FLAGS" \
-    -DCMAKE_SHARED_LINKER_FLAGS="$MIXPREC_SANITIZER_FLAGS" \
-    -DMIXPREC_BUILD_BENCH=OFF -DMIXPREC_BUILD_EXAMPLES=OFF -DMIXPREC_FUZZ_IN_TESTS=OFF \
-    -DMIXPREC_SANITIZED_SUITE=ON
+  build_target sanitized
 }
 
 # Run-time options of the sanitized build (a caller's own ASAN_OPTIONS/UBSAN_OPTIONS win).
@@ -116,8 +100,36 @@ sanitizer_env() {
   export UBSAN_OPTIONS="${UBSAN_OPTIONS:-print_stacktrace=1:halt_on_error=1}"
 }
 
-setup_all() {
+# Phase timing: `phase NAME COMMAND...` runs COMMAND, records how long it took, and returns its
+# status; print_phases prints one line per phase (scripts/run-tests ends with them).
+MIXPREC_PHASES=()
+phase() {
+  local name="$1" start=$SECONDS status=0
+  shift
+  # A subshell outside any `||`, so that `set -e` holds inside COMMAND.
+  set +e
+  (set -e; "$@")
+  status=$?
+  set -e
+  MIXPREC_PHASES+=("$(printf '%-16s %5d s%s' "$name" $((SECONDS - start)) \
+    "$( ((status == 0)) || echo "  (failed: exit $status)")")")
+  return $status
+}
+print_phases() {
+  local line
+  echo "== phase times"
+  for line in "${MIXPREC_PHASES[@]}"; do
+    echo "   $line"
+  done
+  printf '   %-16s %5d s\n' total "$SECONDS"
+}
+
+set_up() {
   ensure_debian_packages
   ensure_venv
+}
+
+setup_all() {
+  set_up
   build_project
 }

@@ -22,16 +22,16 @@ struct NetImpl : torch::nn::Module {
 TORCH_MODULE(Net);
 
 int main(int argc, char** argv) {
-  namespace dist = mixprec::dist;
+  namespace distributed = mixprec::distributed;
   const std::filesystem::path root = argc > 1 ? argv[1] : "dp-checkpoints";
-  auto ranks = dist::init_from_env();  // torchrun's RANK, WORLD_SIZE, MASTER_*; Gloo on CPU
-  torch::manual_seed(0);               // every rank builds the same model (checked)
+  auto ranks = distributed::init_from_env();  // torchrun's RANK, WORLD_SIZE, MASTER_*; Gloo on CPU
+  torch::manual_seed(0);                      // every rank builds the same model (checked)
   Net net;
   // Gradients land in buckets that are reduce-scattered during backward; each rank keeps
   // FP32 masters and moments for its 1/N of the elements and all-gathers updated params.
-  dist::GradReducer reducer(ranks, *net,
-                            dist::GradReducerOptions().mode(dist::ReduceMode::kReduceScatter));
-  dist::DistributedOptimizer optimizer(reducer, *net, torch::optim::AdamWOptions(1e-3));
+  distributed::GradReducer reducer(
+      ranks, *net, distributed::GradReducerOptions().mode(distributed::ReduceMode::kReduceScatter));
+  distributed::DistributedOptimizer optimizer(reducer, *net, torch::optim::AdamWOptions(1e-3));
   torch::manual_seed(1 + ranks->rank());  // each rank its own data
   for (int step = 0; step < 3; ++step) {
     reducer.zero_grad();
@@ -39,14 +39,15 @@ int main(int argc, char** argv) {
     optimizer.update();  // reduce-scatter, step the shard, all-gather
   }
   // Collective: every rank writes its own shard; rank 0 commits once all are durable.
-  dist::save_training_state(root, "step-3", *net, optimizer);
+  distributed::save_training_state(root, "step-3", *net, optimizer);
   // Loads on any number of ranks, or in one process with Float16Optimizer.
   Net resumed;
-  dist::GradReducer resumed_reducer(
-      ranks, *resumed, dist::GradReducerOptions().mode(dist::ReduceMode::kReduceScatter));
-  dist::DistributedOptimizer resumed_optimizer(resumed_reducer, *resumed,
-                                               torch::optim::AdamWOptions(1e-3));
-  dist::load_training_state(root, *resumed, resumed_optimizer);
+  distributed::GradReducer resumed_reducer(
+      ranks, *resumed,
+      distributed::GradReducerOptions().mode(distributed::ReduceMode::kReduceScatter));
+  distributed::DistributedOptimizer resumed_optimizer(resumed_reducer, *resumed,
+                                                      torch::optim::AdamWOptions(1e-3));
+  distributed::load_training_state(root, *resumed, resumed_optimizer);
   const int64_t bytes = optimizer.state_bytes(mixprec::optim::ParamRole::kMaster) +
                         optimizer.state_bytes(mixprec::optim::ParamRole::kNativeFp32);
   std::cout << "rank " << ranks->rank() << " of " << ranks->size() << ": " << bytes

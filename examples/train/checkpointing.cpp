@@ -7,7 +7,7 @@
 #include "mixprec/checkpoint/format/state_keys.h"
 #include "mixprec/checkpoint/load.h"
 #include "mixprec/checkpoint/save.h"
-#include "mixprec/dist/collective_checkpoint.h"
+#include "mixprec/distributed/collective_checkpoint.h"
 
 #include <fcntl.h>
 #include <unistd.h>
@@ -78,7 +78,7 @@ void ensure_writable_dir(const fs::path& dir, const std::string& what) {
 }
 
 Checkpointer::Checkpointer(fs::path root, bool async, int64_t keep_last,
-                           std::shared_ptr<mixprec::dist::Communicator> ranks)
+                           std::shared_ptr<mixprec::distributed::Communicator> ranks)
     : root_(std::move(root)), keep_last_(keep_last), ranks_(std::move(ranks)) {
   if (async && ranks_) {
     throw UsageError(
@@ -102,7 +102,7 @@ void Checkpointer::save(int64_t step, mixprec::ShardedStateDict state) {
   if (async_) {
     async_->save(root_, name, std::move(state), options);
   } else if (ranks_) {
-    mixprec::dist::save_checkpoint(*ranks_, root_, name, state, options);
+    mixprec::distributed::save_checkpoint(*ranks_, root_, name, state, options);
   } else {
     mixprec::checkpoint::save_checkpoint(root_, name, state, options);
   }

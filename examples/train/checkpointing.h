@@ -19,7 +19,7 @@
 #include <optional>
 #include <string>
 
-namespace mixprec::dist {
+namespace mixprec::distributed {
 class Communicator;
 }
 
@@ -52,10 +52,10 @@ class Checkpointer {
   // `async`: stage to host memory and write in the background (AsyncCheckpointSaver); at most
   // one save in flight, the next save or finish() waits for it. `keep_last`: retention.
   // `ranks`: data parallel; every save is then collective (each rank writes its own shard,
-  // rank 0 commits: mixprec/dist/collective_checkpoint.h) and blocking — `async` with ranks
+  // rank 0 commits: mixprec/distributed/collective_checkpoint.h) and blocking — `async` with ranks
   // is a UsageError.
   Checkpointer(std::filesystem::path root, bool async, int64_t keep_last,
-               std::shared_ptr<mixprec::dist::Communicator> ranks = nullptr);
+               std::shared_ptr<mixprec::distributed::Communicator> ranks = nullptr);
 
   // Saves `state` (this rank's part) as <root>/step-<step> and points `latest` at it. Blocking
   // saves return once committed; async ones once staged. Errors of a background save surface
@@ -71,7 +71,7 @@ class Checkpointer {
   std::filesystem::path root_;
   int64_t keep_last_;
   std::unique_ptr<mixprec::checkpoint::AsyncCheckpointSaver> async_;
-  std::shared_ptr<mixprec::dist::Communicator> ranks_;
+  std::shared_ptr<mixprec::distributed::Communicator> ranks_;
   SaveStats stats_;
 };
 

@@ -14,7 +14,7 @@
 #include <memory>
 #include <vector>
 
-namespace mixprec::dist {
+namespace mixprec::distributed {
 class Communicator;
 }
 
@@ -22,13 +22,14 @@ namespace train {
 
 // The launcher's ranks (torchrun's environment, checked), or null without a launcher.
 // Collective when launched: every rank joins the process group here.
-std::shared_ptr<mixprec::dist::Communicator> join_ranks();
+std::shared_ptr<mixprec::distributed::Communicator> join_ranks();
 
 // The mean of `value` over ranks.
-double mean_over_ranks(mixprec::dist::Communicator* ranks, double value);
+double mean_over_ranks(mixprec::distributed::Communicator* ranks, double value);
 // True on every rank if `mine` is true on any.
-bool any_rank(mixprec::dist::Communicator* ranks, bool mine);
+bool any_rank(mixprec::distributed::Communicator* ranks, bool mine);
 // Each tensor (in place) becomes its sum over ranks.
-void sum_over_ranks(mixprec::dist::Communicator* ranks, const std::vector<at::Tensor>& tensors);
+void sum_over_ranks(mixprec::distributed::Communicator* ranks,
+                    const std::vector<at::Tensor>& tensors);
 
 }  // namespace train

@@ -63,7 +63,7 @@ double Loop::validation_loss() {
 
 StepOutcome train_step(const TrainConfig& config, MixedModel& model, TrainingOptimizer& optimizer,
                        const BatchSampler& batches, int64_t index, double lr,
-                       mixprec::dist::Communicator* ranks) {
+                       mixprec::distributed::Communicator* ranks) {
   const int64_t rank_rows = config.batch / config.world_size;
   const int64_t micro_rows = rank_rows / config.grad_accum;
   optimizer.set_lr(lr);

@@ -59,7 +59,7 @@ struct StepOutcome {
 };
 StepOutcome train_step(const TrainConfig& config, MixedModel& model, TrainingOptimizer& optimizer,
                        const BatchSampler& batches, int64_t index, double lr,
-                       mixprec::dist::Communicator* ranks = nullptr);
+                       mixprec::distributed::Communicator* ranks = nullptr);
 
 struct Loop {
   const TrainConfig& config;
@@ -72,7 +72,8 @@ struct Loop {
   std::filesystem::path metrics_path;  // recorded in checkpoints, so --resume finds it
   Progress& progress;
   const StopRequest& stop;
-  mixprec::dist::Communicator* ranks = nullptr;  // data parallel: the ranks (data_parallel.h)
+  mixprec::distributed::Communicator* ranks =
+      nullptr;  // data parallel: the ranks (data_parallel.h)
 
   // Trains from `state` to config.steps (or until a stop request), updating `state`.
   LoopOutcome run(RunState& state);

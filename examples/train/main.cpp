@@ -25,7 +25,7 @@
 #include "summary.h"
 
 #include "mixprec/checkpoint/format/error.h"
-#include "mixprec/dist/communicator.h"
+#include "mixprec/distributed/communicator.h"
 
 #include <ATen/Parallel.h>
 #include <c10/util/Exception.h>
@@ -41,7 +41,7 @@ using namespace train;
 
 // Rank and world size from the launcher's ranks (torchrun sets RANK and WORLD_SIZE); 0 and 1
 // without. The batch must split evenly over them: checked again now that their number is known.
-void adopt_ranks(TrainConfig& config, const mixprec::dist::Communicator* ranks) {
+void adopt_ranks(TrainConfig& config, const mixprec::distributed::Communicator* ranks) {
   config.world_size = ranks != nullptr ? ranks->size() : 1;
   config.rank = ranks != nullptr ? ranks->rank() : 0;
   validate(config);
@@ -56,7 +56,7 @@ int run(int argc, char** argv) {
     return 0;
   }
   TrainConfig config = args.config;
-  const std::shared_ptr<mixprec::dist::Communicator> ranks = join_ranks();
+  const std::shared_ptr<mixprec::distributed::Communicator> ranks = join_ranks();
   adopt_ranks(config, ranks.get());
   // A fresh run's directory is named by the time it starts: rank 0's time, for every rank.
   if (ranks && config.out.empty() && config.ckpt_dir.empty() && !config.resume) {

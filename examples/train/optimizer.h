@@ -5,8 +5,8 @@
 // the training state to a checkpoint or take it back. The single-process implementation wraps
 // mixprec::optim::Float16Optimizer (AdamW with FP32 masters for BF16/FP16 parameters, FP32
 // parameters stepped in place). The data-parallel one (data_parallel.cpp) is ZeRO-1:
-// mixprec::dist::GradReducer reduce-scatters gradients in buckets during backward,
-// mixprec::dist::DistributedOptimizer steps this rank's shard of masters and moments and
+// mixprec::distributed::GradReducer reduce-scatters gradients in buckets during backward,
+// mixprec::distributed::DistributedOptimizer steps this rank's shard of masters and moments and
 // all-gathers the parameters; training_state() is this rank's shard of a collective
 // checkpoint, and load() reads one written by any number of ranks.
 #pragma once
@@ -26,7 +26,7 @@
 namespace torch::nn {
 class Module;
 }
-namespace mixprec::dist {
+namespace mixprec::distributed {
 class Communicator;
 }
 
@@ -76,7 +76,7 @@ std::unique_ptr<TrainingOptimizer> make_single_process_optimizer(torch::nn::Modu
 // parameter that differs).
 std::unique_ptr<TrainingOptimizer> make_data_parallel_optimizer(
     torch::nn::Module& model, const TrainConfig& config, const Precision& precision,
-    std::shared_ptr<mixprec::dist::Communicator> ranks);
+    std::shared_ptr<mixprec::distributed::Communicator> ranks);
 
 // What both share: the summary's memory figures (state_bytes: this rank's), the two parameter
 // groups (decay / no decay) and AdamW's options.

@@ -178,9 +178,7 @@ fs::path default_corpus_path() {
   if (const char* env = std::getenv("MIXPREC_PYTHON"); env != nullptr && *env != '\0') {
     pythons.emplace_back(env);
   }
-#ifdef MIXPREC_TRAIN_PYTHON
-  if (std::string(MIXPREC_TRAIN_PYTHON).size() > 0) pythons.emplace_back(MIXPREC_TRAIN_PYTHON);
-#endif
+  if (*kBuildPython != '\0') pythons.emplace_back(kBuildPython);
   pythons.emplace_back("python3");
   std::error_code ec;
   for (const std::string& python : pythons) {

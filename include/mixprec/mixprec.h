@@ -72,10 +72,10 @@
 
 // Data parallelism on c10d: process groups, gradient reduction, the ZeRO-1 optimizer and its
 // collective checkpoints.
-#include "mixprec/dist/buffer_layout.h"
-#include "mixprec/dist/collective_checkpoint.h"
-#include "mixprec/dist/communicator.h"
-#include "mixprec/dist/distributed_optimizer.h"
-#include "mixprec/dist/grad_reducer.h"
-#include "mixprec/dist/init.h"
-#include "mixprec/dist/model_check.h"
+#include "mixprec/distributed/buffer_layout.h"
+#include "mixprec/distributed/collective_checkpoint.h"
+#include "mixprec/distributed/communicator.h"
+#include "mixprec/distributed/distributed_optimizer.h"
+#include "mixprec/distributed/grad_reducer.h"
+#include "mixprec/distributed/init.h"
+#include "mixprec/distributed/model_check.h"

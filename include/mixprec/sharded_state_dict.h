@@ -5,7 +5,7 @@
 // slice of a global tensor that this rank holds; with no data parallelism it is the whole
 // tensor. A slice is a box (an offset and a local shape per dimension), or a flat range of the
 // tensor's row-major elements: ZeRO-1 shards a parameter's state by flat ranges
-// (dist/distributed_optimizer.h), and a range is generally no box. Non-tensor state (step,
+// (distributed/distributed_optimizer.h), and a range is generally no box. Non-tensor state (step,
 // hyper-parameters, loss scaler, RNG, user metadata) travels in `common`, a JSON object.
 #pragma once
 

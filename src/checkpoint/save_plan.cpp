@@ -1,6 +1,6 @@
 // Planning a save: which tensors each rank's data file holds, and whether the ranks' chunks
 // together form every key exactly. Pure bookkeeping, no I/O: the synchronous, asynchronous and
-// collective (dist/collective_checkpoint.h) saves all check a state here before writing.
+// collective (distributed/collective_checkpoint.h) saves all check a state here before writing.
 #include "checkpoint/save_pipeline.h"
 
 #include "detail/name_match.h"

@@ -86,7 +86,7 @@ class AlgorithmTraits {
 
 // The entry whose option type `options` has; throws c10::Error "[<who>] ..." naming the type
 // otherwise. The one reader of torch's option types: Float16Optimizer and
-// dist::DistributedOptimizer both step, check and save hyper-parameters through it.
+// distributed::DistributedOptimizer both step, check and save hyper-parameters through it.
 const AlgorithmTraits& traits_for(const torch::optim::OptimizerOptions& options,
                                   std::string_view who = "mixprec::Float16Optimizer");
 

@@ -1,4 +1,5 @@
-# Build settings for src/optim (included from src/CMakeLists.txt, where target `mixprec` exists).
+# Build settings for src/optim (included from src/CMakeLists.txt, where the library targets
+# MIXPREC_LIBRARY_TARGETS exist).
 #
 # The fused optimizer kernels use Google Highway for SIMD. Every *_simd.cpp is compiled once
 # per Highway target (SSSE3 ... AVX-512) inside one translation unit and the best one for the
@@ -27,8 +28,10 @@ endforeach()
 list(REMOVE_ITEM _mixprec_hwy_includes ${CMAKE_CXX_IMPLICIT_INCLUDE_DIRECTORIES})
 # LINK_ONLY: Highway's usage requirements (HWY_SHARED_DEFINE) must not reach the rest of the
 # library, or they would be baked into the precompiled LibTorch header that tests and tools
-# reuse (REUSE_FROM mixprec), which GCC then rejects for lacking the same definition.
-target_link_libraries(mixprec PRIVATE $<LINK_ONLY:${_mixprec_hwy_library}>)
+# reuse (REUSE_FROM mixprec_objects), which GCC then rejects for lacking the same definition.
+foreach(_target IN LISTS MIXPREC_LIBRARY_TARGETS)
+  target_link_libraries(${_target} PRIVATE $<LINK_ONLY:${_mixprec_hwy_library}>)
+endforeach()
 # For the installed package (cmake/install.cmake): find_dependency(hwy) when it came as one.
 if(TARGET hwy::hwy)
   set_target_properties(mixprec PROPERTIES MIXPREC_HWY_FROM_PACKAGE ON)
@@ -69,9 +72,11 @@ if(OpenMP_CXX_FOUND)
   # Installed, a static libmixprec names the runtime mixprec::openmp_runtime, which
   # mixprecConfig.cmake finds again the same way on the consumer's machine (never a path
   # into this machine's LibTorch).
-  target_link_libraries(mixprec PRIVATE
-    $<LINK_ONLY:$<BUILD_INTERFACE:${_mixprec_openmp_runtime}>>
-    $<LINK_ONLY:$<INSTALL_INTERFACE:mixprec::openmp_runtime>>)
+  foreach(_target IN LISTS MIXPREC_LIBRARY_TARGETS)
+    target_link_libraries(${_target} PRIVATE
+      $<LINK_ONLY:$<BUILD_INTERFACE:${_mixprec_openmp_runtime}>>
+      $<LINK_ONLY:$<INSTALL_INTERFACE:mixprec::openmp_runtime>>)
+  endforeach()
   set_target_properties(mixprec PROPERTIES MIXPREC_USES_OPENMP ON)
 else()
   message(WARNING "mixprec: OpenMP not found; the fused optimizer kernels will use one thread")

@@ -1,5 +1,5 @@
 # Build settings for src/quant (included from src/CMakeLists.txt after optim/optim.cmake, which
-# finds Highway and links it and the OpenMP runtime into `mixprec`).
+# finds Highway and links it and the OpenMP runtime into the library targets).
 #
 # The fused fake-quantization kernel is compiled once per Highway target inside one translation
 # unit, the best chosen at run time (HWY_DYNAMIC_DISPATCH), as the optimizer kernels are: no

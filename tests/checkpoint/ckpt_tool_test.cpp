@@ -6,6 +6,7 @@
 
 #include "checkpoint/format/format_test_util.h"
 #include "optim/support_optim.h"
+#include "support/test_env.h"
 
 #include <gtest/gtest.h>
 
@@ -21,15 +22,8 @@ namespace MIXPREC_UNITY_ID {  // anonymous outside unity builds (tests/CMakeList
 namespace fs = std::filesystem;
 using testing::TempDir;
 
-// The tool binary: <build>/tools/mixprec-ckpt. MIXPREC_BINARY_DIR, when the build defines it,
-// names <build>; otherwise it is found from this test binary, <build>/tests/checkpoint_tests.
-fs::path tool_path() {
-#ifdef MIXPREC_BINARY_DIR
-  return fs::path(MIXPREC_BINARY_DIR) / "tools" / "mixprec-ckpt";
-#else
-  return fs::read_symlink("/proc/self/exe").parent_path().parent_path() / "tools" / "mixprec-ckpt";
-#endif
-}
+// The tool binary: <build>/tools/mixprec-ckpt (ctest names <build> in MIXPREC_BINARY_DIR).
+fs::path tool_path() { return fs::path(mixprec::test::binary_dir()) / "tools" / "mixprec-ckpt"; }
 
 std::string shell_quote(const std::string& s) {
   std::string out = "'";

@@ -11,6 +11,7 @@
 #include "mixprec/checkpoint/training_state.h"
 
 #include "checkpoint/support_training.h"
+#include "support/test_env.h"
 
 #include <gtest/gtest.h>
 #include <sys/wait.h>
@@ -25,8 +26,8 @@ namespace fs = std::filesystem;
 // Exit status of the worker run with MIXPREC_CRASH_POINT=<point>; -SIGKILL if it was killed.
 int run_worker_with_crash_point(const fs::path& root, int point) {
   const std::string command = "MIXPREC_CRASH_POINT=" + std::to_string(point) + " " +
-                              MIXPREC_RESUME_WORKER + " resume " + root.string() +
-                              " bf16 6 2>/dev/null";
+                              mixprec::test::required_env("MIXPREC_RESUME_WORKER") + " resume " +
+                              root.string() + " bf16 6 2>/dev/null";
   const int status = std::system(command.c_str());
   if (WIFEXITED(status)) return WEXITSTATUS(status);
   // std::system runs the command through sh, which reports a killed child as 128 + signal.
@@ -36,10 +37,10 @@ int run_worker_with_crash_point(const fs::path& root, int point) {
 TEST(CrashDuringSave, EveryKillPointLeavesALoadableLatest) {
   char tmpl[] = "/tmp/mixprec-crash-XXXXXX";
   const fs::path root = mkdtemp(tmpl);
-  ASSERT_EQ(
-      std::system(
-          (std::string(MIXPREC_RESUME_WORKER) + " first " + root.string() + " bf16 5").c_str()),
-      0);
+  ASSERT_EQ(std::system((mixprec::test::required_env("MIXPREC_RESUME_WORKER") + " first " +
+                         root.string() + " bf16 5")
+                            .c_str()),
+            0);
   int killed = 0, completed = 0;
   for (int point = 1; point < 200; ++point) {
     const int rc = run_worker_with_crash_point(root, point);

@@ -11,6 +11,7 @@
 
 #include "checkpoint/format/format_test_util.h"
 #include "optim/support_optim.h"
+#include "support/test_env.h"
 
 #include <gtest/gtest.h>
 
@@ -26,7 +27,9 @@ namespace fs = std::filesystem;
 using optim::ParamRole;
 using testing::TempDir;
 
-const fs::path kClient = fs::path(MIXPREC_SOURCE_DIR) / "tests" / "checkpoint" / "python_client.py";
+fs::path client_script() {
+  return fs::path(mixprec::test::source_dir()) / "tests" / "checkpoint" / "python_client.py";
+}
 
 std::string quote(const std::string& s) {
   std::string out = "'";
@@ -77,7 +80,7 @@ void PrintTo(const Case& c, std::ostream* os) { *os << c.impl << (c.amsgrad ? " 
 class PythonClient : public ::testing::TestWithParam<Case> {
  protected:
   void SetUp() override {
-    python_ = MIXPREC_PYTHON;
+    python_ = mixprec::test::python();
     if (python_.empty() || !fs::exists(python_))
       GTEST_SKIP() << "MIXPREC_PYTHON is not set to an existing python";
     if (run(quote(python_) + " -c 'import torch, safetensors.torch'", 120).first != 0) {
@@ -112,7 +115,7 @@ TEST_P(PythonClient, PyTorchAdamWContinuesFromOurCheckpoint) {
   write_tensors(dir.path() / "grads.safetensors", grads);
   const fs::path out = dir.path() / "after.safetensors";
   const auto [status, output] =
-      run(quote(python_) + " " + quote(kClient.string()) + " adamw-step " +
+      run(quote(python_) + " " + quote(client_script().string()) + " adamw-step " +
           quote((dir.path() / "root").string()) + " --grads " +
           quote((dir.path() / "grads.safetensors").string()) + " --out " + quote(out.string()) +
           " --impl " + c.impl);

@@ -10,6 +10,7 @@
 
 #include "checkpoint/format/format_test_util.h"
 #include "support/error_message.h"
+#include "support/test_env.h"
 
 #include <gtest/gtest.h>
 
@@ -31,7 +32,7 @@ struct TempRoot {
 };
 
 void run_worker(const std::string& args) {
-  const std::string command = std::string(MIXPREC_RESUME_WORKER) + " " + args;
+  const std::string command = mixprec::test::required_env("MIXPREC_RESUME_WORKER") + " " + args;
   ASSERT_EQ(std::system(command.c_str()), 0) << command;
 }
 

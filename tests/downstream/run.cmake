@@ -1,7 +1,7 @@
 # ctest install.downstream: proves that an installed mixprec is usable by another project.
 #
 #   cmake -DBUILD_DIR=<mixprec build> -DWORK_DIR=<scratch> -DSOURCE_DIR=<tests/downstream>
-#         -DGENERATOR=... -DCXX_COMPILER=... [-DCXX_LAUNCHER=...] -P run.cmake
+#         -DGENERATOR=... -DCXX_COMPILER=... [-DCXX_LAUNCHER=word|word...] -P run.cmake
 #
 # 1. `cmake --install` the build into WORK_DIR/prefix (a fresh prefix every run);
 # 2. configure tests/downstream against that prefix alone: CMAKE_PREFIX_PATH is the prefix
@@ -42,7 +42,9 @@ endforeach()
 
 set(launcher "")
 if(CXX_LAUNCHER)
-  set(launcher "-DCMAKE_CXX_COMPILER_LAUNCHER=${CXX_LAUNCHER}")
+  # The launcher's words come joined by '|' (one -D argument cannot hold a ';' list).
+  string(REPLACE "|" ";" launcher "${CXX_LAUNCHER}")
+  set(launcher "-DCMAKE_CXX_COMPILER_LAUNCHER=${launcher}")
 endif()
 step("configure" ${CMAKE_COMMAND} -S "${SOURCE_DIR}" -B "${WORK_DIR}/build" -G "${GENERATOR}"
      -DCMAKE_BUILD_TYPE=Release "-DCMAKE_CXX_COMPILER=${CXX_COMPILER}" ${launcher}

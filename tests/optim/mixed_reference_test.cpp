@@ -4,6 +4,7 @@
 // scripts/reference/adamw_mixed_reference.py: PyTorch steps an FP32 master with BF16 gradients
 // (upcast exactly) and rounds it to BF16 after each step. Inputs and results are bit patterns.
 #include "mixprec/optim/float16_optimizer.h"
+#include "support/test_env.h"
 
 #include <ATen/ATen.h>
 #include <gtest/gtest.h>
@@ -18,8 +19,7 @@ namespace MIXPREC_UNITY_ID {  // anonymous outside unity builds (tests/CMakeList
 
 const nlohmann::json& reference() {
   static const nlohmann::json doc = [] {
-    std::ifstream in(std::string(MIXPREC_SOURCE_DIR) +
-                     "/tests/optim/data/adamw_mixed_reference.json");
+    std::ifstream in(mixprec::test::source_dir() + "/tests/optim/data/adamw_mixed_reference.json");
     EXPECT_TRUE(in.good()) << "reference file missing";
     return nlohmann::json::parse(in);
   }();

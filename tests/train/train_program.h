@@ -2,6 +2,7 @@
 #pragma once
 
 #include "metrics.h"
+#include "support/test_env.h"
 
 #include <nlohmann/json.hpp>
 
@@ -75,23 +76,24 @@ inline std::vector<std::string> operator+(std::vector<std::string> a,
 inline pid_t start_program(const fs::path& scratch, const std::vector<std::string>& args,
                            const std::string& tag, int ranks = 0) {
   const fs::path out = scratch / (tag + ".out"), err = scratch / (tag + ".err");
+  // Resolved before fork(): the child only execs.
+  std::string bin = mixprec::test::required_env("MIXPREC_TRAIN_BIN");
+  std::vector<std::string> copy = args;
+  if (ranks > 0) {
+    const std::string torchrun = mixprec::test::torchrun();
+    if (torchrun.empty()) throw std::runtime_error("MIXPREC_TORCHRUN is not set: no torchrun");
+    copy.insert(copy.begin(),
+                {"--standalone", "--nproc-per-node", std::to_string(ranks), "--no-python", bin});
+    bin = torchrun;
+  }
   const pid_t pid = ::fork();
   if (pid == 0) {
     const int o = ::open(out.c_str(), O_WRONLY | O_CREAT | O_TRUNC, 0644);
     const int e = ::open(err.c_str(), O_WRONLY | O_CREAT | O_TRUNC, 0644);
     const int in = ::open("/dev/null", O_RDONLY);
     ::dup2(o, 1), ::dup2(e, 2), ::dup2(in, 0);
+    if (ranks > 0) ::setenv("OMP_NUM_THREADS", "1", 1);
     std::vector<char*> argv;
-    std::string bin = MIXPREC_TRAIN_BIN;
-    std::vector<std::string> copy = args;
-#ifdef MIXPREC_TORCHRUN
-    if (ranks > 0) {
-      copy.insert(copy.begin(),
-                  {"--standalone", "--nproc-per-node", std::to_string(ranks), "--no-python", bin});
-      bin = MIXPREC_TORCHRUN;
-      ::setenv("OMP_NUM_THREADS", "1", 1);
-    }
-#endif
     argv.push_back(bin.data());
     for (auto& a : copy) argv.push_back(a.data());
     argv.push_back(nullptr);

@@ -62,19 +62,8 @@ ValueDiff compare_values(const at::Tensor& a, const at::Tensor& b) {
   return out;
 }
 
-std::uint64_t key_bytes(const KeyEntry& entry) {
-  std::uint64_t bytes = 0;
-  for (const auto& chunk : entry.chunks) bytes += chunk.bytes;
-  return bytes;
-}
-
 std::string describe(const KeyEntry& entry) {
   return std::string(checkpoint::dtype_name(entry.dtype)) + " " + dims_string(entry.shape);
-}
-
-std::string short_json(const nlohmann::json& value) {
-  std::string text = value.dump();
-  return text.size() > 80 ? text.substr(0, 77) + "..." : text;
 }
 
 }  // namespace
@@ -93,12 +82,12 @@ int run_diff(const fs::path& a, const fs::path& b, std::ostream& out) {
     } else if (ea.dtype != eb->second.dtype || ea.shape != eb->second.shape) {
       mismatched.push_back(key + ": A " + describe(ea) + ", B " + describe(eb->second));
     } else {
-      if (!batches.back().empty() && batch_bytes + key_bytes(ea) > kBatchBytes) {
+      if (!batches.back().empty() && batch_bytes + ea.bytes() > kBatchBytes) {
         batches.emplace_back();
         batch_bytes = 0;
       }
       batches.back().push_back(key);
-      batch_bytes += key_bytes(ea);
+      batch_bytes += ea.bytes();
     }
   }
   for (const auto& [key, eb] : mb.keys) {
@@ -129,8 +118,8 @@ int run_diff(const fs::path& a, const fs::path& b, std::ostream& out) {
   std::vector<std::string> common_diffs;
   for (const auto& op : patch) {
     const nlohmann::json::json_pointer ptr(op.at("path").get<std::string>());
-    const std::string before = ca.contains(ptr) ? short_json(ca.at(ptr)) : "(absent)";
-    const std::string after = cb.contains(ptr) ? short_json(cb.at(ptr)) : "(absent)";
+    const std::string before = ca.contains(ptr) ? short_json(ca.at(ptr), 80) : "(absent)";
+    const std::string after = cb.contains(ptr) ? short_json(cb.at(ptr), 80) : "(absent)";
     common_diffs.push_back(ptr.to_string() + ": " + before + " -> " + after);
   }
 

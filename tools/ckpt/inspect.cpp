@@ -19,27 +19,14 @@ namespace keys = checkpoint::keys;
 using checkpoint::KeyEntry;
 using checkpoint::Manifest;
 
-std::uint64_t key_bytes(const KeyEntry& entry) {
-  std::uint64_t bytes = 0;
-  for (const auto& chunk : entry.chunks) bytes += chunk.bytes;
-  return bytes;
-}
-
 std::uint64_t key_elements(const KeyEntry& entry) {
   std::uint64_t n = 1;
   for (std::int64_t d : entry.shape) n *= static_cast<std::uint64_t>(d);
   return n;
 }
 
-// Long JSON values (user metadata) are cut so the header stays one line each.
-std::string short_json(const nlohmann::json& value, std::size_t limit = 160) {
-  std::string text = value.dump();
-  if (text.size() > limit) text = text.substr(0, limit - 3) + "...";
-  return text;
-}
-
 std::string key_value_list(const nlohmann::json& object) {
-  if (!object.is_object()) return short_json(object);
+  if (!object.is_object()) return short_json(object, 160);
   std::string out;
   for (const auto& [k, v] : object.items())
     out += (out.empty() ? "" : " ") + k + "=" + short_json(v, 60);
@@ -80,14 +67,14 @@ void print_header(const fs::path& dir, const std::string& shown_as, const Manife
   }
   const std::string user(keys::kCommonUser);
   if (common.is_object() && common.contains(user))
-    out << "user         " << short_json(common.at(user)) << "\n";
+    out << "user         " << short_json(common.at(user), 160) << "\n";
 }
 
 void print_tensors(const Manifest& manifest, std::ostream& out) {
   std::uint64_t total = 0;
   TextTable table({"KEY", "DTYPE", "SHAPE", "BYTES", "CHUNKS"}, {3, 4});
   for (const auto& [key, entry] : manifest.keys) {
-    const std::uint64_t bytes = key_bytes(entry);
+    const std::uint64_t bytes = entry.bytes();
     total += bytes;
     table.add_row({key, std::string(checkpoint::dtype_name(entry.dtype)), dims_string(entry.shape),
                    std::to_string(bytes), std::to_string(entry.chunks.size())});
@@ -116,7 +103,7 @@ void print_parameters(const Manifest& manifest, const SavedOptimizer& opt, std::
       dtype = std::string(checkpoint::dtype_name(model->second.dtype));
       shape = dims_string(model->second.shape);
       t.elements += key_elements(model->second);
-      t.model_bytes += key_bytes(model->second);
+      t.model_bytes += model->second.bytes();
     } else {
       warnings.push_back(p.fqn + ": no model tensor under this key");
     }
@@ -124,7 +111,7 @@ void print_parameters(const Manifest& manifest, const SavedOptimizer& opt, std::
     std::vector<std::string> names;
     for (const std::string& key : p.state_keys) {
       const KeyEntry& entry = manifest.keys.at(key);
-      t.optimizer_bytes += key_bytes(entry);
+      t.optimizer_bytes += entry.bytes();
       const std::size_t prefix = keys::kOptimizerStatePrefix.size();
       const std::string name = key.substr(prefix, key.size() - prefix - p.fqn.size() - 1);
       names.insert(name == keys::kFp32Param ? names.begin() : names.end(), name);

@@ -1,5 +1,7 @@
 #include "ckpt/text_table.h"
 
+#include <nlohmann/json.hpp>
+
 #include <algorithm>
 #include <cmath>
 #include <cstdio>
@@ -68,6 +70,12 @@ std::string format_number(double value) {
   if (std::isinf(value)) return value > 0 ? "inf" : "-inf";
   char text[32];
   std::snprintf(text, sizeof text, "%.6g", value);
+  return text;
+}
+
+std::string short_json(const nlohmann::json& value, std::size_t limit) {
+  std::string text = value.dump();
+  if (text.size() > limit) text = text.substr(0, limit - 3) + "...";
   return text;
 }
 

@@ -4,6 +4,8 @@
 // least two spaces, no colour, no terminal-width detection (piped output looks the same).
 #pragma once
 
+#include <nlohmann/json_fwd.hpp>
+
 #include <cstdint>
 #include <ostream>
 #include <string>
@@ -39,5 +41,9 @@ std::string dims_string(const std::vector<std::int64_t>& dims);
 // A number for a table cell: integers as such, others with 6 significant digits ("3.8147e-06",
 // "0.25"); "nan" / "inf" spelled out.
 std::string format_number(double value);
+
+// `value` as compact JSON, cut to at most `limit` characters ("..." at the end) so that a
+// long value (user metadata) stays on one line.
+std::string short_json(const nlohmann::json& value, std::size_t limit);
 
 }  // namespace mixprec::tools

@@ -49,7 +49,7 @@ struct ReadOptions {
   // elements [begin, end) of the key's row-major flattening, read as the boxes the range
   // decomposes into (format/box.h: flat_range_boxes), each verified as any slice is. An empty
   // range reads nothing and still checks the key's entry. A ZeRO-1 rank reads its pieces of
-  // the optimizer state so (dist/collective_checkpoint.h).
+  // the optimizer state so (distributed/collective_checkpoint.h).
   std::function<std::optional<FlatRange>(const std::string& key,
                                          const std::vector<int64_t>& global_shape)>
       flat_range;

@@ -1,7 +1,7 @@
 // CPU offloading of the optimizer (Megatron's HybridDeviceOptimizer): FP32 masters and moments
 // live on the host and are stepped there by the fused CPU kernels (optim/fused_kernels.h),
 // while parameters and gradients stay on their device. An option of Float16Optimizer and of
-// dist::DistributedOptimizer (each rank offloads its own shard): everything else — roles,
+// distributed::DistributedOptimizer (each rank offloads its own shard): everything else — roles,
 // both state-dict forms, loss scaler, clipping, following the model, checkpoints — is theirs.
 //
 // A step, after the gradient norm and overflow check (on the device, as without offloading):

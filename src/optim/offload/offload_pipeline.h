@@ -1,5 +1,5 @@
 // Private: the chunked, overlapped host step behind OffloadOptions (optim/offload.h), shared by
-// Float16Optimizer and dist::DistributedOptimizer. They decide what is stepped (roles, the
+// Float16Optimizer and distributed::DistributedOptimizer. They decide what is stepped (roles, the
 // gradient multiplier, state allocation and commit); this runs it: device → staging → host
 // kernel → staging → device, in chunks, with the copies on a DeviceCopier.
 #pragma once

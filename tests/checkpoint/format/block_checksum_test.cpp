@@ -11,7 +11,7 @@
 #include <gtest/gtest.h>
 
 namespace mixprec::checkpoint {
-namespace {
+namespace MIXPREC_UNITY_ID {  // anonymous outside unity builds (tests/CMakeLists.txt)
 
 using nlohmann::json;
 using testing::pattern_bytes;
@@ -263,5 +263,5 @@ TEST(ManifestV2, VerifyChecksEveryBlockChecksum) {
   }
 }
 
-}  // namespace
+}  // namespace MIXPREC_UNITY_ID
 }  // namespace mixprec::checkpoint

@@ -7,7 +7,7 @@
 #include <random>
 
 namespace mixprec::checkpoint {
-namespace {
+namespace MIXPREC_UNITY_ID {  // anonymous outside unity builds (tests/CMakeLists.txt)
 
 using Kind = TilingProblem::Kind;
 
@@ -252,5 +252,5 @@ TEST(FlatRange, ScalarsEmptyRangesAndBadRanges) {
   EXPECT_EQ(flat_range_boxes({4, 3, 3, 3}, 1 + 3 + 9, 3 * 27 + 2 * 9 + 2 * 3 + 2).size(), 7u);
 }
 
-}  // namespace
+}  // namespace MIXPREC_UNITY_ID
 }  // namespace mixprec::checkpoint

@@ -5,7 +5,7 @@
 #include <gtest/gtest.h>
 
 namespace mixprec::checkpoint {
-namespace {
+namespace MIXPREC_UNITY_ID {  // anonymous outside unity builds (tests/CMakeLists.txt)
 
 using testing::pattern_bytes;
 
@@ -52,5 +52,5 @@ TEST(Checksum, HexRoundTripIsExactlySixteenLowercaseDigits) {
   }
 }
 
-}  // namespace
+}  // namespace MIXPREC_UNITY_ID
 }  // namespace mixprec::checkpoint

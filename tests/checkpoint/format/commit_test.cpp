@@ -8,7 +8,7 @@
 #include <gtest/gtest.h>
 
 namespace mixprec::checkpoint {
-namespace {
+namespace MIXPREC_UNITY_ID {  // anonymous outside unity builds (tests/CMakeLists.txt)
 
 using testing::TempDir;
 using testing::write_sample_checkpoint;
@@ -142,5 +142,5 @@ TEST(Verify, DetectsCorruptionMissingAndUnreferencedData) {
                       "tensor 'stray' is not referenced");
 }
 
-}  // namespace
+}  // namespace MIXPREC_UNITY_ID
 }  // namespace mixprec::checkpoint

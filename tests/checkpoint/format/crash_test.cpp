@@ -21,7 +21,7 @@
 #include <set>
 
 namespace mixprec::checkpoint {
-namespace {
+namespace MIXPREC_UNITY_ID {  // anonymous outside unity builds (tests/CMakeLists.txt)
 
 using testing::TempDir;
 using testing::write_sample_checkpoint;
@@ -143,5 +143,5 @@ TEST(CrashSafety, EveryKillPointWhileRepairingLatestLeavesALoadableRoot) {
   kill_everywhere(tmp.path(), base, {{"ckpt-b", "ckpt-c", "ckpt-d"}, {"ckpt-c", "ckpt-d"}});
 }
 
-}  // namespace
+}  // namespace MIXPREC_UNITY_ID
 }  // namespace mixprec::checkpoint

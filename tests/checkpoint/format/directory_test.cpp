@@ -12,7 +12,7 @@
 #include <gtest/gtest.h>
 
 namespace mixprec::checkpoint {
-namespace {
+namespace MIXPREC_UNITY_ID {  // anonymous outside unity builds (tests/CMakeLists.txt)
 
 namespace fs = std::filesystem;
 using testing::TempDir;
@@ -127,5 +127,5 @@ TEST_F(HostileRoot, PlantedLatestTmpLinkIsNeverWrittenThrough) {
   EXPECT_TRUE(fs::is_symlink(root_ / "latest.tmp")) << "not ours to remove";
 }
 
-}  // namespace
+}  // namespace MIXPREC_UNITY_ID
 }  // namespace mixprec::checkpoint

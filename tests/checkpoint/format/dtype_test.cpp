@@ -3,7 +3,7 @@
 #include <gtest/gtest.h>
 
 namespace mixprec::checkpoint {
-namespace {
+namespace MIXPREC_UNITY_ID {  // anonymous outside unity builds (tests/CMakeLists.txt)
 
 TEST(Dtype, NamesRoundTripAndSizesMatchSafetensors) {
   const std::pair<std::string_view, std::size_t> expected[] = {
@@ -23,5 +23,5 @@ TEST(Dtype, RejectsUnknownAndMiscasedNames) {
   }
 }
 
-}  // namespace
+}  // namespace MIXPREC_UNITY_ID
 }  // namespace mixprec::checkpoint

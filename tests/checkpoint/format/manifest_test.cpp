@@ -5,7 +5,7 @@
 #include <gtest/gtest.h>
 
 namespace mixprec::checkpoint {
-namespace {
+namespace MIXPREC_UNITY_ID {  // anonymous outside unity builds (tests/CMakeLists.txt)
 
 using nlohmann::json;
 
@@ -193,5 +193,5 @@ TEST(Manifest, ReadCommonChecksTheCommonFile) {
   EXPECT_EQ(read_common(dir.path(), sample())["step"], 100);
 }
 
-}  // namespace
+}  // namespace MIXPREC_UNITY_ID
 }  // namespace mixprec::checkpoint

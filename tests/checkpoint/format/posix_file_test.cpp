@@ -9,7 +9,7 @@
 #include <gtest/gtest.h>
 
 namespace mixprec::checkpoint {
-namespace {
+namespace MIXPREC_UNITY_ID {  // anonymous outside unity builds (tests/CMakeLists.txt)
 
 namespace fs = std::filesystem;
 using testing::TempDir;
@@ -89,5 +89,5 @@ TEST(PosixFile, RemoveTreeNeverFollowsLinks) {
   EXPECT_NO_THROW(detail::remove_tree_at(root.get(), "victim", victim));  // already gone
 }
 
-}  // namespace
+}  // namespace MIXPREC_UNITY_ID
 }  // namespace mixprec::checkpoint

@@ -5,20 +5,23 @@
 #include "mixprec/checkpoint/format/safetensors_writer.h"
 
 #include "format_test_util.h"
+#include "support/test_env.h"
 
 #include <gtest/gtest.h>
 
 #include <cstdio>
 
 namespace mixprec::checkpoint {
-namespace {
+namespace MIXPREC_UNITY_ID {  // anonymous outside unity builds (tests/CMakeLists.txt)
 
 using nlohmann::json;
 using testing::pattern_bytes;
 using testing::TempDir;
 
-const std::filesystem::path kScript =
-    std::filesystem::path(MIXPREC_SOURCE_DIR) / "tests/checkpoint/format/safetensors_interop.py";
+std::filesystem::path interop_script() {
+  return std::filesystem::path(mixprec::test::source_dir()) /
+         "tests/checkpoint/format/safetensors_interop.py";
+}
 
 // Runs a shell command; returns its stdout, or nullopt if it exited non-zero.
 std::optional<std::string> run(const std::string& command) {
@@ -35,7 +38,7 @@ std::string quote(const std::string& s) { return "'" + s + "'"; }
 class PythonInterop : public ::testing::Test {
  protected:
   void SetUp() override {
-    python_ = MIXPREC_PYTHON;
+    python_ = mixprec::test::python();
     if (python_.empty() || !std::filesystem::exists(python_)) {
       GTEST_SKIP() << "MIXPREC_PYTHON is not set to an existing python";
     }
@@ -45,7 +48,7 @@ class PythonInterop : public ::testing::Test {
   }
 
   json oracle(const std::string& mode, const std::filesystem::path& path) {
-    auto out = run(quote(python_) + " " + quote(kScript.string()) + " " + mode + " " +
+    auto out = run(quote(python_) + " " + quote(interop_script().string()) + " " + mode + " " +
                    quote(path.string()));
     if (!out) {
       ADD_FAILURE() << "the python oracle failed on " << path;
@@ -132,5 +135,5 @@ TEST_F(PythonInterop, WeReadWhatPythonWrites) {
   }
 }
 
-}  // namespace
+}  // namespace MIXPREC_UNITY_ID
 }  // namespace mixprec::checkpoint

@@ -15,7 +15,7 @@
 #include <chrono>
 
 namespace mixprec::checkpoint {
-namespace {
+namespace MIXPREC_UNITY_ID {  // anonymous outside unity builds (tests/CMakeLists.txt)
 
 using testing::TempDir;
 using testing::write_sample_checkpoint;
@@ -174,5 +174,5 @@ TEST(StaleStaging, NamesCarryTheWriterAndParseBack) {
   }
 }
 
-}  // namespace
+}  // namespace MIXPREC_UNITY_ID
 }  // namespace mixprec::checkpoint

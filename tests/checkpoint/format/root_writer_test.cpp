@@ -15,7 +15,7 @@
 #include <gtest/gtest.h>
 
 namespace mixprec::checkpoint {
-namespace {
+namespace MIXPREC_UNITY_ID {  // anonymous outside unity builds (tests/CMakeLists.txt)
 
 namespace fs = std::filesystem;
 using testing::save_sample;
@@ -224,5 +224,5 @@ TEST(RootWriterLock, TwoProcessesSavingConcurrentlyLoseNothing) {
   }
 }
 
-}  // namespace
+}  // namespace MIXPREC_UNITY_ID
 }  // namespace mixprec::checkpoint

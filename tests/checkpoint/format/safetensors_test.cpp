@@ -7,7 +7,7 @@
 #include <gtest/gtest.h>
 
 namespace mixprec::checkpoint {
-namespace {
+namespace MIXPREC_UNITY_ID {  // anonymous outside unity builds (tests/CMakeLists.txt)
 
 using testing::pattern_bytes;
 using testing::TempDir;
@@ -176,5 +176,5 @@ TEST(SafetensorsWriter, AbandonedWriterRemovesItsPartialFile) {
   EXPECT_FALSE(std::filesystem::exists(path));
 }
 
-}  // namespace
+}  // namespace MIXPREC_UNITY_ID
 }  // namespace mixprec::checkpoint

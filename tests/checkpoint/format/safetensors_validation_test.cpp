@@ -7,7 +7,7 @@
 #include <gtest/gtest.h>
 
 namespace mixprec::checkpoint {
-namespace {
+namespace MIXPREC_UNITY_ID {  // anonymous outside unity builds (tests/CMakeLists.txt)
 
 using testing::TempDir;
 
@@ -165,5 +165,5 @@ TEST(SafetensorsValidation, TruncatedAndAlteredFilesOnDisk) {
   EXPECT_FORMAT_ERROR(SafetensorsReader{dir.path()}, "not a regular file");
 }
 
-}  // namespace
+}  // namespace MIXPREC_UNITY_ID
 }  // namespace mixprec::checkpoint

@@ -5,6 +5,7 @@
 // Python module exposes (kOptimizerStatePrefix -> OPTIMIZER_STATE_PREFIX), in both directions.
 // Skipped when MIXPREC_PYTHON cannot import torch and safetensors.
 #include "mixprec/checkpoint/format/state_keys.h"
+#include "support/test_env.h"
 
 #include <gtest/gtest.h>
 #include <nlohmann/json.hpp>
@@ -18,11 +19,11 @@
 #include <sstream>
 
 namespace mixprec::checkpoint {
-namespace {
+namespace MIXPREC_UNITY_ID {  // anonymous outside unity builds (tests/CMakeLists.txt)
 
 namespace fs = std::filesystem;
 
-const fs::path kSource(MIXPREC_SOURCE_DIR);
+fs::path source() { return mixprec::test::source_dir(); }
 
 std::optional<std::string> run(const std::string& command) {
   FILE* pipe = ::popen(command.c_str(), "r");
@@ -49,7 +50,7 @@ std::string python_name(const std::string& cpp) {
 // Every `constexpr std::string_view kName = "value";` of the header, and the members of
 // `constexpr std::array<std::string_view, N> kName = {kA, kB, ...};` resolved to values.
 nlohmann::json header_names() {
-  std::ifstream in(kSource / "include/mixprec/checkpoint/format/state_keys.h");
+  std::ifstream in(source() / "include/mixprec/checkpoint/format/state_keys.h");
   std::stringstream text;
   text << in.rdbuf();
   const std::string header = text.str();
@@ -88,7 +89,7 @@ TEST(StateKeys, HeaderParseSeesTheCompiledConstants) {
 }
 
 TEST(StateKeys, PythonReaderUsesTheSameNames) {
-  const std::string python = MIXPREC_PYTHON;
+  const std::string python = mixprec::test::python();
   if (python.empty() || !fs::exists(python)) GTEST_SKIP() << "MIXPREC_PYTHON is not set";
   if (!run(quote(python) + " -c 'import torch, safetensors' 2>/dev/null")) {
     GTEST_SKIP() << python << " cannot import torch and safetensors";
@@ -98,7 +99,7 @@ TEST(StateKeys, PythonReaderUsesTheSameNames) {
       "print(json.dumps({\"names\": m.names(), "
       "\"state_key\": m.optimizer_state_key(\"exp_avg\", \"blocks.0.w\")}))";
   const auto out =
-      run(quote(python) + " -c " + quote(script) + " " + quote((kSource / "python").string()));
+      run(quote(python) + " -c " + quote(script) + " " + quote((source() / "python").string()));
   ASSERT_TRUE(out) << "the python module failed to load";
   const nlohmann::json python_side = nlohmann::json::parse(*out);
   const nlohmann::json header = header_names();
@@ -113,5 +114,5 @@ TEST(StateKeys, PythonReaderUsesTheSameNames) {
   EXPECT_EQ(python_side["state_key"], keys::optimizer_state_key(keys::kExpAvg, "blocks.0.w"));
 }
 
-}  // namespace
+}  // namespace MIXPREC_UNITY_ID
 }  // namespace mixprec::checkpoint

@@ -87,6 +87,12 @@ struct KeyEntry {
   Dtype dtype = Dtype::F32;
   std::vector<std::int64_t> shape;  // global shape
   std::vector<Chunk> chunks;
+  // The bytes of every chunk together: the key's size on disk.
+  std::uint64_t bytes() const {
+    std::uint64_t total = 0;
+    for (const Chunk& chunk : chunks) total += chunk.bytes;
+    return total;
+  }
 };
 
 // A reference to the common state stored as its own file in the checkpoint directory.

@@ -20,7 +20,7 @@
 //   rng.cuda.<index>                       a CUDA generator's state, where CUDA is present
 //   rng.rank.<r>.cpu, rng.rank.<r>.cuda.<index>
 //                                          a collective save's per-rank generators: data-
-//                                          parallel rank r's (dist/collective_checkpoint.h);
+//                                          parallel rank r's (distributed/collective_checkpoint.h);
 //                                          a single-process load ignores them
 //
 // Common state (common.json), top-level fields:

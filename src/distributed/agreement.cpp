@@ -1,0 +1,49 @@
+#include "distributed/agreement.h"
+
+#include <c10/util/Exception.h>
+
+#include <exception>
+
+namespace mixprec::distributed::detail {
+
+namespace {
+
+// Whatever a part throws (c10::Error, the format layer's FormatError, std::bad_alloc) becomes
+// a message: every rank raises one error type with the same text.
+std::string message_of(std::exception_ptr error) {
+  try {
+    std::rethrow_exception(error);
+  } catch (const c10::Error& e) {
+    return e.what_without_backtrace();
+  } catch (const std::exception& e) {
+    return e.what();
+  } catch (...) {
+    return "unknown exception";
+  }
+}
+
+}  // namespace
+
+std::vector<std::string> agree(Communicator& comm, std::string_view op,
+                               const std::function<std::string()>& part) {
+  std::string mine;
+  try {
+    mine = "+" + part();
+  } catch (...) {
+    mine = "-" + message_of(std::current_exception());
+  }
+  std::vector<std::string> all = comm.all_gather_strings(mine);
+  int first = -1, failed = 0;
+  for (size_t r = 0; r < all.size(); ++r) {
+    TORCH_INTERNAL_ASSERT(!all[r].empty(), "rank ", r, " sent no outcome");
+    if (all[r][0] == '+') continue;
+    ++failed;
+    if (first < 0) first = static_cast<int>(r);
+  }
+  TORCH_CHECK(first < 0, "[", op, "] failed on rank ", first, " of ", all.size(), " (", failed,
+              " rank(s) failed): ", first < 0 ? "" : all[first].substr(1));
+  for (std::string& payload : all) payload.erase(0, 1);
+  return all;
+}
+
+}  // namespace mixprec::distributed::detail

@@ -1,0 +1,128 @@
+// distributed::save_checkpoint: the three agreed phases of a collective save
+// (collective_checkpoint.h).
+#include "mixprec/distributed/collective_checkpoint.h"
+
+#include "checkpoint/save_pipeline.h"
+#include "detail/name_match.h"
+#include "distributed/agreement.h"
+#include "distributed/checkpoint_messages.h"
+#include "mixprec/checkpoint/format/checksum.h"
+#include "mixprec/checkpoint/format/commit.h"
+#include "mixprec/checkpoint/format/root_layout.h"
+#include "mixprec/checkpoint/format/root_writer.h"
+
+#include <c10/util/Exception.h>
+
+#include <memory>
+
+namespace mixprec::distributed {
+
+namespace ckpt = mixprec::checkpoint;
+using ckpt::detail::RankPlan;
+
+namespace {
+
+constexpr const char* kSaveOp = "mixprec::distributed::save_checkpoint";
+
+// What rank 0 holds from phase 1 to 3: the root's lock and the staging directory. Destroyed
+// by a throw before the commit, they remove the staging directory and release the lock.
+struct Committer {
+  std::unique_ptr<ckpt::RootWriter> writer;
+  std::unique_ptr<ckpt::CheckpointStaging> staging;
+};
+
+// The staging directory, on a rank other than the committing one: a name rank 0 sent, checked
+// to be a staging name (root_layout.h) before it is opened relative to the root.
+ckpt::Directory open_staging(const std::filesystem::path& root, const std::string& name) {
+  TORCH_CHECK(name.starts_with(ckpt::kStagingPrefix) && name.find('/') == std::string::npos, "[",
+              kSaveOp, "] rank 0 sent '", name, "', which is not a staging directory name");
+  return ckpt::open_root(root).subdirectory(name);
+}
+
+}  // namespace
+
+ckpt::SaveResult save_checkpoint(Communicator& comm, const std::filesystem::path& root,
+                                 const std::string& name, const ShardedStateDict& mine,
+                                 const ckpt::SaveOptions& options) {
+  const int rank = comm.rank();
+  const bool committing = rank == 0;
+  Committer committer;
+  nlohmann::json opened;  // rank 0's OpenReport, for the result
+
+  // 1. prepare: plans from everyone; the writer and the staging directory on rank 0.
+  const std::vector<std::string> prepared = detail::agree(comm, kSaveOp, [&] {
+    std::vector<std::string> problems;
+    ckpt::detail::check_unchanged({&mine}, "since the state dict was built");
+    const RankPlan plan = ckpt::detail::plan_rank(mine, static_cast<size_t>(rank), problems);
+    mixprec::detail::check_no_problems(problems, "[mixprec::checkpoint::save] cannot save");
+    nlohmann::json out = {{"plan", detail::plan_to_json(plan)}};
+    if (committing) {
+      committer.writer = std::make_unique<ckpt::RootWriter>(
+          root, ckpt::WriterOptions{options.lock_timeout(), options.stale_staging_timeout()});
+      committer.staging = committer.writer->stage(name);
+      out["staging"] = committer.staging->dir().filename().string();
+    }
+    return out.dump();
+  });
+  std::vector<RankPlan> plans;
+  for (const std::string& payload : prepared) {
+    plans.push_back(detail::plan_from_json(nlohmann::json::parse(payload).at("plan")));
+  }
+  // Every rank checks the same plans alike: all throw, or none does.
+  std::map<std::string, ckpt::KeyEntry> keys = ckpt::detail::merge_plans(plans);
+  const std::string staging_name =
+      nlohmann::json::parse(prepared[0]).at("staging").get<std::string>();
+
+  // 2. write: each rank its own data file, fsynced.
+  const std::vector<std::string> written = detail::agree(comm, kSaveOp, [&] {
+    const ckpt::Directory dir =
+        committing ? committer.staging->directory().duplicate() : open_staging(root, staging_name);
+    ckpt::detail::DirectSource source({&mine});
+    uint64_t bytes = 0;
+    const auto checksums = ckpt::detail::write_rank_file(
+        dir, static_cast<size_t>(rank), mine, source, options.checksum_block_bytes(), bytes);
+    source.finish();  // nothing changed while it was written
+    return nlohmann::json{{"bytes", bytes}, {"tensors", detail::written_to_json(checksums)}}.dump();
+  });
+
+  // 3. commit, on rank 0; everyone returns its result.
+  const std::vector<std::string> committed = detail::agree(comm, kSaveOp, [&]() -> std::string {
+    if (!committing) return {};
+    ckpt::SaveResult result;
+    const ckpt::OpenReport& report = committer.writer->report();
+    result.cleaned_staging = report.cleaned_staging;
+    result.repaired_latest = report.repaired_latest;
+    result.warnings = report.warnings;
+    std::map<std::string, std::map<std::string, ckpt::WrittenTensor>> by_file;
+    for (size_t r = 0; r < written.size(); ++r) {
+      const nlohmann::json w = nlohmann::json::parse(written[r]);
+      result.tensor_bytes += w.at("bytes").get<uint64_t>();
+      auto tensors = detail::written_from_json(w.at("tensors"));
+      if (tensors.empty()) continue;
+      by_file[ckpt::detail::data_file_name(r)] = std::move(tensors);
+      ++result.files;
+    }
+    ckpt::Manifest manifest;
+    manifest.sequence = committer.writer->next_sequence();
+    manifest.block_bytes = options.checksum_block_bytes();
+    ckpt::detail::fill_checksums(keys, by_file);
+    manifest.keys = std::move(keys);
+    const std::string common = mine.common.dump(2) + "\n";
+    committer.staging->write_file("common.json", common);
+    manifest.common_file = ckpt::CommonFileRef{
+        "common.json", common.size(),
+        ckpt::xxh3_64({reinterpret_cast<const std::byte*>(common.data()), common.size()})};
+    committer.staging->write_file(ckpt::kManifestFileName, ckpt::manifest_to_json(manifest));
+    ckpt::PublishReport published = committer.writer->publish(
+        *committer.staging,
+        ckpt::PublishOptions{options.update_latest(), options.keep_last(), options.in_use()});
+    result.dir = std::move(published.dir);
+    result.deleted = std::move(published.deleted);
+    result.warnings.insert(result.warnings.end(), published.warnings.begin(),
+                           published.warnings.end());
+    return detail::result_to_json(result).dump();
+  });
+  return detail::result_from_json(nlohmann::json::parse(committed[0]));
+}
+
+}  // namespace mixprec::distributed

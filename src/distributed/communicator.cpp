@@ -1,0 +1,208 @@
+#include "mixprec/distributed/communicator.h"
+
+#include <ATen/ATen.h>
+#include <c10/util/Exception.h>
+#include <torch/csrc/distributed/c10d/Backend.hpp>
+#include <torch/csrc/distributed/c10d/Work.hpp>
+
+#include <algorithm>
+
+namespace mixprec::distributed {
+
+const char* to_string(Collective collective) {
+  switch (collective) {
+    case Collective::kAllReduce:
+      return "all-reduce";
+    case Collective::kReduceScatter:
+      return "reduce-scatter";
+    case Collective::kAllGather:
+      return "all-gather";
+  }
+  return "?";
+}
+
+namespace {
+
+std::string describe(const at::Tensor& t) {
+  return std::to_string(t.numel()) + " x " + std::string(c10::toString(t.scalar_type()));
+}
+
+void check_tensor(const at::Tensor& t, const char* op, const char* arg) {
+  TORCH_CHECK(t.defined(), "[mixprec::distributed::", op, "] ", arg, " is undefined");
+  const auto dtype = t.scalar_type();
+  TORCH_CHECK(dtype == at::kFloat || dtype == at::kDouble || dtype == at::kBFloat16 ||
+                  dtype == at::kHalf || dtype == at::kLong || dtype == at::kByte,
+              "[mixprec::distributed::", op, "] ", arg, " has dtype ", dtype,
+              "; supported: Float, Double, BFloat16, Half, Long, Byte");
+  TORCH_CHECK(t.layout() == at::kStrided && t.is_contiguous(), "[mixprec::distributed::", op, "] ",
+              arg, " must be dense and contiguous");
+}
+
+std::string what_of(const c10::Error& e) { return e.what_without_backtrace(); }
+
+}  // namespace
+
+PendingCollective::PendingCollective(c10::intrusive_ptr<c10d::Work> work, std::string what,
+                                     std::chrono::milliseconds timeout, int rank, int world_size)
+    : work_(std::move(work)),
+      what_(std::move(what)),
+      timeout_(timeout),
+      rank_(rank),
+      world_size_(world_size) {}
+
+void PendingCollective::wait() {
+  if (!work_) return;
+  auto work = std::move(work_);
+  work_.reset();
+  std::string error;
+  try {
+    work->wait(timeout_);
+    return;
+  } catch (const c10::Error& e) {
+    error = what_of(e);
+  } catch (const std::exception& e) {
+    error = e.what();
+  }
+  TORCH_CHECK(false, "[mixprec::distributed] ", what_, " failed on rank ", rank_, " of ",
+              world_size_, " (timeout ", timeout_.count(),
+              " ms; a rank that is missing or calls collectives ",
+              "in another order ends here): ", error);
+}
+
+Communicator::Communicator(c10::intrusive_ptr<c10d::Backend> backend,
+                           std::chrono::milliseconds timeout)
+    : backend_(std::move(backend)), timeout_(timeout) {
+  TORCH_CHECK(backend_, "[mixprec::distributed::Communicator] the backend is null");
+  TORCH_CHECK(timeout_.count() > 0,
+              "[mixprec::distributed::Communicator] timeout must be > 0 ms, got ",
+              timeout_.count());
+  rank_ = backend_->getRank();
+  size_ = backend_->getSize();
+  TORCH_CHECK(size_ >= 1 && rank_ >= 0 && rank_ < size_,
+              "[mixprec::distributed::Communicator] backend reports rank ", rank_, " of ", size_);
+}
+
+Communicator::~Communicator() = default;
+
+std::string Communicator::backend_name() const { return backend_->getBackendName(); }
+
+void Communicator::count(Collective collective, int64_t payload_bytes, double ring_factor) {
+  Counter& c = traffic_[static_cast<size_t>(collective)];
+  c.calls += 1;
+  c.payload += payload_bytes;
+  c.ring += static_cast<int64_t>(static_cast<double>(payload_bytes) * ring_factor + 0.5);
+}
+
+TrafficStats Communicator::traffic(Collective collective) const {
+  const Counter& c = traffic_[static_cast<size_t>(collective)];
+  return {c.calls.load(), c.payload.load(), c.ring.load()};
+}
+
+void Communicator::reset_traffic() {
+  for (Counter& c : traffic_) {
+    c.calls = 0;
+    c.payload = 0;
+    c.ring = 0;
+  }
+}
+
+PendingCollective Communicator::all_reduce(const at::Tensor& tensor, int op, const char* name) {
+  check_tensor(tensor, name, "tensor");
+  if (tensor.numel() == 0) return {};
+  const double n = size_;
+  count(Collective::kAllReduce, static_cast<int64_t>(tensor.nbytes()), 2.0 * (n - 1) / n);
+  std::vector<at::Tensor> tensors{tensor};
+  c10d::AllreduceOptions options;
+  options.reduceOp = c10d::ReduceOp(static_cast<c10d::ReduceOp::RedOpType>(op));
+  options.timeout = timeout_;
+  return {backend_->allreduce(tensors, options), std::string(name) + " of " + describe(tensor),
+          timeout_, rank_, size_};
+}
+
+PendingCollective Communicator::all_reduce_sum(const at::Tensor& tensor) {
+  return all_reduce(tensor, c10d::ReduceOp::SUM, "all_reduce_sum");
+}
+PendingCollective Communicator::all_reduce_max(const at::Tensor& tensor) {
+  return all_reduce(tensor, c10d::ReduceOp::MAX, "all_reduce_max");
+}
+PendingCollective Communicator::all_reduce_min(const at::Tensor& tensor) {
+  return all_reduce(tensor, c10d::ReduceOp::MIN, "all_reduce_min");
+}
+
+PendingCollective Communicator::reduce_scatter_sum(const at::Tensor& input,
+                                                   const at::Tensor& output) {
+  check_tensor(input, "reduce_scatter_sum", "input");
+  check_tensor(output, "reduce_scatter_sum", "output");
+  TORCH_CHECK(input.scalar_type() == output.scalar_type(),
+              "[mixprec::distributed::reduce_scatter_sum] input is ", input.scalar_type(),
+              ", output is ", output.scalar_type());
+  TORCH_CHECK(input.numel() == output.numel() * size_,
+              "[mixprec::distributed::reduce_scatter_sum] input has ", input.numel(),
+              " elements; it must have world size (", size_, ") x output (", output.numel(),
+              ") elements");
+  if (input.numel() == 0) return {};
+  const double n = size_;
+  count(Collective::kReduceScatter, static_cast<int64_t>(input.nbytes()), (n - 1) / n);
+  // The backend sees 1-D tensors, so "chunk `rank` of dimension 0" is the flat range above.
+  at::Tensor in = input.view({-1});
+  at::Tensor out = output.view({-1});
+  c10d::ReduceScatterOptions options;
+  options.timeout = timeout_;
+  return {backend_->_reduce_scatter_base(out, in, options),
+          "reduce_scatter_sum of " + describe(input), timeout_, rank_, size_};
+}
+
+PendingCollective Communicator::all_gather(const at::Tensor& input, const at::Tensor& output) {
+  check_tensor(input, "all_gather", "input");
+  check_tensor(output, "all_gather", "output");
+  TORCH_CHECK(input.scalar_type() == output.scalar_type(),
+              "[mixprec::distributed::all_gather] input is ", input.scalar_type(), ", output is ",
+              output.scalar_type());
+  TORCH_CHECK(output.numel() == input.numel() * size_,
+              "[mixprec::distributed::all_gather] output has ", output.numel(),
+              " elements; it must have world size (", size_, ") x input (", input.numel(),
+              ") elements");
+  if (input.numel() == 0) return {};
+  const char* in_begin = static_cast<const char*>(input.const_data_ptr());
+  const char* out_begin = static_cast<const char*>(output.const_data_ptr());
+  TORCH_CHECK(in_begin + input.nbytes() <= out_begin || out_begin + output.nbytes() <= in_begin,
+              "[mixprec::distributed::all_gather] input aliases output; pass a separate input");
+  const double n = size_;
+  count(Collective::kAllGather, static_cast<int64_t>(output.nbytes()), (n - 1) / n);
+  at::Tensor in = input.view({-1});
+  at::Tensor out = output.view({-1});
+  c10d::AllgatherOptions options;
+  options.timeout = timeout_;
+  return {backend_->_allgather_base(out, in, options), "all_gather of " + describe(output),
+          timeout_, rank_, size_};
+}
+
+std::vector<std::string> Communicator::all_gather_strings(const std::string& mine) {
+  at::Tensor length = at::full({1}, static_cast<int64_t>(mine.size()), at::kLong);
+  at::Tensor lengths = at::empty({size_}, at::kLong);
+  all_gather(length, lengths).wait();
+  const auto* all = lengths.const_data_ptr<int64_t>();
+  const int64_t longest = *std::max_element(all, all + size_);
+  std::vector<std::string> out(size_);
+  if (longest == 0) return out;
+  at::Tensor bytes = at::zeros({longest}, at::kByte);
+  std::copy(mine.begin(), mine.end(), bytes.mutable_data_ptr<uint8_t>());
+  at::Tensor gathered = at::empty({longest * size_}, at::kByte);
+  all_gather(bytes, gathered).wait();
+  const auto* data = gathered.const_data_ptr<uint8_t>();
+  for (int r = 0; r < size_; ++r) {
+    TORCH_CHECK(all[r] >= 0 && all[r] <= longest,
+                "[mixprec::distributed::all_gather_strings] rank ", r, " sent length ", all[r]);
+    out[r].assign(reinterpret_cast<const char*>(data + r * longest), all[r]);
+  }
+  return out;
+}
+
+void Communicator::barrier() {
+  at::Tensor one = at::ones({1}, at::kLong);
+  all_reduce_sum(one).wait();
+  TORCH_INTERNAL_ASSERT(one.item<int64_t>() == size_, "barrier counted ", one.item<int64_t>(),
+                        " ranks of ", size_);
+}
+
+}  // namespace mixprec::distributed

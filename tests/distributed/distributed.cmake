@@ -1,0 +1,47 @@
+# Distributed tests under torchrun (included from tests/CMakeLists.txt, which builds the
+# single-process distributed_tests with every other area).
+#
+#   distributed_mp_tests  cases every rank runs together: ctest starts it through torchrun with
+#                  N = 1..4 processes, one ctest entry per (suite, N). `--standalone` makes
+#                  torchrun pick a free port, so these entries can run in parallel. This
+#                  machine has 2 cores: the tests check results, never timings.
+file(GLOB distributed_mp_sources CONFIGURE_DEPENDS ${CMAKE_CURRENT_LIST_DIR}/mp/*.cpp)
+mixprec_test_objects(distributed_mp_test_objects ${distributed_mp_sources})
+add_executable(distributed_mp_tests $<TARGET_OBJECTS:distributed_mp_test_objects>)
+target_link_libraries(distributed_mp_tests PRIVATE mixprec::mixprec GTest::gtest)
+
+if(NOT _mixprec_torchrun_for_tests)
+  message(WARNING "mixprec: no torchrun at ${MIXPREC_TORCHRUN}; multi-process tests not added")
+  return()
+endif()
+foreach(suite Collectives GradReducer ModelCheck DistributedOptimizer ZeroStateDict
+              CollectiveCheckpoint)
+  foreach(n 1 2 3 4)
+    add_test(NAME distributed.mp.${suite}.np${n}
+             COMMAND "${MIXPREC_TORCHRUN}" --standalone --nproc-per-node ${n} --no-python
+                     $<TARGET_FILE:distributed_mp_tests> --gtest_filter=${suite}.*:${suite}/*)
+    set_tests_properties(distributed.mp.${suite}.np${n} PROPERTIES TIMEOUT 300 LABELS distributed
+                         ENVIRONMENT "OMP_NUM_THREADS=1;${MIXPREC_TEST_ENVIRONMENT}")
+  endforeach()
+endforeach()
+
+# Checkpoints across launches: saved by N ranks and resumed by M (one entry: each torchrun
+# start costs seconds here), and a rank SIGKILLed in the middle of a collective save.
+add_test(NAME distributed.resume
+         COMMAND bash ${CMAKE_CURRENT_LIST_DIR}/resume.sh "${MIXPREC_TORCHRUN}"
+                 $<TARGET_FILE:distributed_mp_tests> 1:2 2:3 3:2 4:1 2:4)
+set_tests_properties(distributed.resume PROPERTIES TIMEOUT 300 LABELS distributed)
+add_test(NAME distributed.crash_save
+         COMMAND bash ${CMAKE_CURRENT_LIST_DIR}/crash_save.sh "${MIXPREC_TORCHRUN}"
+                 $<TARGET_FILE:distributed_mp_tests>)
+set_tests_properties(distributed.crash_save PROPERTIES TIMEOUT 300 LABELS distributed)
+
+# A launcher environment that contradicts itself fails at start-up with the variable named.
+add_test(NAME distributed.env.rank_not_below_world_size COMMAND distributed_mp_tests)
+set_tests_properties(distributed.env.rank_not_below_world_size PROPERTIES TIMEOUT 60
+  ENVIRONMENT "RANK=2;WORLD_SIZE=2;MASTER_ADDR=localhost;MASTER_PORT=29400"
+  PASS_REGULAR_EXPRESSION "RANK=2 must be less than WORLD_SIZE=2")
+add_test(NAME distributed.env.missing_master_port COMMAND distributed_mp_tests)
+set_tests_properties(distributed.env.missing_master_port PROPERTIES TIMEOUT 60
+  ENVIRONMENT "RANK=0;WORLD_SIZE=2;MASTER_ADDR=localhost"
+  PASS_REGULAR_EXPRESSION "MASTER_PORT is not set")

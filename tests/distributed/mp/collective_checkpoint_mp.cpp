@@ -1,0 +1,416 @@
+// Collective checkpoints on the ranks of one launch: save and load on the same N, the
+// single-process checkpoint a ZeRO-1 one equals, what each rank reads, and failures that must
+// fail every rank and change nothing. (Resuming on another number of ranks, and a rank
+// killed mid-save, need several launches: collective_resume_mp.cpp with tests/distributed/*.sh.)
+#include "distributed/mp/zero_support.h"
+#include "mixprec/checkpoint/format/box.h"
+#include "mixprec/checkpoint/format/manifest.h"
+#include "mixprec/checkpoint/format/safetensors_reader.h"
+#include "mixprec/checkpoint/format/state_keys.h"
+#include "mixprec/checkpoint/format/verify.h"
+#include "mixprec/checkpoint/training_state.h"
+#include "mixprec/distributed/collective_checkpoint.h"
+#include "optim/support_optim.h"
+#include "support/error_message.h"
+#include "support/test_env.h"
+
+#include <gtest/gtest.h>
+
+#include <cstdio>
+#include <fstream>
+#include <set>
+
+namespace mixprec::testing {
+namespace MIXPREC_UNITY_ID {  // anonymous outside unity builds (tests/CMakeLists.txt)
+
+namespace fs = std::filesystem;
+namespace keys = checkpoint::keys;
+using distributed::DistributedOptimizer;
+
+std::vector<std::string> staging_entries(const fs::path& root) {
+  std::vector<std::string> out;
+  for (const auto& entry : fs::directory_iterator(root)) {
+    const std::string name = entry.path().filename().string();
+    if (name.starts_with(".tmp-") || name.starts_with("latest.tmp")) out.push_back(name);
+  }
+  return out;
+}
+
+std::string read_latest(const fs::path& root) {
+  std::ifstream in(root / "latest");
+  std::string name;
+  std::getline(in, name);
+  return name;
+}
+
+// Same N: a fresh model and optimizer loaded from the checkpoint continue exactly as the
+// saving ones do; every rank gets its own RNG stream back; every rank returns one result.
+TEST(CollectiveCheckpoint, SavedOnNLoadsOnNAndContinuesBitwise) {
+  const int rank = world().rank(), n = world().size();
+  SharedTempDir root;
+  ZeroRun run;
+  for (int64_t step = 0; step < 3; ++step) run.step(step);
+  at::manual_seed(500 + rank);  // a different stream per rank
+  const checkpoint::SaveResult saved = distributed::save_training_state(
+      root.path(), "step-3", *run.model, *run.optimizer, {{"step", 3}},
+      checkpoint::SaveOptions().checksum_block_bytes(256));
+  const at::Tensor drawn_after_save = at::randn({4});
+  EXPECT_EQ(saved.dir, root.path() / "step-3");
+  EXPECT_EQ(read_latest(root.path()), "step-3");
+  const auto results =
+      world().all_gather_strings(saved.dir.string() + " " + std::to_string(saved.tensor_bytes) +
+                                 " " + std::to_string(saved.files));
+  for (const auto& r : results) EXPECT_EQ(r, results[0]) << "every rank returns one result";
+  if (rank == 0) checkpoint::verify_checkpoint(saved.dir);
+  EXPECT_EQ(saved.files, static_cast<size_t>(n));
+  EXPECT_TRUE(staging_entries(root.path()).empty());
+  for (int64_t step = 3; step < 5; ++step) run.step(step);
+
+  ZeroRun resumed;
+  at::manual_seed(77);  // anything: the load restores this rank's generator
+  const distributed::ResumeResult loaded =
+      distributed::load_training_state(root.path(), *resumed.model, *resumed.optimizer);
+  EXPECT_EQ(loaded.dir, saved.dir);
+  EXPECT_TRUE(loaded.model.clean() && loaded.optimizer.clean()) << loaded.optimizer.to_string();
+  EXPECT_EQ(loaded.user, (nlohmann::json{{"step", 3}}));
+  EXPECT_TRUE(at::equal(at::randn({4}), drawn_after_save)) << "rank " << rank << "'s RNG";
+  if (n > 1) EXPECT_FALSE(same_on_all_ranks(drawn_after_save)) << "ranks' streams differ";
+
+  // Each rank read exactly its pieces of the optimizer state (plus block rounding).
+  const checkpoint::Manifest manifest = checkpoint::read_manifest(saved.dir);
+  uint64_t pieces_bytes = 0, parts = 0;
+  for (const auto& s : resumed.optimizer->local_shards()) {
+    for (const auto& [key, entry] : manifest.keys) {
+      if (!key.starts_with(keys::kOptimizerStatePrefix) || !key.ends_with("." + s.shard.fqn) ||
+          key.size() - s.shard.fqn.size() - 1 <= keys::kOptimizerStatePrefix.size() ||
+          key.substr(key.find('.', keys::kOptimizerStatePrefix.size()) + 1) != s.shard.fqn) {
+        continue;
+      }
+      pieces_bytes += static_cast<uint64_t>(s.shard.numel()) * 4;
+      for (const auto& box :
+           checkpoint::flat_range_boxes(entry.shape, s.shard.begin, s.shard.end)) {
+        for (const auto& chunk : entry.chunks)
+          parts += checkpoint::intersect(chunk.box, box) ? 1 : 0;
+      }
+    }
+  }
+  EXPECT_EQ(loaded.optimizer_reads.bytes_used, pieces_bytes);
+  EXPECT_EQ(pieces_bytes,
+            static_cast<uint64_t>(resumed.optimizer->state_bytes(optim::ParamRole::kMaster) +
+                                  resumed.optimizer->state_bytes(optim::ParamRole::kNativeFp32)));
+  EXPECT_LE(loaded.optimizer_reads.bytes_read, pieces_bytes + 2 * 256 * parts);
+
+  for (int64_t step = 3; step < 5; ++step) resumed.step(step);
+  expect_params_equal(*resumed.model, *run.model, "resumed vs straight");
+  ShardedStateDict straight = run.optimizer->sharded_state_dict();
+  for (const auto& [key, piece] : resumed.optimizer->sharded_state_dict().tensors) {
+    EXPECT_TRUE(at::equal(piece.local, straight.at(key).local)) << key;
+  }
+}
+
+// The upstream interleaved model (BF16 pre, frozen BF16, FP32 gate, BF16 post), shard
+// boundaries inside parameters: the collective checkpoint holds, key by key and bit for bit,
+// what a single-process Float16Optimizer fed the same averaged gradients saves — read back by
+// read_checkpoint, and by the Python reader.
+TEST(CollectiveCheckpoint, InterleavedModelCheckpointIsTheSingleProcessOne) {
+  const int rank = world().rank();
+  SharedTempDir root;
+  at::manual_seed(7);
+  Interleaved zero_model;
+  at::manual_seed(7);
+  Interleaved dp_model;
+  const auto reduce = distributed::GradReducerOptions().bucket_numel(40).shard_alignment(1);
+  distributed::GradReducer zero_reducer(
+      world_ptr(), *zero_model,
+      distributed::GradReducerOptions(reduce).mode(distributed::ReduceMode::kReduceScatter));
+  distributed::GradReducer dp_reducer(world_ptr(), *dp_model, reduce);
+  const auto adamw = torch::optim::AdamWOptions(1e-2).weight_decay(0.1);
+  std::vector<torch::optim::OptimizerParamGroup> groups;
+  groups.emplace_back(zero_model->optimizer_order());
+  DistributedOptimizer zero(zero_reducer, *zero_model, std::move(groups),
+                            std::make_unique<torch::optim::AdamWOptions>(adamw));
+  auto reference = make_optimizer(dp_model, adamw);
+  bool split_inside_a_param = false;
+  for (const auto& s : zero.local_shards()) {
+    int64_t numel = 1;
+    for (int64_t d : s.shard.global_shape) numel *= d;
+    split_inside_a_param |= s.shard.begin > 0 || s.shard.end < numel;
+  }
+  if (world().size() == 3) EXPECT_TRUE(split_inside_a_param);
+  for (int64_t step = 0; step < 3; ++step) {
+    at::manual_seed(50 + step);
+    const at::Tensor x = at::randn({4, 8});
+    zero_reducer.zero_grad();
+    dp_reducer.zero_grad();
+    zero_model->loss(x).backward();
+    dp_model->loss(x).backward();
+    zero.update();
+    dp_reducer.finish();
+    reference->update();
+  }
+  const fs::path zero_dir =
+      distributed::save_training_state(root.path() / "zero", "step-3", *zero_model, zero).dir;
+  const fs::path single_dir = root.path() / "single" / "step-3";
+  if (rank == 0)
+    checkpoint::save_training_state(single_dir.parent_path(), "step-3", *dp_model, *reference);
+  world().barrier();
+
+  const ShardedStateDict a = checkpoint::read_checkpoint(zero_dir);
+  const ShardedStateDict b = checkpoint::read_checkpoint(single_dir);
+  std::set<std::string> keys_a, keys_b;
+  for (const auto& [key, t] : a.tensors) {
+    if (!keys::is_rng_key(key)) keys_a.insert(key);
+  }
+  for (const auto& [key, t] : b.tensors) {
+    if (!keys::is_rng_key(key)) keys_b.insert(key);
+  }
+  EXPECT_EQ(keys_a, keys_b);
+  for (const std::string& key : keys_a) {
+    if (!keys_b.count(key)) continue;
+    const at::Tensor& x = a.at(key).local;
+    const at::Tensor& y = b.at(key).local;
+    EXPECT_TRUE(x.scalar_type() == y.scalar_type() && at::equal(x, y)) << key;
+  }
+  EXPECT_EQ(a.common.at("optimizer"), b.common.at("optimizer"));
+  EXPECT_EQ(a.common.at("precision"), b.common.at("precision"));
+  EXPECT_TRUE(a.tensors.count(keys::rng_rank_key(world().size() - 1, "rng.cpu")));
+
+  // The Python oracle once (it costs a Python start): where boundaries fall inside params.
+  if (rank == 0 && world().size() == 3) {
+    const std::string command = mixprec::test::python() + " " + mixprec::test::source_dir() +
+                                "/tests/distributed/compare_checkpoints.py " + zero_dir.string() +
+                                " " + single_dir.string() + " 2>&1";
+    FILE* pipe = ::popen(command.c_str(), "r");
+    ASSERT_NE(pipe, nullptr);
+    std::string out;
+    char buf[4096];
+    for (size_t got; (got = std::fread(buf, 1, sizeof buf, pipe)) > 0;) out.append(buf, got);
+    const int status = ::pclose(pipe);
+    EXPECT_EQ(status, 0) << out;
+    EXPECT_NE(out.find("\"problems\": []"), std::string::npos) << out;
+  }
+  world().barrier();
+}
+
+// A single-process checkpoint (Float16Optimizer, checkpoint::save_training_state) loads into
+// ZeRO-1 on N ranks, and training continues as plain DP continues from it: bitwise, any N.
+TEST(CollectiveCheckpoint, SingleProcessCheckpointLoadsIntoZero) {
+  SharedTempDir root;
+  Fp16Run single(/*data_parallel=*/false);
+  for (int64_t step = 0; step < 2; ++step) single.step(step);
+  if (world().rank() == 0) {
+    checkpoint::save_training_state(root.path(), "one", *single.model, *single.optimizer);
+  }
+  world().barrier();
+  ZeroRun zero;
+  Fp16Run dp(/*data_parallel=*/true);
+  const distributed::ResumeResult loaded =
+      distributed::load_training_state(root.path(), *zero.model, *zero.optimizer);
+  EXPECT_TRUE(loaded.optimizer.clean()) << loaded.optimizer.to_string();
+  checkpoint::load_training_state(root.path(), *dp.model, *dp.optimizer);
+  expect_zero_state_equals(*zero.optimizer, dp.optimizer->sharded_state_dict(), "loaded");
+  for (int64_t step = 2; step < 4; ++step) {
+    zero.step(step);
+    dp.step(step);
+  }
+  expect_params_equal(*zero.model, *dp.model, "continued");
+}
+
+// Offloading (masters and moments on the host) changes where the state lives, not the
+// checkpoint: a plain ZeRO-1 checkpoint loads into an offloaded one and the reverse, and both
+// continue bitwise alike.
+TEST(CollectiveCheckpoint, OffloadedAndPlainZeroLoadEachOthersCheckpoints) {
+  SharedTempDir root;
+  const auto offloaded = optim::Float16OptimizerOptions().offload(
+      optim::OffloadOptions().chunk_bytes(256).chunks_in_flight(2));
+  auto expect_same_state = [](const ZeroRun& a, const ZeroRun& b, const std::string& what) {
+    const ShardedStateDict sa = a.optimizer->sharded_state_dict();
+    const ShardedStateDict sb = b.optimizer->sharded_state_dict();
+    EXPECT_EQ(sa.tensors.size(), sb.tensors.size()) << what;
+    for (const auto& [key, piece] : sa.tensors) {
+      EXPECT_TRUE(sb.tensors.count(key) && at::equal(piece.local, sb.at(key).local))
+          << what << ": " << key;
+    }
+    EXPECT_EQ(sa.common, sb.common) << what;
+  };
+  ZeroRun plain;
+  for (int64_t step = 0; step < 2; ++step) plain.step(step);
+  distributed::save_training_state(root.path(), "plain", *plain.model, *plain.optimizer);
+  ZeroRun off(offloaded);
+  distributed::load_training_state(root.path() / "plain", *off.model, *off.optimizer);
+  expect_same_state(off, plain, "plain -> offloaded");
+  for (const auto& s : off.optimizer->local_shards()) {
+    for (const at::Tensor& t : s.state) {
+      if (t.defined()) EXPECT_TRUE(t.device().is_cpu()) << s.shard.fqn;
+    }
+  }
+  for (int64_t step = 2; step < 4; ++step) {
+    plain.step(step);
+    off.step(step);
+  }
+  expect_params_equal(*off.model, *plain.model, "continued offloaded vs plain");
+  distributed::save_training_state(root.path(), "offloaded", *off.model, *off.optimizer);
+  ZeroRun back;
+  distributed::load_training_state(root.path() / "offloaded", *back.model, *back.optimizer);
+  expect_same_state(back, plain, "offloaded -> plain");
+  expect_params_equal(*back.model, *plain.model, "offloaded -> plain");
+}
+
+// Everything a rank's model and optimizer hold, to tell that a failed load changed nothing.
+std::vector<at::Tensor> snapshot(ZeroRun& run) {
+  std::vector<at::Tensor> out;
+  for (const auto& p : run.model->parameters()) out.push_back(p.clone());
+  for (const auto& [key, t] : run.optimizer->sharded_state_dict().tensors)
+    out.push_back(t.local.clone());
+  out.push_back(at::tensor({run.optimizer->param_step(0), run.optimizer->param_step(2)}));
+  return out;
+}
+
+void expect_unchanged(ZeroRun& run, const std::vector<at::Tensor>& before) {
+  const std::vector<at::Tensor> after = snapshot(run);
+  ASSERT_EQ(after.size(), before.size());
+  for (size_t i = 0; i < after.size(); ++i) EXPECT_TRUE(at::equal(after[i], before[i])) << i;
+}
+
+// A checkpoint of another model (other names; another shape): an error on every rank naming
+// the key, the same message everywhere; nothing changes on any rank.
+TEST(CollectiveCheckpoint, CheckpointOfAnotherModelIsRefusedOnEveryRank) {
+  SharedTempDir root;
+  ZeroRun run;
+  run.step(0);
+  run.step(1);
+  const std::vector<at::Tensor> before = snapshot(run);
+  const ShardedStateDict state = distributed::training_state_dict(*run.model, *run.optimizer);
+
+  // Other names: every fc1 tensor (model and optimizer) saved under fc9.
+  ShardedStateDict renamed;
+  renamed.common = state.common;
+  for (const auto& [key, t] : state.tensors) {
+    std::string k = key;
+    if (const size_t at = k.find("fc1."); at != std::string::npos) k.replace(at, 4, "fc9.");
+    renamed.tensors.emplace(k, t);
+  }
+  for (auto& group : renamed.common["optimizer"]["param_groups"]) {
+    for (auto& fqn : group["params"]) {
+      const std::string name = fqn.get<std::string>();
+      if (name.starts_with("fc1.")) fqn = "fc9." + name.substr(4);
+    }
+  }
+  distributed::save_checkpoint(world(), root.path(), "renamed", renamed);
+  const std::string message = error_of([&] {
+    distributed::load_training_state(root.path() / "renamed", *run.model, *run.optimizer);
+  });
+  EXPECT_NE(message.find("missing key 'fc1.weight'"), std::string::npos) << message;
+  EXPECT_NE(message.find("failed on rank 0 of " + std::to_string(world().size())),
+            std::string::npos)
+      << message;
+  const auto messages = world().all_gather_strings(message);
+  for (const auto& m : messages) EXPECT_EQ(m, messages[0]) << "the same error on every rank";
+  expect_unchanged(run, before);
+
+  // Another shape: fc2.weight and its optimizer state saved as [7, 15].
+  ShardedStateDict reshaped;
+  reshaped.common = state.common;
+  const int64_t numel = 7 * 15, r = world().rank(), n = world().size();
+  const int64_t begin = numel * r / n, end = numel * (r + 1) / n;
+  for (const auto& [key, t] : state.tensors) {
+    if (!key.ends_with("fc2.weight")) reshaped.tensors.emplace(key, t);
+  }
+  // Every rank writes its even share of each of them (a rank owns ZeRO-1 pieces of some).
+  reshaped.tensors.emplace(
+      "fc2.weight", ShardedTensor::flat(at::zeros({end - begin}, at::kBFloat16), {7, 15}, begin));
+  for (std::string_view kind : keys::kStateKinds) {
+    if (kind == keys::kMomentumBuffer) continue;
+    reshaped.tensors.emplace(keys::optimizer_state_key(kind, "fc2.weight"),
+                             ShardedTensor::flat(at::zeros({end - begin}), {7, 15}, begin));
+  }
+  distributed::save_checkpoint(world(), root.path(), "reshaped", reshaped);
+  const std::string shape_message = error_of([&] {
+    distributed::load_training_state(root.path() / "reshaped", *run.model, *run.optimizer);
+  });
+  EXPECT_NE(shape_message.find("'fc2.weight': shape [7, 15] in the state, [7, 16] in the model"),
+            std::string::npos)
+      << shape_message;
+  const auto shape_messages = world().all_gather_strings(shape_message);
+  for (const auto& m : shape_messages) EXPECT_EQ(m, shape_messages[0]);
+  expect_unchanged(run, before);
+}
+
+// A corrupt byte that only the rank owning that piece reads: that rank's check fails, every
+// rank throws its message, and no rank changed anything (the others' checks had passed).
+TEST(CollectiveCheckpoint, CorruptPieceReadByOneRankFailsEveryRankAndChangesNothing) {
+  SharedTempDir root;
+  ZeroRun run;
+  run.step(0);
+  const fs::path dir =
+      distributed::save_training_state(root.path(), "a", *run.model, *run.optimizer, {},
+                                       checkpoint::SaveOptions().checksum_block_bytes(64))
+          .dir;
+  const std::string key = keys::optimizer_state_key(keys::kExpAvg, "fc1.weight");
+  if (world().rank() == 0) {
+    // Flip the last byte of the last chunk of the key (in its file's data section).
+    const checkpoint::Manifest manifest = checkpoint::read_manifest(dir);
+    const checkpoint::Chunk& chunk = manifest.keys.at(key).chunks.back();
+    uint64_t offset = 0;
+    {
+      checkpoint::SafetensorsReader reader(dir / chunk.file);
+      offset = reader.header().data_offset() + reader.tensor(chunk.tensor).end - 1;
+    }
+    std::fstream f(dir / chunk.file, std::ios::in | std::ios::out | std::ios::binary);
+    f.seekg(static_cast<std::streamoff>(offset));
+    char c = 0;
+    f.read(&c, 1);
+    c = static_cast<char>(c ^ 0x40);
+    f.seekp(static_cast<std::streamoff>(offset));
+    f.write(&c, 1);
+  }
+  world().barrier();
+  ZeroRun fresh;
+  fresh.step(5);
+  const std::vector<at::Tensor> before = snapshot(fresh);
+  const std::string message =
+      error_of([&] { distributed::load_training_state(dir, *fresh.model, *fresh.optimizer); });
+  EXPECT_NE(message.find(key), std::string::npos) << message;
+  EXPECT_NE(message.find("checksum mismatch"), std::string::npos) << message;
+  // Only the owners of the corrupt block read it; the others' checks passed, and still they
+  // changed nothing.
+  const int n = world().size();
+  if (n >= 3) {
+    EXPECT_EQ(message.find(c10::str("(", n, " rank(s) failed)")), std::string::npos) << message;
+  }
+  const auto messages = world().all_gather_strings(message);
+  for (const auto& m : messages) EXPECT_EQ(m, messages[0]);
+  expect_unchanged(fresh, before);
+}
+
+// A rank that never arrives at a collective save: every other rank gets an error within the
+// timeout, nothing is committed, `latest` still names the previous checkpoint, and rank 0's
+// staging directory is gone.
+TEST(CollectiveCheckpoint, ARankThatNeverArrivesIsAnErrorNotAHang) {
+  const int n = world().size(), rank = world().rank();
+  // Two ranks show it; each run waits out the timeout, so only one world size pays it.
+  if (n != 2) GTEST_SKIP() << "runs on two ranks";
+  SharedTempDir root;
+  distributed::InitOptions options;
+  options.timeout = std::chrono::seconds(3);
+  auto group = distributed::init_with_store(test_store("save-timeout"), rank, n, options);
+  ShardedStateDict mine;
+  const at::Tensor values = at::arange(12, at::kFloat);
+  mine.tensors.emplace(
+      "v", ShardedTensor::flat(values.narrow(0, 12 * rank / n, 12 * (rank + 1) / n - 12 * rank / n),
+                               {12}, 12 * rank / n));
+  distributed::save_checkpoint(*group, root.path(), "first", mine);
+  if (rank != n - 1) {
+    const std::string message =
+        error_of([&] { distributed::save_checkpoint(*group, root.path(), "second", mine); });
+    EXPECT_NE(message.find("timeout 3000 ms"), std::string::npos) << message;
+  }
+  world().barrier();
+  EXPECT_EQ(read_latest(root.path()), "first");
+  EXPECT_FALSE(fs::exists(root.path() / "second"));
+  EXPECT_TRUE(staging_entries(root.path()).empty());
+  EXPECT_TRUE(at::equal(checkpoint::read_checkpoint(root.path() / "first").at("v").local, values));
+}
+
+}  // namespace MIXPREC_UNITY_ID
+}  // namespace mixprec::testing

@@ -1,0 +1,157 @@
+// Every collective mixprec uses × every dtype it sends × odd sizes, against results computed
+// locally. Values depend on both the element index and the rank, so a chunk landing in the
+// wrong place, a wrong element size or a wrong reduction fails the comparison.
+#include "distributed/mp/mp_support.h"
+#include "mixprec/distributed/init.h"
+#include "support/error_message.h"
+
+#include <gtest/gtest.h>
+
+namespace mixprec::testing {
+namespace MIXPREC_UNITY_ID {  // anonymous outside unity builds (tests/CMakeLists.txt)
+
+const std::vector<at::ScalarType> kDtypes = {at::kFloat, at::kBFloat16, at::kHalf,
+                                             at::kLong,  at::kDouble,   at::kByte};
+const std::vector<int64_t> kSizes = {1, 7, 1001};
+
+// Small integers (exact in every dtype, sums too); unsigned for Byte.
+at::Tensor contribution(int64_t numel, int rank, at::ScalarType dtype) {
+  at::Tensor i = at::arange(numel, at::kLong);
+  at::Tensor v = dtype == at::kByte ? (i * 3 + rank * 5) % 11 : (i * 7 + rank * 13) % 23 - 11;
+  return v.to(dtype);
+}
+
+at::Tensor sum_over_ranks(int64_t numel, at::ScalarType dtype) {
+  at::Tensor sum = at::zeros({numel}, at::kLong);
+  for (int r = 0; r < world().size(); ++r) sum += contribution(numel, r, dtype).to(at::kLong);
+  return sum.to(dtype);
+}
+
+std::string where(at::ScalarType dtype, int64_t numel) {
+  return std::string(c10::toString(dtype)) + " x " + std::to_string(numel);
+}
+
+TEST(Collectives, AllReduceSumEveryDtypeAndSize) {
+  for (at::ScalarType dtype : kDtypes) {
+    for (int64_t numel : kSizes) {
+      at::Tensor t = contribution(numel, world().rank(), dtype);
+      world().all_reduce_sum(t).wait();
+      EXPECT_TRUE(at::equal(t, sum_over_ranks(numel, dtype))) << where(dtype, numel);
+    }
+  }
+}
+
+TEST(Collectives, AllReduceMaxAndMin) {
+  for (at::ScalarType dtype : {at::kDouble, at::kFloat, at::kLong}) {
+    at::Tensor hi = contribution(7, world().rank(), dtype);
+    at::Tensor lo = hi.clone();
+    world().all_reduce_max(hi).wait();
+    world().all_reduce_min(lo).wait();
+    at::Tensor all = at::stack([&] {
+      std::vector<at::Tensor> v;
+      for (int r = 0; r < world().size(); ++r) v.push_back(contribution(7, r, dtype));
+      return v;
+    }());
+    EXPECT_TRUE(at::equal(hi, std::get<0>(all.max(0)))) << c10::toString(dtype);
+    EXPECT_TRUE(at::equal(lo, std::get<0>(all.min(0)))) << c10::toString(dtype);
+  }
+}
+
+// numel not divisible by N: padded with zeros to a multiple of N, as the grad buckets are.
+TEST(Collectives, ReduceScatterEveryDtypeAndSizeWithPadding) {
+  const int n = world().size(), rank = world().rank();
+  for (at::ScalarType dtype : kDtypes) {
+    for (int64_t numel : kSizes) {
+      for (bool in_place : {false, true}) {
+        const int64_t chunk = (numel + n - 1) / n;
+        at::Tensor input = at::zeros({chunk * n}, dtype);
+        input.narrow(0, 0, numel).copy_(contribution(numel, rank, dtype));
+        at::Tensor output =
+            in_place ? input.narrow(0, rank * chunk, chunk) : at::full({chunk}, 99, dtype);
+        world().reduce_scatter_sum(input, output).wait();
+        at::Tensor expected = at::zeros({chunk * n}, dtype);
+        expected.narrow(0, 0, numel).copy_(sum_over_ranks(numel, dtype));
+        EXPECT_TRUE(at::equal(output, expected.narrow(0, rank * chunk, chunk)))
+            << where(dtype, numel) << (in_place ? " in place" : "");
+      }
+    }
+  }
+}
+
+TEST(Collectives, AllGatherEveryDtypeAndSizeWithPadding) {
+  const int n = world().size(), rank = world().rank();
+  for (at::ScalarType dtype : kDtypes) {
+    for (int64_t numel : kSizes) {
+      const int64_t chunk = (numel + n - 1) / n;
+      at::Tensor global = at::zeros({chunk * n}, dtype);
+      global.narrow(0, 0, numel).copy_(contribution(numel, 3, dtype));
+      at::Tensor mine = global.narrow(0, rank * chunk, chunk).clone();
+      at::Tensor out = at::full({chunk * n}, 99, dtype);
+      world().all_gather(mine, out).wait();
+      EXPECT_TRUE(at::equal(out, global)) << where(dtype, numel);
+    }
+  }
+}
+
+TEST(Collectives, AllGatherStringsOfDifferentLengths) {
+  const int rank = world().rank();
+  const std::string mine = rank == 1 ? std::string() : std::string(rank * 3 + 1, 'a' + rank);
+  const auto all = world().all_gather_strings(mine);
+  ASSERT_EQ(static_cast<int>(all.size()), world().size());
+  for (int r = 0; r < world().size(); ++r) {
+    EXPECT_EQ(all[r], r == 1 ? std::string() : std::string(r * 3 + 1, 'a' + r));
+  }
+  world().barrier();
+}
+
+TEST(Collectives, TrafficCountsWhatWasSent) {
+  distributed::Communicator& comm = world();
+  const int n = comm.size();
+  comm.reset_traffic();
+  at::Tensor t = at::zeros({10 * n}, at::kFloat);
+  comm.all_reduce_sum(t).wait();
+  at::Tensor out = at::empty({10}, at::kFloat);
+  comm.reduce_scatter_sum(t, out).wait();
+  at::Tensor gathered = at::empty({10 * n}, at::kFloat);
+  comm.all_gather(out, gathered).wait();
+  const int64_t bytes = 40 * n;
+  EXPECT_EQ(comm.traffic(distributed::Collective::kAllReduce).payload_bytes, bytes);
+  EXPECT_EQ(comm.traffic(distributed::Collective::kAllReduce).ring_bytes_sent, 2 * 40 * (n - 1));
+  EXPECT_EQ(comm.traffic(distributed::Collective::kReduceScatter).ring_bytes_sent, 40 * (n - 1));
+  EXPECT_EQ(comm.traffic(distributed::Collective::kAllGather).payload_bytes, bytes);
+  EXPECT_EQ(comm.traffic(distributed::Collective::kAllGather).ring_bytes_sent, 40 * (n - 1));
+}
+
+// A rank that never arrives is an error on the ranks that wait, within the timeout. Two ranks
+// show it; each run waits out the timeout, so only that world size pays it.
+TEST(Collectives, MissingRankInCollectiveTimesOut) {
+  const int n = world().size(), rank = world().rank();
+  if (n != 2) GTEST_SKIP() << "runs on two ranks";
+  distributed::InitOptions options;
+  options.timeout = std::chrono::seconds(3);
+  auto group = distributed::init_with_store(test_store("timeout"), rank, n, options);
+  if (rank == 0) {
+    at::Tensor t = at::ones({5});
+    const std::string message = error_of([&] { group->all_reduce_sum(t).wait(); });
+    EXPECT_NE(message.find("all_reduce_sum of 5 x Float failed on rank 0 of"), std::string::npos)
+        << message;
+  }
+  world().barrier();
+}
+
+// A group whose rank n never starts: forming it fails on every rank that did. (One and two
+// ranks show it; larger worlds would only wait out the same timeout again.)
+TEST(Collectives, MissingRankAtRendezvousFailsEveryRank) {
+  if (world().size() > 2) GTEST_SKIP() << "runs on one and two ranks";
+  distributed::InitOptions options;
+  options.timeout = std::chrono::seconds(3);
+  const std::string message = error_of([&] {
+    distributed::init_with_store(test_store("rendezvous"), world().rank(), world().size() + 1,
+                                 options);
+  });
+  EXPECT_NE(message.find("could not form the group within 3000 ms"), std::string::npos) << message;
+  world().barrier();
+}
+
+}  // namespace MIXPREC_UNITY_ID
+}  // namespace mixprec::testing

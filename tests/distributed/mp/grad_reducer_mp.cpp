@@ -1,0 +1,218 @@
+// GradReducer across real processes: averages per dtype, both modes, overlap on and off,
+// exactness for identical gradients, accumulation, and misuse.
+#include "distributed/mp/mp_support.h"
+#include "mixprec/distributed/grad_reducer.h"
+#include "support/error_message.h"
+
+#include <gtest/gtest.h>
+
+namespace mixprec::testing {
+namespace MIXPREC_UNITY_ID {  // anonymous outside unity builds (tests/CMakeLists.txt)
+
+using distributed::GradReducer;
+using distributed::GradReducerOptions;
+using distributed::ReduceMode;
+
+// Parameters of three grad dtypes with odd sizes; loss = Σ p · w_rank, so grad(p) = w_rank.
+struct ThreeDtypesImpl : torch::nn::Module {
+  ThreeDtypesImpl() {
+    a = register_parameter("a", at::zeros({7, 3}, at::kBFloat16));
+    b = register_parameter("b", at::zeros({1001}, at::kFloat));
+    c = register_parameter("c", at::zeros({1}, at::kHalf));
+    d = register_parameter("d", at::zeros({5, 13}, at::kBFloat16));
+    e = register_parameter("e", at::zeros({33}, at::kHalf));
+  }
+  at::Tensor a, b, c, d, e;
+};
+TORCH_MODULE(ThreeDtypes);
+
+// Small integers divided by 8: exact in BF16/FP16, and so are their sums over ranks.
+at::Tensor weight_for(const at::Tensor& p, int rank, int salt) {
+  at::Tensor i = at::arange(p.numel(), at::kLong).view(p.sizes());
+  return (((i * 5 + rank * 11 + salt * 3) % 19) - 9).to(at::kFloat).div(8).to(p.scalar_type());
+}
+
+// `skip`: a parameter the loss does not reach (it gets no gradient this step).
+void backward_weighted(ThreeDtypes& model, int rank, const std::string& skip = "") {
+  at::Tensor loss = at::zeros({}, at::kFloat);
+  int salt = 0;
+  for (auto& item : model->named_parameters()) {
+    ++salt;
+    if (item.key() == skip) continue;
+    const at::Tensor& p = item.value();
+    loss = loss + (p.to(at::kFloat) * weight_for(p, rank, salt).to(at::kFloat)).sum();
+  }
+  loss.backward();
+}
+
+// The average the reducer must produce: sum of every rank's weights, divided by N, rounded
+// once to the dtype (through FP32 when `fp32`, else with the dtype's own division).
+at::Tensor expected_average(const at::Tensor& p, int salt, bool fp32) {
+  const int n = world().size();
+  const at::ScalarType acc = fp32 ? at::kFloat : p.scalar_type();
+  at::Tensor sum = at::zeros(p.sizes(), acc);
+  for (int r = 0; r < n; ++r) sum += weight_for(p, r, salt).to(acc);
+  if (n > 1) sum.div_(n);
+  return sum.to(p.scalar_type());
+}
+
+struct Case {
+  ReduceMode mode;
+  bool overlap;
+  bool fp32;
+};
+
+TEST(GradReducer, AveragesEveryDtypeInBothModes) {
+  const int rank = world().rank();
+  for (Case c :
+       {Case{ReduceMode::kAllReduce, true, true}, Case{ReduceMode::kAllReduce, false, true},
+        Case{ReduceMode::kAllReduce, true, false}, Case{ReduceMode::kReduceScatter, true, true},
+        Case{ReduceMode::kReduceScatter, false, false}}) {
+    SCOPED_TRACE(std::string(c.mode == ReduceMode::kAllReduce ? "all-reduce" : "reduce-scatter") +
+                 (c.overlap ? " overlap" : " no overlap") + (c.fp32 ? " fp32" : " native"));
+    ThreeDtypes model;
+    GradReducer reducer(world_ptr(), *model,
+                        GradReducerOptions()
+                            .mode(c.mode)
+                            .overlap(c.overlap)
+                            .grad_reduce_in_fp32(c.fp32)
+                            .bucket_numel(40)
+                            .shard_alignment(1));
+    for (int step = 0; step < 2; ++step) {
+      reducer.zero_grad();
+      backward_weighted(model, rank);
+      reducer.finish();
+      const distributed::GradLayout& layout = reducer.layout();
+      std::vector<distributed::ParamShard> mine = layout.param_shards(rank);
+      int salt = 0;
+      for (auto& item : model->named_parameters()) {
+        ++salt;
+        const at::Tensor expected = expected_average(item.value(), salt, c.fp32).view({-1});
+        const at::Tensor grad = item.value().grad().view({-1});
+        if (c.mode == ReduceMode::kAllReduce) {
+          EXPECT_TRUE(at::equal(grad, expected)) << item.key();
+          continue;
+        }
+        for (const auto& piece : mine) {
+          if (piece.fqn != item.key()) continue;
+          EXPECT_TRUE(at::equal(grad.narrow(0, piece.begin, piece.numel()),
+                                expected.narrow(0, piece.begin, piece.numel())))
+              << item.key() << "[" << piece.begin << ":" << piece.end << "]";
+        }
+      }
+      // Overlap is a property of when collectives start, counted, not timed.
+      const auto& timing = reducer.last_timing();
+      EXPECT_GT(timing.buckets, 3);
+      if (c.overlap) {
+        EXPECT_GT(timing.launched_during_backward, 0);
+      } else {
+        EXPECT_EQ(timing.launched_during_backward, 0);
+      }
+    }
+  }
+}
+
+// Identical gradients on every rank, power-of-two N: the average is bitwise the gradient.
+TEST(GradReducer, IdenticalGradientsAverageExactlyForPowerOfTwoWorlds) {
+  const int n = world().size();
+  if (n & (n - 1)) GTEST_SKIP() << "N = " << n << " is not a power of two";
+  MixedNet model;
+  MixedNet reference;
+  GradReducer reducer(world_ptr(), *model, GradReducerOptions().bucket_numel(64));
+  for (int step = 0; step < 3; ++step) {
+    const at::Tensor x = batch(step);
+    reducer.zero_grad();
+    model->loss(x).mul(1000).backward();  // larger values: FP32 ulps matter
+    reducer.finish();
+    for (auto& p : reference->parameters()) p.mutable_grad().reset();
+    reference->loss(x).mul(1000).backward();
+    auto ours = model->named_parameters();
+    auto theirs = reference->named_parameters();
+    for (const auto& item : ours) {
+      if (!item.value().requires_grad()) continue;
+      EXPECT_TRUE(at::equal(item.value().grad(), theirs[item.key()].grad()))
+          << item.key() << " step " << step;
+    }
+  }
+}
+
+// Micro-batches accumulate inside a NoSyncGuard; the next synced backward reduces the sum.
+TEST(GradReducer, NoSyncAccumulatesThenReducesTheSum) {
+  const int rank = world().rank();
+  ThreeDtypes model;
+  GradReducer reducer(world_ptr(), *model, GradReducerOptions().bucket_numel(64));
+  reducer.zero_grad();
+  {
+    GradReducer::NoSyncGuard no_sync(reducer);
+    backward_weighted(model, rank);
+    EXPECT_NE(error_of([&] { reducer.finish(); }).find("inside a NoSyncGuard"), std::string::npos);
+  }
+  backward_weighted(model, rank);
+  reducer.finish();
+  int salt = 0;
+  for (auto& item : model->named_parameters()) {
+    ++salt;
+    // Σ 2w / N in FP32, rounded once (the doubled inputs are still exact in BF16/FP16).
+    at::Tensor sum = at::zeros(item.value().sizes(), at::kFloat);
+    for (int r = 0; r < world().size(); ++r)
+      sum += weight_for(item.value(), r, salt).to(at::kFloat) * 2;
+    if (world().size() > 1) sum.div_(world().size());
+    EXPECT_TRUE(at::equal(item.value().grad(), sum.to(item.value().scalar_type()))) << item.key();
+  }
+}
+
+// An optimizer's zero_grad() sets .grad to none: the hooks put the views back, and finish()
+// still reduces everything (a parameter without a gradient contributes zeros).
+TEST(GradReducer, GradsSetToNoneAreAdoptedAgain) {
+  const int rank = world().rank();
+  ThreeDtypes model;
+  GradReducer reducer(world_ptr(), *model, GradReducerOptions().bucket_numel(64));
+  for (auto& p : model->parameters()) p.mutable_grad().reset();
+  backward_weighted(model, rank, /*skip=*/"c");
+  reducer.finish();
+  int salt = 0;
+  for (auto& item : model->named_parameters()) {
+    ++salt;
+    const at::Tensor& p = item.value();
+    ASSERT_TRUE(p.grad().defined()) << item.key();
+    const at::Tensor expected =
+        item.key() == "c" ? at::zeros_like(p) : expected_average(p, salt, true);
+    EXPECT_TRUE(at::equal(p.grad(), expected)) << item.key();
+  }
+  // .grad is a view of the buffer again: zero_grad() reaches it.
+  reducer.zero_grad();
+  for (auto& p : model->parameters()) EXPECT_EQ(p.grad().abs().sum().item<double>(), 0.0);
+}
+
+TEST(GradReducer, SecondBackwardBeforeFinishIsAnErrorNamingTheParameter) {
+  ThreeDtypes model;
+  GradReducer reducer(world_ptr(), *model, GradReducerOptions().bucket_numel(1 << 20));
+  backward_weighted(model, world().rank());
+  const std::string message = error_of([&] { backward_weighted(model, world().rank()); });
+  EXPECT_NE(message.find("arrived twice before finish()"), std::string::npos) << message;
+  reducer.finish();  // every rank is in the same state: the reduction completes
+}
+
+TEST(GradReducer, OneReducerPerModel) {
+  ThreeDtypes model;
+  GradReducer reducer(world_ptr(), *model);
+  const std::string message = error_of([&] { GradReducer second(world_ptr(), *model); });
+  EXPECT_NE(message.find("'a' already has a post-accumulate-grad hook"), std::string::npos)
+      << message;
+}
+
+TEST(GradReducer, DescribePrintsEveryRanksRanges) {
+  MixedNet model;
+  GradReducer reducer(world_ptr(), *model,
+                      GradReducerOptions().mode(ReduceMode::kReduceScatter).bucket_numel(100));
+  const std::string table = reducer.layout().describe();
+  if (world().rank() == 0) std::cout << table;
+  for (int r = 0; r < world().size(); ++r) {
+    EXPECT_NE(table.find("rank " + std::to_string(r) + " ["), std::string::npos);
+  }
+  EXPECT_NE(table.find("param fc1.weight [16, 13]"), std::string::npos);
+  EXPECT_EQ(table.find("frozen"), std::string::npos);  // frozen params have no gradient buffer
+}
+
+}  // namespace MIXPREC_UNITY_ID
+}  // namespace mixprec::testing

@@ -1,0 +1,53 @@
+// distributed_mp_tests: GoogleTest cases that every rank runs together. Started by ctest through
+// `torchrun --standalone --nproc-per-node N --no-python distributed_mp_tests --gtest_filter=...`;
+// with a bad launcher environment it prints the error and exits 1
+// (tests/distributed/distributed.cmake checks that message).
+#include "distributed/mp/mp_support.h"
+#include "mixprec/distributed/init.h"
+
+#include <c10/util/Exception.h>
+#include <gtest/gtest.h>
+
+#include <iostream>
+
+namespace {
+
+// Ranks other than 0 print only their failures, each line tagged with the rank.
+class FailurePrinter : public ::testing::EmptyTestEventListener {
+ public:
+  explicit FailurePrinter(int rank) : rank_(rank) {}
+  void OnTestPartResult(const ::testing::TestPartResult& result) override {
+    if (!result.failed()) return;
+    std::cerr << "[rank " << rank_ << "] " << (result.file_name() ? result.file_name() : "?") << ":"
+              << result.line_number() << ": " << result.summary() << std::endl;
+  }
+
+ private:
+  int rank_;
+};
+
+}  // namespace
+
+int main(int argc, char** argv) {
+  ::testing::InitGoogleTest(&argc, argv);
+  try {
+    mixprec::distributed::InitOptions options;
+    options.timeout = std::chrono::seconds(60);
+    mixprec::testing::set_world(mixprec::distributed::init_from_env(options));
+  } catch (const c10::Error& e) {
+    std::cerr << "distributed_mp_tests: " << e.what_without_backtrace() << std::endl;
+    return 1;
+  }
+  const int rank = mixprec::testing::world().rank();
+  if (rank != 0) {
+    // One rank's progress lines are enough; failures still print on every rank.
+    auto& listeners = ::testing::UnitTest::GetInstance()->listeners();
+    delete listeners.Release(listeners.default_result_printer());
+    listeners.Append(new FailurePrinter(rank));
+  }
+  const int status = RUN_ALL_TESTS();
+  if (status != 0)
+    std::cerr << "distributed_mp_tests: rank " << rank << " had failures" << std::endl;
+  mixprec::testing::world().barrier();
+  return status;
+}
