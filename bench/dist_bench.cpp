@@ -127,7 +127,7 @@ Figures measure(const std::shared_ptr<distributed::Communicator>& comm, bool zer
   for (Collective c :
        {Collective::kAllReduce, Collective::kReduceScatter, Collective::kAllGather}) {
     // kSteps steps, plus the timing all-reduces of 8 bytes (2 per step) and barriers (1 per step)
-    f.sent_bytes += comm->traffic(c).ring_bytes_sent;
+    f.sent_bytes += comm->traffic(c).bytes_sent;
     f.payload_bytes += comm->traffic(c).payload_bytes;
   }
   const double n = comm->size();
@@ -136,7 +136,7 @@ Figures measure(const std::shared_ptr<distributed::Communicator>& comm, bool zer
   f.sent_bytes = (f.sent_bytes - bookkeeping) / kSteps;
   f.payload_bytes = (f.payload_bytes - kSteps * (2 * 8 + 8)) / kSteps;
   f.scatter_bytes =
-      static_cast<double>(comm->traffic(Collective::kReduceScatter).ring_bytes_sent) / kSteps;
+      static_cast<double>(comm->traffic(Collective::kReduceScatter).bytes_sent) / kSteps;
   const double state = zero ? zero_opt->state_bytes(optim::ParamRole::kMaster) +
                                   zero_opt->state_bytes(optim::ParamRole::kNativeFp32)
                             : dp_opt->state_bytes(optim::ParamRole::kMaster) +

@@ -61,7 +61,7 @@ ResumeResult load_training_state(const std::filesystem::path& path, torch::nn::M
 
   // Read and check on every rank; change nothing yet.
   std::optional<CheckedModelState> checked_model;
-  std::optional<CheckedShardedState> checked_optimizer;
+  std::optional<optim::CheckedOptimizerState> checked_optimizer;
   std::optional<ckpt::detail::CheckedRng> checked_rng;
   detail::agree(comm, kLoadOp, [&]() -> std::string {
     const ckpt::Manifest manifest = ckpt::read_manifest(result.dir);
@@ -115,12 +115,20 @@ ResumeResult load_training_state(const std::filesystem::path& path, torch::nn::M
     return {};
   });
 
-  // Every rank's check passed: apply everywhere (the optimizer's apply is collective).
-  result.model = apply_model_state(model, std::move(*checked_model));
-  result.optimizer = optimizer.apply(std::move(*checked_optimizer));
-  if (checked_rng) {
-    ckpt::detail::apply_rng(*checked_rng);
-    result.rng = checked_rng->report;
+  // Every rank's check passed: apply everywhere (the optimizer's apply is collective). Nothing
+  // here fails on the state's content; if it fails anyway (a rank lost in the gather), ranks
+  // hold partial states that no later step may build on: the group is marked failed.
+  try {
+    result.model = apply_model_state(model, std::move(*checked_model));
+    result.optimizer = optimizer.apply(std::move(*checked_optimizer));
+    if (checked_rng) {
+      ckpt::detail::apply_rng(*checked_rng);
+      result.rng = checked_rng->report;
+    }
+  } catch (const std::exception& e) {
+    comm.fail(std::string("applying a checked training state failed after every rank agreed: ") +
+              e.what());
+    throw;
   }
   return result;
 }

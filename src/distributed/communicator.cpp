@@ -17,6 +17,8 @@ const char* to_string(Collective collective) {
       return "reduce-scatter";
     case Collective::kAllGather:
       return "all-gather";
+    case Collective::kBroadcast:
+      return "broadcast";
   }
   return "?";
 }
@@ -40,15 +42,27 @@ void check_tensor(const at::Tensor& t, const char* op, const char* arg) {
 
 std::string what_of(const c10::Error& e) { return e.what_without_backtrace(); }
 
+// Children of `rank` in Gloo's binomial broadcast tree rooted at `root` (gloo/broadcast.cc):
+// how many times this rank sends the buffer.
+int binomial_tree_sends(int rank, int root, int size) {
+  const int vrank = (rank - root + size) % size;
+  int dim = 0;
+  while ((1 << dim) < size) ++dim;
+  int mask = (1 << dim) - 1, sends = 0;
+  for (int i = 0; i < dim; ++i) {
+    mask ^= 1 << i;
+    if ((vrank & mask) != 0) continue;
+    const int vpeer = vrank ^ (1 << i);
+    if (vpeer < size && (vrank & (1 << i)) == 0) ++sends;
+  }
+  return sends;
+}
+
 }  // namespace
 
 PendingCollective::PendingCollective(c10::intrusive_ptr<c10d::Work> work, std::string what,
-                                     std::chrono::milliseconds timeout, int rank, int world_size)
-    : work_(std::move(work)),
-      what_(std::move(what)),
-      timeout_(timeout),
-      rank_(rank),
-      world_size_(world_size) {}
+                                     Communicator* comm)
+    : work_(std::move(work)), what_(std::move(what)), comm_(comm) {}
 
 void PendingCollective::wait() {
   if (!work_) return;
@@ -56,17 +70,45 @@ void PendingCollective::wait() {
   work_.reset();
   std::string error;
   try {
-    work->wait(timeout_);
+    work->wait(comm_->timeout_);
     return;
   } catch (const c10::Error& e) {
     error = what_of(e);
   } catch (const std::exception& e) {
     error = e.what();
   }
-  TORCH_CHECK(false, "[mixprec::distributed] ", what_, " failed on rank ", rank_, " of ",
-              world_size_, " (timeout ", timeout_.count(),
-              " ms; a rank that is missing or calls collectives ",
-              "in another order ends here): ", error);
+  const std::string message = c10::str(
+      what_, " failed on rank ", comm_->rank_, " of ", comm_->size_, " (timeout ",
+      comm_->timeout_.count(),
+      " ms; a rank that is missing or calls collectives in another order ends here): ", error);
+  comm_->fail(message);
+  TORCH_CHECK(false, "[mixprec::distributed] ", message);
+}
+
+void Communicator::fail(const std::string& reason) {
+  {
+    std::lock_guard<std::mutex> lock(failure_mutex_);
+    if (failed_) return;
+    failure_ = reason;
+    failed_ = true;
+  }
+  // In-flight collectives may still write into their tensors; where the backend can, it stops
+  // them. (Gloo cannot: its works keep their tensors alive, and nothing reuses them.)
+  try {
+    backend_->abort();
+  } catch (...) {
+  }
+}
+
+bool Communicator::failed() const { return failed_; }
+
+void Communicator::check_usable(const char* who) const {
+  if (!failed_) return;
+  std::lock_guard<std::mutex> lock(failure_mutex_);
+  TORCH_CHECK(false, "[", who,
+              "] the process group is unusable: an earlier collective failed, and ranks may "
+              "hold partial results (",
+              failure_, "). Create a new group (and the objects using it) to go on.");
 }
 
 Communicator::Communicator(c10::intrusive_ptr<c10d::Backend> backend,
@@ -80,43 +122,48 @@ Communicator::Communicator(c10::intrusive_ptr<c10d::Backend> backend,
   size_ = backend_->getSize();
   TORCH_CHECK(size_ >= 1 && rank_ >= 0 && rank_ < size_,
               "[mixprec::distributed::Communicator] backend reports rank ", rank_, " of ", size_);
+  gloo_ = backend_->getBackendName() == "gloo";
 }
+
+bool Communicator::has_native_reduce_scatter() const { return !gloo_; }
+bool Communicator::has_native_all_gather() const { return !gloo_; }
 
 Communicator::~Communicator() = default;
 
 std::string Communicator::backend_name() const { return backend_->getBackendName(); }
 
-void Communicator::count(Collective collective, int64_t payload_bytes, double ring_factor) {
+void Communicator::count(Collective collective, int64_t payload_bytes, double bytes_sent) {
   Counter& c = traffic_[static_cast<size_t>(collective)];
   c.calls += 1;
   c.payload += payload_bytes;
-  c.ring += static_cast<int64_t>(static_cast<double>(payload_bytes) * ring_factor + 0.5);
+  c.sent += static_cast<int64_t>(bytes_sent + 0.5);
 }
 
 TrafficStats Communicator::traffic(Collective collective) const {
   const Counter& c = traffic_[static_cast<size_t>(collective)];
-  return {c.calls.load(), c.payload.load(), c.ring.load()};
+  return {c.calls.load(), c.payload.load(), c.sent.load()};
 }
 
 void Communicator::reset_traffic() {
   for (Counter& c : traffic_) {
     c.calls = 0;
     c.payload = 0;
-    c.ring = 0;
+    c.sent = 0;
   }
 }
 
 PendingCollective Communicator::all_reduce(const at::Tensor& tensor, int op, const char* name) {
+  check_usable("mixprec::distributed::Communicator");
   check_tensor(tensor, name, "tensor");
   if (tensor.numel() == 0) return {};
-  const double n = size_;
-  count(Collective::kAllReduce, static_cast<int64_t>(tensor.nbytes()), 2.0 * (n - 1) / n);
+  const double n = size_, bytes = static_cast<double>(tensor.nbytes());
+  count(Collective::kAllReduce, static_cast<int64_t>(tensor.nbytes()), bytes * 2 * (n - 1) / n);
   std::vector<at::Tensor> tensors{tensor};
   c10d::AllreduceOptions options;
   options.reduceOp = c10d::ReduceOp(static_cast<c10d::ReduceOp::RedOpType>(op));
   options.timeout = timeout_;
   return {backend_->allreduce(tensors, options), std::string(name) + " of " + describe(tensor),
-          timeout_, rank_, size_};
+          this};
 }
 
 PendingCollective Communicator::all_reduce_sum(const at::Tensor& tensor) {
@@ -131,6 +178,7 @@ PendingCollective Communicator::all_reduce_min(const at::Tensor& tensor) {
 
 PendingCollective Communicator::reduce_scatter_sum(const at::Tensor& input,
                                                    const at::Tensor& output) {
+  check_usable("mixprec::distributed::Communicator");
   check_tensor(input, "reduce_scatter_sum", "input");
   check_tensor(output, "reduce_scatter_sum", "output");
   TORCH_CHECK(input.scalar_type() == output.scalar_type(),
@@ -141,18 +189,20 @@ PendingCollective Communicator::reduce_scatter_sum(const at::Tensor& input,
               " elements; it must have world size (", size_, ") x output (", output.numel(),
               ") elements");
   if (input.numel() == 0) return {};
-  const double n = size_;
-  count(Collective::kReduceScatter, static_cast<int64_t>(input.nbytes()), (n - 1) / n);
+  const double n = size_, bytes = static_cast<double>(input.nbytes());
+  count(Collective::kReduceScatter, static_cast<int64_t>(input.nbytes()),
+        bytes * (gloo_ ? 2.0 : 1.0) * (n - 1) / n);
   // The backend sees 1-D tensors, so "chunk `rank` of dimension 0" is the flat range above.
   at::Tensor in = input.view({-1});
   at::Tensor out = output.view({-1});
   c10d::ReduceScatterOptions options;
   options.timeout = timeout_;
   return {backend_->_reduce_scatter_base(out, in, options),
-          "reduce_scatter_sum of " + describe(input), timeout_, rank_, size_};
+          "reduce_scatter_sum of " + describe(input), this};
 }
 
 PendingCollective Communicator::all_gather(const at::Tensor& input, const at::Tensor& output) {
+  check_usable("mixprec::distributed::Communicator");
   check_tensor(input, "all_gather", "input");
   check_tensor(output, "all_gather", "output");
   TORCH_CHECK(input.scalar_type() == output.scalar_type(),
@@ -165,16 +215,38 @@ PendingCollective Communicator::all_gather(const at::Tensor& input, const at::Te
   if (input.numel() == 0) return {};
   const char* in_begin = static_cast<const char*>(input.const_data_ptr());
   const char* out_begin = static_cast<const char*>(output.const_data_ptr());
-  TORCH_CHECK(in_begin + input.nbytes() <= out_begin || out_begin + output.nbytes() <= in_begin,
-              "[mixprec::distributed::all_gather] input aliases output; pass a separate input");
-  const double n = size_;
-  count(Collective::kAllGather, static_cast<int64_t>(output.nbytes()), (n - 1) / n);
+  const bool apart =
+      in_begin + input.nbytes() <= out_begin || out_begin + output.nbytes() <= in_begin;
+  const bool own_chunk = in_begin == out_begin + rank_ * input.nbytes();
+  TORCH_CHECK(apart || own_chunk,
+              "[mixprec::distributed::all_gather] input overlaps output other than as this "
+              "rank's chunk of it");
+  const double n = size_, bytes = static_cast<double>(output.nbytes());
+  count(Collective::kAllGather, static_cast<int64_t>(output.nbytes()), bytes * (n - 1) / n);
   at::Tensor in = input.view({-1});
   at::Tensor out = output.view({-1});
   c10d::AllgatherOptions options;
   options.timeout = timeout_;
-  return {backend_->_allgather_base(out, in, options), "all_gather of " + describe(output),
-          timeout_, rank_, size_};
+  return {backend_->_allgather_base(out, in, options), "all_gather of " + describe(output), this};
+}
+
+PendingCollective Communicator::broadcast(const at::Tensor& tensor, int root) {
+  check_usable("mixprec::distributed::Communicator");
+  check_tensor(tensor, "broadcast", "tensor");
+  TORCH_CHECK(root >= 0 && root < size_, "[mixprec::distributed::broadcast] root ", root,
+              " is not a rank of ", size_);
+  if (tensor.numel() == 0) return {};
+  // A binomial tree on Gloo; other backends' trees or rings send as much in total.
+  const double bytes = static_cast<double>(tensor.nbytes());
+  count(Collective::kBroadcast, static_cast<int64_t>(tensor.nbytes()),
+        bytes * binomial_tree_sends(rank_, root, size_));
+  std::vector<at::Tensor> tensors{tensor};
+  c10d::BroadcastOptions options;
+  options.rootRank = root;
+  options.rootTensor = 0;
+  options.timeout = timeout_;
+  return {backend_->broadcast(tensors, options),
+          "broadcast from rank " + std::to_string(root) + " of " + describe(tensor), this};
 }
 
 std::vector<std::string> Communicator::all_gather_strings(const std::string& mine) {

@@ -1,120 +1,24 @@
+// GradReducer: construction (model check, buffers, broadcast), backward's hooks and finish().
+// Parameter gathers are in param_gather.cpp.
 #include "mixprec/distributed/grad_reducer.h"
 
+#include "distributed/grad_reducer_state.h"
 #include "mixprec/distributed/model_check.h"
 
 #include <ATen/ATen.h>
 #include <c10/util/Exception.h>
-#include <torch/csrc/autograd/function_hook.h>
 #include <torch/csrc/autograd/variable.h>
 #include <torch/nn/module.h>
 
+#include <algorithm>
 #include <chrono>
-#include <mutex>
 #include <unordered_set>
 
 namespace mixprec::distributed {
 
-struct GradReducer::State {
-  std::shared_ptr<Communicator> comm;
-  GradReducerOptions options;
-  GradLayout layout;
-  std::vector<at::Tensor> params;  // layout.params order
-  std::vector<at::Tensor> views;   // per param: its range of its buffer, in its shape
-  std::vector<std::pair<size_t, size_t>> bucket_of;  // per param: (buffer, bucket)
-  std::vector<at::Tensor> buffers;
-  std::vector<const torch::autograd::PostAccumulateGradHook*> hooks;  // ours, per param
-
-  std::mutex mutex;
-  bool sync = true;
-  bool finished = false;  // finish() ran and no gradient arrived since (nor zero_grad())
-  // One step's progress.
-  std::vector<char> ready;                    // per param: gradient arrived
-  std::vector<std::vector<int64_t>> waiting;  // per buffer, bucket: params not arrived
-  size_t next = 0;                            // next entry of layout.bucket_order to start
-  int64_t started_in_backward = 0;            // buckets started from a hook
-  struct InFlight {
-    PendingCollective work;
-    at::Tensor reduced;  // what the collective leaves summed: the bucket, or this rank's shard
-    at::Tensor target;   // the grad-buffer range to round `reduced` into (FP32 reduction only)
-  };
-  std::vector<InFlight> in_flight;  // by position in layout.bucket_order
-  ReductionTiming timing;
-
-  void reset_step() {
-    std::fill(ready.begin(), ready.end(), 0);
-    for (size_t b = 0; b < waiting.size(); ++b) {
-      for (size_t k = 0; k < waiting[b].size(); ++k) {
-        waiting[b][k] = static_cast<int64_t>(layout.buffers[b].buckets[k].spans.size());
-      }
-    }
-    next = 0;
-    started_in_backward = 0;
-    in_flight.assign(layout.bucket_order.size(), {});
-  }
-
-  // Makes params[i].grad its buffer view again, keeping the value it has (or zero).
-  void adopt_grad(size_t i) {
-    at::Tensor& grad = params[i].mutable_grad();
-    const at::Tensor& view = views[i];
-    if (grad.defined() && grad.data_ptr() == view.data_ptr() && grad.sizes() == view.sizes() &&
-        grad.strides() == view.strides() && grad.scalar_type() == view.scalar_type()) {
-      return;
-    }
-    at::NoGradGuard no_grad;
-    if (grad.defined()) {
-      view.copy_(grad);
-    } else {
-      view.zero_();
-    }
-    grad = view;
-  }
-
-  void start(size_t position) {
-    const auto [b, k] = layout.bucket_order[position];
-    const BucketSpan& bucket = layout.buffers[b].buckets[k];
-    at::NoGradGuard no_grad;
-    at::Tensor grads = buffers[b].narrow(0, bucket.begin, bucket.numel());
-    const bool upcast = options.grad_reduce_in_fp32() && grads.scalar_type() != at::kFloat;
-    at::Tensor send = upcast ? grads.to(at::kFloat) : grads;
-    InFlight& f = in_flight[position];
-    if (options.mode() == ReduceMode::kAllReduce) {
-      f.reduced = send;
-      f.target = upcast ? grads : at::Tensor();
-      f.work = comm->all_reduce_sum(send);
-      return;
-    }
-    const auto [lo, hi] = layout.shard_range(b, k, comm->rank());
-    f.reduced = send.narrow(0, lo - bucket.begin, hi - lo);
-    f.target = upcast ? grads.narrow(0, lo - bucket.begin, hi - lo) : at::Tensor();
-    f.work = comm->reduce_scatter_sum(send, f.reduced);
-  }
-
-  bool bucket_complete(size_t position) const {
-    const auto [b, k] = layout.bucket_order[position];
-    return waiting[b][k] == 0;
-  }
-
-  void on_grad_ready(size_t i) {
-    std::lock_guard<std::mutex> lock(mutex);
-    adopt_grad(i);
-    finished = false;
-    if (!sync) return;
-    TORCH_CHECK(!ready[i], "[mixprec::distributed::GradReducer] the gradient of '",
-                layout.params[i].fqn,
-                "' arrived twice before finish(): call finish() after each backward, or "
-                "accumulate micro-batches inside a NoSyncGuard");
-    ready[i] = 1;
-    const auto [b, k] = bucket_of[i];
-    --waiting[b][k];
-    if (!options.overlap()) return;
-    while (next < layout.bucket_order.size() && bucket_complete(next)) {
-      start(next++);
-      ++started_in_backward;
-    }
-  }
-};
-
 namespace {
+
+constexpr const char* kReducer = "mixprec::distributed::GradReducer";
 
 struct ReadyHook : torch::autograd::PostAccumulateGradHook {
   ReadyHook(std::weak_ptr<GradReducer::State> state, size_t index)
@@ -126,64 +30,276 @@ struct ReadyHook : torch::autograd::PostAccumulateGradHook {
   size_t index;
 };
 
+bool is_floating(const at::Tensor& t) {
+  const auto dtype = t.scalar_type();
+  return dtype == at::kFloat || dtype == at::kBFloat16 || dtype == at::kHalf;
+}
+
+// Sends rank 0's value of `t` (any dtype, any layout) to every rank, in place.
+void broadcast_in_place(Communicator& comm, const at::Tensor& t) {
+  if (t.numel() == 0) return;
+  at::NoGradGuard no_grad;
+  const at::Tensor dense = t.is_contiguous() ? t : t.contiguous();
+  comm.broadcast(dense.reshape({-1}).view(at::kByte), 0).wait();
+  if (!dense.is_same(t)) t.copy_(dense);
+}
+
 }  // namespace
+
+void GradReducer::State::count_waiting() {
+  std::fill(waiting.begin(), waiting.end(), 0);
+  for (size_t i = 0; i < params.size(); ++i) {
+    if (params[i].requires_grad()) ++waiting[bucket_id[i]];
+  }
+  counted = true;
+}
+
+void GradReducer::State::reset_step() {
+  std::fill(ready.begin(), ready.end(), 0);
+  std::fill(arrival.begin(), arrival.end(), -1);
+  std::fill(launched_at.begin(), launched_at.end(), -1);
+  arrivals = 0;
+  next = 0;
+  counted = false;  // counted at the step's first gradient: freezing may change before it
+}
+
+// Makes params[i].grad its buffer view again, keeping the value it has (or zero).
+void GradReducer::State::adopt_grad(size_t i) {
+  at::Tensor& grad = params[i].mutable_grad();
+  const at::Tensor& view = grad_views[i];
+  if (grad.defined() && grad.data_ptr() == view.data_ptr() && grad.sizes() == view.sizes() &&
+      grad.strides() == view.strides() && grad.scalar_type() == view.scalar_type()) {
+    return;
+  }
+  at::NoGradGuard no_grad;
+  if (grad.defined()) {
+    view.copy_(grad);
+  } else {
+    view.zero_();
+  }
+  grad = view;
+}
+
+void GradReducer::State::accumulate_fp32(size_t i) {
+  at::NoGradGuard no_grad;
+  at::Tensor converted = scratch.narrow(0, 0, fp32_views[i].numel());
+  converted.copy_(grad_views[i].view({-1}));
+  fp32_views[i].add_(converted);
+  grad_views[i].zero_();
+}
+
+void GradReducer::State::start(size_t position) {
+  Bucket& bucket = buckets[order[position]];
+  at::NoGradGuard no_grad;
+  if (bucket.copy_in) bucket.send.copy_(bucket.grads);
+  PendingCollective& flight = flights[order[position]];
+  if (options.mode() == ReduceMode::kAllReduce || !comm->has_native_reduce_scatter()) {
+    flight = comm->all_reduce_sum(bucket.send);
+  } else {
+    flight = comm->reduce_scatter_sum(bucket.send, bucket.reduced);
+  }
+}
+
+void GradReducer::State::on_grad_ready(size_t i) {
+  std::lock_guard<std::mutex> lock(mutex);
+  comm->check_usable(kReducer);
+  const size_t b = bucket_id[i];
+  TORCH_CHECK(gathers[b].empty() || gather_waited[b], "[", kReducer, "] the gradient of '",
+              layout.params[i].fqn,
+              "' arrived while its all-gather was never waited for: forward read it as it was "
+              "being written. Call wait_for_params(module) before a module's forward, or turn "
+              "overlap_param_gather off");
+  adopt_grad(i);
+  if (fp32_views[i].defined() && options.accumulate_in_fp32()) accumulate_fp32(i);
+  got[i] = 1;
+  finished = false;
+  if (!sync) return;
+  TORCH_CHECK(!ready[i], "[", kReducer, "] the gradient of '", layout.params[i].fqn,
+              "' arrived twice before finish(): call finish() after each backward, or "
+              "accumulate micro-batches inside a NoSyncGuard");
+  if (!counted) count_waiting();
+  ready[i] = 1;
+  arrival[i] = arrivals++;
+  TORCH_CHECK(waiting[b] > 0, "[", kReducer, "] the gradient of '", layout.params[i].fqn,
+              "' arrived after its bucket's reduction started (made trainable during backward?)");
+  --waiting[b];
+  if (!options.overlap()) return;
+  while (next < order.size() && bucket_complete(next)) {
+    launched_at[order[next]] = arrivals;
+    start(next++);
+  }
+}
+
+// After the first reduced step: every rank takes the order in which rank 0 saw buckets
+// complete (by the arrival of their last gradient; a bucket missing a gradient goes last).
+void GradReducer::State::agree_on_order() {
+  order_agreed = true;
+  if (!options.overlap() || arrivals == 0) return;
+  std::vector<std::pair<int64_t, size_t>> completion;  // (last arrival, bucket)
+  for (size_t position = 0; position < order.size(); ++position) {
+    const size_t id = order[position];
+    int64_t last = -1;
+    for (size_t i : buckets[id].params) {
+      if (!params[i].requires_grad()) continue;
+      last = arrival[i] < 0 ? INT64_MAX : std::max(last, arrival[i]);
+      if (last == INT64_MAX) break;
+    }
+    completion.emplace_back(last, id);
+  }
+  std::stable_sort(completion.begin(), completion.end(),
+                   [](const auto& a, const auto& b) { return a.first < b.first; });
+  at::Tensor agreed = at::empty({static_cast<int64_t>(order.size())}, at::kLong);
+  auto* ids = agreed.mutable_data_ptr<int64_t>();
+  for (size_t j = 0; j < completion.size(); ++j)
+    ids[j] = static_cast<int64_t>(completion[j].second);
+  comm->broadcast(agreed, 0).wait();
+  for (size_t j = 0; j < order.size(); ++j) {
+    TORCH_INTERNAL_ASSERT(ids[j] >= 0 && static_cast<size_t>(ids[j]) < buckets.size());
+    order[j] = static_cast<size_t>(ids[j]);
+  }
+}
 
 GradReducer::GradReducer(std::shared_ptr<Communicator> comm, torch::nn::Module& model,
                          GradReducerOptions options)
     : state_(std::make_shared<State>()) {
-  TORCH_CHECK(comm, "[mixprec::distributed::GradReducer] the communicator is null");
+  TORCH_CHECK(comm, "[", kReducer, "] the communicator is null");
+  comm->check_usable(kReducer);
+  TORCH_CHECK(options.bucket_numel() > 0 && options.shard_alignment() > 0, "[", kReducer,
+              "] bucket_numel and shard_alignment must be > 0, got ", options.bucket_numel(),
+              " and ", options.shard_alignment());
   // First, so that ranks holding different models all fail here with the same message.
   check_same_model(*comm, model);
 
   State& s = *state_;
   s.comm = std::move(comm);
   s.options = options;
+  if (s.options.accumulate_in_fp32()) s.options.grad_reduce_in_fp32(true);
   std::vector<LayoutParam> entries;
+  std::vector<at::Tensor> other_params;  // not floating: broadcast only
   std::unordered_set<const c10::TensorImpl*> seen;
   for (const auto& item : model.named_parameters(/*recurse=*/true)) {
     const at::Tensor& p = item.value();
-    if (!p.defined() || !p.requires_grad() || !seen.insert(p.unsafeGetTensorImpl()).second) {
+    if (!p.defined() || !seen.insert(p.unsafeGetTensorImpl()).second) continue;
+    if (!is_floating(p)) {
+      TORCH_CHECK(!p.requires_grad(), "[", kReducer, "] '", item.key(), "' is a trainable ",
+                  p.scalar_type(),
+                  " parameter; gradients are reduced for Float, BFloat16 and Half");
+      other_params.push_back(p);
       continue;
     }
-    const auto dtype = p.scalar_type();
-    TORCH_CHECK(dtype == at::kFloat || dtype == at::kBFloat16 || dtype == at::kHalf,
-                "[mixprec::distributed::GradReducer] '", item.key(), "' is a trainable ", dtype,
-                " parameter; gradients are reduced for Float, BFloat16 and Half");
-    TORCH_CHECK(p.layout() == at::kStrided && p.is_contiguous(),
-                "[mixprec::distributed::GradReducer] '", item.key(),
+    TORCH_CHECK(p.layout() == at::kStrided && p.is_contiguous(), "[", kReducer, "] '", item.key(),
                 "' must be dense and contiguous");
-    TORCH_CHECK(s.params.empty() || p.device() == s.params.front().device(),
-                "[mixprec::distributed::GradReducer] '", item.key(), "' is on ", p.device(), ", '",
-                entries.front().fqn, "' on ", s.params.front().device(),
-                "; one reducer serves one device");
-    TORCH_CHECK(torch::autograd::impl::post_acc_grad_hooks(p) == nullptr,
-                "[mixprec::distributed::GradReducer] '", item.key(),
+    TORCH_CHECK(s.params.empty() || p.device() == s.params.front().device(), "[", kReducer, "] '",
+                item.key(), "' is on ", p.device(), ", '", entries.front().fqn, "' on ",
+                s.params.front().device(), "; one reducer serves one device");
+    TORCH_CHECK(torch::autograd::impl::post_acc_grad_hooks(p) == nullptr, "[", kReducer, "] '",
+                item.key(),
                 "' already has a post-accumulate-grad hook (is another GradReducer attached?)");
-    entries.push_back(LayoutParam{item.key(), p.sizes().vec(), dtype});
+    entries.push_back(LayoutParam{item.key(), p.sizes().vec(), p.scalar_type()});
+    s.index.emplace(p.unsafeGetTensorImpl(), s.params.size());
     s.params.push_back(p);
   }
-  s.layout = make_grad_layout(std::move(entries), s.comm->size(),
+  const int world = s.comm->size(), rank = s.comm->rank();
+  s.layout = make_grad_layout(std::move(entries), world,
                               {options.bucket_numel(), options.shard_alignment()});
 
+  at::NoGradGuard no_grad;
   const c10::Device device = s.params.empty() ? c10::Device(at::kCPU) : s.params[0].device();
-  s.views.resize(s.params.size());
-  s.bucket_of.resize(s.params.size());
-  s.waiting.resize(s.layout.buffers.size());
+  const size_t n = s.params.size();
+  s.param_views.resize(n);
+  s.grad_views.resize(n);
+  s.fp32_views.resize(n);
+  s.pieces.resize(n);
+  s.bucket_id.resize(n);
   for (size_t b = 0; b < s.layout.buffers.size(); ++b) {
     const BufferLayout& buf = s.layout.buffers[b];
-    s.buffers.push_back(at::zeros({buf.numel}, at::TensorOptions(buf.dtype).device(device)));
-    s.waiting[b].resize(buf.buckets.size());
+    const auto on = [&](at::ScalarType dtype) { return at::TensorOptions(dtype).device(device); };
+    s.param_buffers.push_back(at::zeros({buf.numel}, on(buf.dtype)));
+    s.grad_buffers.push_back(at::zeros({buf.numel}, on(buf.dtype)));
+    const bool fp32 = buf.dtype != at::kFloat && s.options.grad_reduce_in_fp32();
+    s.fp32_buffers.push_back(fp32 ? at::zeros({buf.numel}, on(at::kFloat)) : at::Tensor());
     for (const ParamSpan& span : buf.spans) {
-      s.views[span.param] = s.buffers[b]
-                                .narrow(0, span.begin, span.end - span.begin)
-                                .view(s.layout.params[span.param].shape);
-      s.bucket_of[span.param] = {b, span.bucket};
+      const auto& shape = s.layout.params[span.param].shape;
+      const int64_t length = span.end - span.begin;
+      s.param_views[span.param] = s.param_buffers[b].narrow(0, span.begin, length).view(shape);
+      s.grad_views[span.param] = s.grad_buffers[b].narrow(0, span.begin, length).view(shape);
+      if (fp32) s.fp32_views[span.param] = s.fp32_buffers[b].narrow(0, span.begin, length);
     }
   }
-  s.ready.resize(s.params.size());
+  int64_t largest_half = 0;
+  for (size_t i = 0; i < n; ++i) {
+    if (s.fp32_views[i].defined()) largest_half = std::max(largest_half, s.fp32_views[i].numel());
+  }
+  if (s.options.accumulate_in_fp32() && largest_half > 0) {
+    s.scratch = at::empty({largest_half}, at::TensorOptions(at::kFloat).device(device));
+  }
+  // Parameters become views of the parameter buffers, with their values.
+  for (size_t i = 0; i < n; ++i) {
+    s.param_views[i].copy_(s.params[i].detach());
+    s.params[i].set_data(s.param_views[i]);
+  }
+  // Rank 0's weights everywhere (the model check made sure every rank has the same shapes);
+  // without the broadcast, weights that differ are an error naming the tensor.
+  if (world > 1 && options.broadcast_from_rank0()) {
+    for (const at::Tensor& buffer : s.param_buffers) s.comm->broadcast(buffer, 0).wait();
+    for (const at::Tensor& p : other_params) broadcast_in_place(*s.comm, p);
+    for (const auto& item : model.named_buffers(/*recurse=*/true)) {
+      if (item.value().defined()) broadcast_in_place(*s.comm, item.value());
+    }
+  } else if (world > 1) {
+    check_same_values(*s.comm, model);
+  }
+
+  for (size_t b = 0; b < s.layout.buffers.size(); ++b) {
+    const BufferLayout& buf = s.layout.buffers[b];
+    for (size_t k = 0; k < buf.buckets.size(); ++k) {
+      const BucketSpan& span = buf.buckets[k];
+      State::Bucket bucket;
+      bucket.buffer = b;
+      bucket.index = k;
+      for (size_t sp : span.spans) bucket.params.push_back(buf.spans[sp].param);
+      bucket.grads = s.grad_buffers[b].narrow(0, span.begin, span.numel());
+      const bool fp32 = s.fp32_buffers[b].defined();
+      bucket.send = fp32 ? s.fp32_buffers[b].narrow(0, span.begin, span.numel()) : bucket.grads;
+      bucket.copy_in = fp32 && !s.options.accumulate_in_fp32();
+      const auto [lo, hi] = s.layout.shard_range(b, k, rank);
+      const bool shard_only = options.mode() == ReduceMode::kReduceScatter;
+      bucket.reduced = shard_only ? bucket.send.narrow(0, lo - span.begin, hi - lo) : bucket.send;
+      if (bucket.copy_in) {
+        bucket.round_to =
+            shard_only ? bucket.grads.narrow(0, lo - span.begin, hi - lo) : bucket.grads;
+      }
+      bucket.params_range = s.param_buffers[b].narrow(0, span.begin, span.numel());
+      const int64_t shard = span.numel() / world;
+      for (int r = 0; r < world; ++r) {
+        bucket.shards.push_back(bucket.params_range.narrow(0, r * shard, shard));
+      }
+      for (size_t i : bucket.params) s.bucket_id[i] = s.buckets.size();
+      s.buckets.push_back(std::move(bucket));
+    }
+  }
+  std::vector<std::vector<size_t>> id_of(s.layout.buffers.size());
+  for (size_t id = 0; id < s.buckets.size(); ++id) id_of[s.buckets[id].buffer].push_back(id);
+  for (const auto& [b, k] : s.layout.bucket_order) s.order.push_back(id_of[b][k]);
+  for (const ParamShard& piece : s.layout.param_shards(rank)) {
+    s.pieces[piece.param] = FlatRange{piece.begin, piece.end};
+  }
+  if (options.mode() == ReduceMode::kAllReduce) {
+    for (size_t i = 0; i < n; ++i) s.pieces[i] = FlatRange{0, s.params[i].numel()};
+  }
+
+  s.got.assign(n, 0);
+  s.ready.assign(n, 0);
+  s.arrival.assign(n, -1);
+  s.waiting.assign(s.buckets.size(), 0);
+  s.flights.resize(s.buckets.size());
+  s.launched_at.assign(s.buckets.size(), -1);
+  s.gathers.resize(s.buckets.size());
+  for (auto& g : s.gathers) g.reserve(static_cast<size_t>(world));
+  s.gather_waited.assign(s.buckets.size(), 1);
   s.reset_step();
-  s.timing.buckets = static_cast<int64_t>(s.layout.bucket_order.size());
-  for (size_t i = 0; i < s.params.size(); ++i) {
+  s.timing.buckets = static_cast<int64_t>(s.buckets.size());
+  for (size_t i = 0; i < n; ++i) {
     s.adopt_grad(i);
     auto hook = std::make_unique<ReadyHook>(state_, i);
     s.hooks.push_back(hook.get());
@@ -202,11 +318,16 @@ GradReducer::~GradReducer() {
 void GradReducer::zero_grad() {
   State& s = *state_;
   std::lock_guard<std::mutex> lock(s.mutex);
+  s.comm->check_usable("mixprec::distributed::GradReducer::zero_grad");
   TORCH_CHECK(s.next == 0, "[mixprec::distributed::GradReducer::zero_grad] ", s.next,
               " bucket reduction(s) are in flight; call finish() first");
   at::NoGradGuard no_grad;
-  for (at::Tensor& buffer : s.buffers) buffer.zero_();
+  for (at::Tensor& buffer : s.grad_buffers) buffer.zero_();
+  for (at::Tensor& buffer : s.fp32_buffers) {
+    if (buffer.defined()) buffer.zero_();
+  }
   for (size_t i = 0; i < s.params.size(); ++i) s.adopt_grad(i);
+  std::fill(s.got.begin(), s.got.end(), 0);
   s.reset_step();
   s.finished = false;
 }
@@ -214,30 +335,32 @@ void GradReducer::zero_grad() {
 void GradReducer::finish() {
   State& s = *state_;
   std::lock_guard<std::mutex> lock(s.mutex);
+  s.comm->check_usable("mixprec::distributed::GradReducer::finish");
   TORCH_CHECK(s.sync, "[mixprec::distributed::GradReducer::finish] called inside a NoSyncGuard");
   if (s.finished) return;  // already reduced: averaging again would change the gradients
   const auto t0 = std::chrono::steady_clock::now();
-  s.timing.launched_during_backward = s.started_in_backward;
+  s.wait_all_gathers();
+  if (!s.counted) s.count_waiting();
+  at::NoGradGuard no_grad;
   for (size_t i = 0; i < s.params.size(); ++i) {
-    if (s.ready[i]) continue;
-    s.adopt_grad(i);
+    if (s.ready[i] || !s.params[i].requires_grad()) continue;
+    s.adopt_grad(i);  // a .grad set from outside without backward still counts
+    if (s.fp32_views[i].defined() && s.options.accumulate_in_fp32()) s.accumulate_fp32(i);
     s.ready[i] = 1;
-    --s.waiting[s.bucket_of[i].first][s.bucket_of[i].second];
+    --s.waiting[s.bucket_id[i]];
   }
-  try {
-    while (s.next < s.layout.bucket_order.size()) s.start(s.next++);
-    at::NoGradGuard no_grad;
-    const int n = s.comm->size();
-    for (State::InFlight& f : s.in_flight) {
-      f.work.wait();
-      if (n > 1) f.reduced.div_(n);
-      if (f.target.defined()) f.target.copy_(f.reduced);
-    }
-  } catch (...) {
-    // The gradients are unusable now, but the reducer is not stuck: zero_grad() works again.
-    s.reset_step();
-    throw;
+  while (s.next < s.order.size()) s.start(s.next++);
+  const int n = s.comm->size();
+  int64_t during_backward = 0;
+  for (size_t id = 0; id < s.buckets.size(); ++id) {
+    State::Bucket& bucket = s.buckets[id];
+    s.flights[id].wait();
+    if (n > 1) bucket.reduced.div_(n);
+    if (bucket.round_to.defined()) bucket.round_to.copy_(bucket.reduced);
+    if (s.launched_at[id] >= 0 && s.launched_at[id] < s.arrivals) ++during_backward;
   }
+  s.timing.launched_during_backward = during_backward;
+  if (!s.order_agreed) s.agree_on_order();
   s.reset_step();
   s.finished = true;
   s.timing.finish_seconds =
@@ -258,16 +381,63 @@ GradReducer::NoSyncGuard::~NoSyncGuard() {
 const GradLayout& GradReducer::layout() const { return state_->layout; }
 const GradReducerOptions& GradReducer::options() const { return state_->options; }
 Communicator& GradReducer::communicator() const { return *state_->comm; }
+
 const at::Tensor& GradReducer::grad_buffer(size_t index) const {
-  TORCH_CHECK(index < state_->buffers.size(),
-              "[mixprec::distributed::GradReducer::grad_buffer] no buffer ", index);
-  return state_->buffers[index];
+  TORCH_CHECK(index < state_->grad_buffers.size(), "[", kReducer, "::grad_buffer] no buffer ",
+              index);
+  return state_->grad_buffers[index];
 }
+
+const at::Tensor& GradReducer::param_buffer(size_t index) const {
+  TORCH_CHECK(index < state_->param_buffers.size(), "[", kReducer, "::param_buffer] no buffer ",
+              index);
+  return state_->param_buffers[index];
+}
+
 const at::Tensor& GradReducer::param(size_t index) const {
-  TORCH_CHECK(index < state_->params.size(),
-              "[mixprec::distributed::GradReducer::param] no parameter ", index);
+  TORCH_CHECK(index < state_->params.size(), "[", kReducer, "::param] no parameter ", index);
   return state_->params[index];
 }
+
+size_t GradReducer::index_of(const at::Tensor& param) const {
+  if (!param.defined()) return kNoParam;
+  auto it = state_->index.find(param.unsafeGetTensorImpl());
+  return it == state_->index.end() ? kNoParam : it->second;
+}
+
+FlatRange GradReducer::piece_of(size_t index) const { return state_->pieces.at(index); }
+
+bool GradReducer::got_gradient(size_t index) const { return state_->got.at(index) != 0; }
+
+at::Tensor GradReducer::reduced_gradient(size_t index) const {
+  const State& s = *state_;
+  if (s.options.accumulate_in_fp32() && s.fp32_views.at(index).defined()) {
+    return s.fp32_views[index];
+  }
+  return s.grad_views.at(index).view({-1});
+}
+
+at::Tensor GradReducer::main_grad(size_t index) const {
+  const State& s = *state_;
+  if (!s.options.accumulate_in_fp32() || !s.fp32_views.at(index).defined()) return {};
+  return s.fp32_views[index].view(s.layout.params[index].shape);
+}
+
+void GradReducer::reseat_params() {
+  State& s = *state_;
+  at::NoGradGuard no_grad;
+  for (size_t i = 0; i < s.params.size(); ++i) {
+    const at::Tensor& p = s.params[i];
+    const at::Tensor& view = s.param_views[i];
+    if (p.const_data_ptr() == view.const_data_ptr() || p.scalar_type() != view.scalar_type() ||
+        p.sizes() != view.sizes()) {
+      continue;  // in place; or re-typed or re-shaped, which the optimizer refuses by name
+    }
+    view.copy_(p.detach());
+    at::Tensor(p).set_data(view);
+  }
+}
+
 const ReductionTiming& GradReducer::last_timing() const { return state_->timing; }
 
 }  // namespace mixprec::distributed

@@ -88,18 +88,25 @@ Float16Optimizer::Float16Optimizer(const torch::nn::Module& model,
                                    std::vector<torch::optim::OptimizerParamGroup> groups,
                                    std::unique_ptr<torch::optim::OptimizerOptions> defaults,
                                    Float16OptimizerOptions options)
+    : Float16Optimizer(model, std::move(groups), std::move(defaults), std::move(options),
+                       Sharding(), "mixprec::Float16Optimizer") {}
+
+Float16Optimizer::Float16Optimizer(const torch::nn::Module& model,
+                                   std::vector<torch::optim::OptimizerParamGroup> groups,
+                                   std::unique_ptr<torch::optim::OptimizerOptions> defaults,
+                                   Float16OptimizerOptions options, Sharding sharding,
+                                   std::string who)
     : detail::GroupOptionsCheck(groups, defaults.get()),
       torch::optim::Optimizer(groups, std::move(defaults)),
       options_(std::move(options)),
-      traits_(&detail::traits_for(this->defaults())),
+      sharding_(std::move(sharding)),
+      who_(std::move(who)),
+      traits_(&detail::traits_for(this->defaults(), who_)),
       scaler_(options_.loss_scaler()),
       model_params_(unique_parameters(model)) {
-  TORCH_CHECK(options_.clip_grad() >= 0 && std::isfinite(options_.clip_grad()),
-              "[mixprec::Float16Optimizer] clip_grad must be a finite value >= 0, got ",
-              options_.clip_grad());
-  if (options_.offload()) {
-    detail::OffloadPipeline::check_options(*options_.offload(), "mixprec::Float16Optimizer");
-  }
+  TORCH_CHECK(options_.clip_grad() >= 0 && std::isfinite(options_.clip_grad()), "[", who_,
+              "] clip_grad must be a finite value >= 0, got ", options_.clip_grad());
+  if (options_.offload()) detail::OffloadPipeline::check_options(*options_.offload(), who_.c_str());
   for (size_t g = 0; g < param_groups().size(); ++g) check_group_options(g);
   build_slots(0);
 }
@@ -115,10 +122,10 @@ Algorithm Float16Optimizer::algorithm() const { return traits_->algorithm(); }
 
 void Float16Optimizer::check_group_options(size_t group) const {
   const auto& options = param_groups()[group].options();
-  TORCH_CHECK(traits_->owns(options), "[mixprec::Float16Optimizer] param group ", group, " has ",
+  TORCH_CHECK(traits_->owns(options), "[", who_, "] param group ", group, " has ",
               type_name(options), "; the optimizer runs ", traits_->options_name());
   const std::string problem = traits_->range_problem(options);
-  TORCH_CHECK(problem.empty(), "[mixprec::Float16Optimizer] param group ", group, ": ", problem);
+  TORCH_CHECK(problem.empty(), "[", who_, "] param group ", group, ": ", problem);
 }
 
 std::vector<std::string> Float16Optimizer::new_param_problems(size_t first_group) const {
@@ -158,9 +165,8 @@ std::vector<std::string> Float16Optimizer::new_param_problems(size_t first_group
 }
 
 void Float16Optimizer::build_slots(size_t first_group) {
-  mixprec::detail::check_no_problems(
-      new_param_problems(first_group),
-      "[mixprec::Float16Optimizer] cannot optimize these parameters");
+  mixprec::detail::check_no_problems(new_param_problems(first_group),
+                                     "[" + who_ + "] cannot optimize these parameters");
   std::unordered_map<const c10::TensorImpl*, const std::string*> fqn_of;
   for (const auto& [fqn, t] : model_params_) fqn_of.emplace(t.unsafeGetTensorImpl(), &fqn);
   at::NoGradGuard no_grad;
@@ -170,6 +176,15 @@ void Float16Optimizer::build_slots(size_t first_group) {
                      p.requires_grad() ? *detail::trainable_role(p) : ParamRole::kFrozen};
       auto slot = std::make_shared<Slot>();
       slot->param = p;
+      slot->end = p.numel();
+      if (sharded()) {
+        const FlatRange piece = sharding_.piece_of(p);
+        TORCH_INTERNAL_ASSERT(0 <= piece.begin && piece.begin <= piece.end &&
+                              piece.end <= p.numel());
+        slot->whole = false;
+        slot->begin = piece.begin;
+        slot->end = piece.end;
+      }
       slot->state.resize(traits_->state_kinds().size());
       if (info.role == ParamRole::kMaster) slot->hold_master(at::Tensor(), master_policy());
       slot->record();
@@ -235,42 +250,67 @@ at::Tensor Float16Optimizer::step(LossClosure closure) {
   return loss;
 }
 
+at::Tensor Float16Optimizer::piece_gradient(size_t index, bool& arrived) const {
+  const Slot& slot = *slots_[index];
+  const at::Tensor& param = slot.param;
+  const at::Tensor& grad = param.grad();
+  arrived = grad.defined();
+  if (!grad.defined()) return grad;
+  TORCH_CHECK(!grad.is_sparse() && grad.sizes() == param.sizes(), "[", who_,
+              "::update] gradient of '", info_[index].fqn,
+              "' must be dense with the parameter's shape ", param.sizes(), ", got ", grad.sizes());
+  TORCH_CHECK(grad.device() == param.device(), "[", who_, "::update] gradient of '",
+              info_[index].fqn, "' is on ", grad.device(), ", the parameter on ", param.device());
+  return grad.contiguous();
+}
+
 StepResult Float16Optimizer::update() {
+  before_update();
   // Everything is checked before anything changes: the model's parameters (the roles they ask
   // for), every group's hyper-parameters (a scheduler may have driven lr negative), every
   // gradient's shape and device.
   const detail::SyncPlan plan = plan_sync(detail::SyncPurpose::kUse);
   for (size_t g = 0; g < param_groups().size(); ++g) check_group_options(g);
+  reduce_gradients();
 
   StepResult result;
   result.loss_scale = scaler_.scale();
   const double inv_scale = scaler_.inv_scale();
-  // One read-only pass over every gradient: global norm and overflow check.
-  std::vector<size_t> active;
+  // One read-only pass over every gradient (piece): norm and overflow check, then what every
+  // rank agrees on (nothing to agree on in one process).
+  GradientAgreement& agreement = agreement_;
+  agreement.sum_of_squares.assign(slots_.size(), 0.0);
+  agreement.has_gradient.assign(slots_.size(), 0);
+  agreement.non_finite.assign(slots_.size(), 0);
+  std::vector<at::Tensor>& grads = step_grads_;
+  grads.resize(slots_.size());
+  for (size_t k = 0; k < slots_.size(); ++k) {
+    grads[k] = at::Tensor();
+    if (plan.slots[k].role == ParamRole::kFrozen) continue;
+    bool arrived = false;
+    grads[k] = piece_gradient(k, arrived);
+    agreement.has_gradient[k] = arrived ? 1 : 0;
+    if (!grads[k].defined()) continue;
+    const GradStats stats = grad_stats(grads[k], inv_scale);
+    agreement.sum_of_squares[k] = stats.sum_of_squares;
+    agreement.non_finite[k] = stats.all_finite ? 0 : 1;
+  }
+  agree(agreement);
   double sum_of_squares = 0.0;
   const std::string* first_non_finite = nullptr;
+  std::vector<size_t>& active = active_;
+  active.clear();
   for (size_t k = 0; k < slots_.size(); ++k) {
-    if (plan.slots[k].role == ParamRole::kFrozen) continue;
-    const at::Tensor& param = slots_[k]->param;
-    const at::Tensor& grad = param.grad();
-    if (!grad.defined()) continue;
-    TORCH_CHECK(!grad.is_sparse() && grad.sizes() == param.sizes(),
-                "[mixprec::Float16Optimizer::update] gradient of '", info_[k].fqn,
-                "' must be dense with the parameter's shape ", param.sizes(), ", got ",
-                grad.sizes());
-    TORCH_CHECK(grad.device() == param.device(),
-                "[mixprec::Float16Optimizer::update] gradient of '", info_[k].fqn, "' is on ",
-                grad.device(), ", the parameter on ", param.device());
-    const GradStats stats = grad_stats(grad.contiguous(), inv_scale);
-    sum_of_squares += stats.sum_of_squares;
-    if (!stats.all_finite && !first_non_finite) first_non_finite = &info_[k].fqn;
+    if (plan.slots[k].role == ParamRole::kFrozen || !agreement.has_gradient[k]) continue;
+    sum_of_squares += agreement.sum_of_squares[k];
+    if (agreement.non_finite[k] && !first_non_finite) first_non_finite = &info_[k].fqn;
     active.push_back(k);
   }
   TORCH_CHECK(!first_non_finite || scaler_.is_dynamic() ||
                   options_.non_finite_grads() != NonFiniteGrads::kError,
-              "[mixprec::Float16Optimizer::update] non-finite gradient in parameter '",
-              first_non_finite ? *first_non_finite : "",
-              "' (no dynamic loss scaler); the step was not taken");
+              "[", who_, "::update] non-finite gradient in parameter '",
+              first_non_finite ? *first_non_finite : "", "' (no dynamic loss scaler); the step ",
+              sharded() ? "was not taken on any rank" : "was not taken");
 
   apply_sync(plan);
   result.grad_norm = std::sqrt(sum_of_squares);
@@ -289,6 +329,8 @@ StepResult Float16Optimizer::update() {
   } else {
     for (size_t k : active) step_slot(k, multiplier);
   }
+  for (at::Tensor& grad : grads) grad = at::Tensor();
+  publish_params();
   record_params();  // the write-back is ours: not an outside change
   scaler_.update(/*found_inf=*/false);
   result.success = true;
@@ -299,15 +341,18 @@ StepResult Float16Optimizer::update() {
 
 void Float16Optimizer::step_slot(size_t index, double grad_multiplier) {
   Slot& slot = *slots_[index];
-  const at::Tensor param = slot.param.detach();
-  const at::Tensor grad = slot.param.grad().contiguous();
-  // The FP32 value stepped: the main copy, the native FP32 parameter, or (remainder) none.
-  const at::Tensor target =
-      slot.remainder.defined() ? at::Tensor() : (slot.master.defined() ? slot.master : param);
-  const at::Tensor model_param = slot.has_master() ? param : at::Tensor();
-  traits_->step(param_groups()[info_[index].group].options(),
-                {target, grad, model_param, slot.step, grad_multiplier, slot.remainder},
-                slot.state);
+  if (slot.begin != slot.end) {
+    const at::Tensor param = slot.piece();
+    const at::Tensor& grad = step_grads_[index];
+    // The FP32 value stepped: the main copy, the native FP32 parameter, or (remainder) none.
+    const at::Tensor target =
+        slot.remainder.defined() ? at::Tensor() : (slot.master.defined() ? slot.master : param);
+    const at::Tensor model_param = slot.has_master() ? param : at::Tensor();
+    traits_->step(param_groups()[info_[index].group].options(),
+                  {target, grad, model_param, slot.step, grad_multiplier, slot.remainder},
+                  slot.state);
+  }
+  // Every rank counts the step of a parameter it was taken for, whatever piece it holds.
   ++slot.step;
 }
 

@@ -79,19 +79,20 @@ std::string step_problem(double value) {
 
 namespace {
 
-// Checks one saved tensor against the parameter it belongs to.
-void check_tensor(const at::Tensor& t, const at::Tensor& param, const std::string& what,
+// Checks one saved tensor (whole, or a slice) against the parameter it belongs to.
+void check_tensor(const ShardedTensor& t, const at::Tensor& param, const std::string& what,
                   bool must_be_fp32, std::vector<std::string>& problems) {
-  if (!t.defined()) {
+  if (!t.local.defined()) {
     problems.push_back(what + " is undefined");
     return;
   }
-  if (t.sizes() != param.sizes()) {
-    problems.push_back(what + ": shape " + c10::str(t.sizes()) + ", the parameter has " +
-                       c10::str(param.sizes()));
+  if (c10::IntArrayRef(t.global_shape) != param.sizes()) {
+    problems.push_back(what + ": shape " + c10::str(c10::IntArrayRef(t.global_shape)) +
+                       ", the parameter has " + c10::str(param.sizes()));
   }
-  if (!at::isFloatingType(t.scalar_type()) || (must_be_fp32 && t.scalar_type() != at::kFloat)) {
-    problems.push_back(what + ": dtype " + c10::toString(t.scalar_type()) +
+  const auto dtype = t.local.scalar_type();
+  if (!at::isFloatingType(dtype) || (must_be_fp32 && dtype != at::kFloat)) {
+    problems.push_back(what + ": dtype " + c10::toString(dtype) +
                        (must_be_fp32 ? ", expected Float (an FP32 value is never taken from a "
                                        "lower precision)"
                                      : ", expected a floating dtype"));
@@ -126,21 +127,35 @@ CheckedOptimizerState Float16Optimizer::check_parsed(Parsed&& saved,
     const ParamInfo& info = info_[k];
     const ParamRole role = saved.sync.slots[k].role;
     auto& p = saved.params[k];
-    const at::Tensor& param = slots_[k]->param;
+    const Slot& slot = *slots_[k];
+    const at::Tensor& param = slot.param;
     auto& out = plan->params.emplace_back();
     out.state.resize(kinds.size());
+    // The values of this optimizer's piece (the whole parameter in one process), once the
+    // tensor itself passed its check.
+    auto piece_of = [&](const ShardedTensor& t, const std::string& what) -> at::Tensor {
+      const size_t before = problems.size();
+      check_tensor(t, param, what, /*must_be_fp32=*/&t == &p.fp32, problems);
+      if (problems.size() != before) return {};
+      try {
+        return t.flat_elements(slot.begin, slot.end).view(slot.piece_sizes());
+      } catch (const c10::Error& e) {
+        problems.push_back(what + ": " + e.what_without_backtrace());
+        return {};
+      }
+    };
+    std::map<std::string, at::Tensor> moments;
     for (const auto& [kind, t] : p.moments) {
-      check_tensor(t, param, "'" + info.fqn + "' " + kind, /*must_be_fp32=*/false, problems);
+      moments[kind] = piece_of(t, "'" + info.fqn + "' " + kind);
     }
-    if (p.fp32.defined()) {
-      check_tensor(p.fp32, param, p.fp32_source, /*must_be_fp32=*/true, problems);
-    }
+    at::Tensor fp32;
+    if (p.fp32.local.defined()) fp32 = piece_of(p.fp32, p.fp32_source);
     if (role == ParamRole::kFrozen) continue;
-    out.fp32 = p.fp32;
-    if (role == ParamRole::kMaster && !p.fp32.defined()) {
+    out.fp32 = fp32;
+    if (role == ParamRole::kMaster && !p.fp32.local.defined()) {
       report.notes.push_back("'" + info.fqn + "': main copy re-derived from the " +
                              c10::toString(param.scalar_type()) + " model parameter");
-    } else if (role == ParamRole::kNativeFp32 && p.fp32.defined()) {
+    } else if (role == ParamRole::kNativeFp32 && p.fp32.local.defined()) {
       report.notes.push_back("'" + info.fqn + "' is now native FP32: took its value from " +
                              p.fp32_source);
     }
@@ -153,7 +168,7 @@ CheckedOptimizerState Float16Optimizer::check_parsed(Parsed&& saved,
     if (!has_state) continue;
     std::vector<std::string> missing;
     for (size_t i = 0; i < kinds.size(); ++i) {
-      if (held[i] && !p.moments.count(std::string(kinds[i]))) missing.emplace_back(kinds[i]);
+      if (held[i] && !moments.count(std::string(kinds[i]))) missing.emplace_back(kinds[i]);
     }
     for (const auto& kind : missing) {
       report.missing_keys.push_back(keys::optimizer_state_key(kind, info.fqn));
@@ -171,8 +186,8 @@ CheckedOptimizerState Float16Optimizer::check_parsed(Parsed&& saved,
     out.install = true;
     out.step = p.step;
     for (size_t i = 0; i < kinds.size(); ++i) {
-      auto it = p.moments.find(std::string(kinds[i]));
-      if (it != p.moments.end()) out.state[i] = it->second;
+      auto it = moments.find(std::string(kinds[i]));
+      if (it != moments.end()) out.state[i] = it->second;
     }
   }
 
@@ -196,20 +211,20 @@ CheckedOptimizerState Float16Optimizer::check_parsed(Parsed&& saved,
     for (const auto& key : report.missing_keys) problems.push_back("missing " + key);
     for (const auto& key : report.unexpected_keys) problems.push_back("unexpected " + key);
   }
-  mixprec::detail::check_no_problems(problems, "[mixprec::Float16Optimizer] cannot load the state");
+  mixprec::detail::check_no_problems(problems, "[" + who_ + "] cannot load the state");
   plan->sync = std::move(saved.sync);
   plan->report = std::move(report);
   return CheckedOptimizerState(std::move(plan));
 }
 
 LoadReport Float16Optimizer::apply(CheckedOptimizerState&& checked) {
-  TORCH_CHECK(checked.plan_ && checked.plan_->owner == this,
-              "[mixprec::Float16Optimizer::apply] the state was checked by another optimizer, or "
-              "was applied already");
+  TORCH_CHECK(checked.plan_ && checked.plan_->owner == this, "[", who_,
+              "::apply] the state was checked by another optimizer, or was applied already");
   // Only what the check relied on can have moved: the parameters' roles or the groups.
-  TORCH_CHECK(plan_sync(detail::SyncPurpose::kLoad) == checked.plan_->sync,
-              "[mixprec::Float16Optimizer::apply] the model's parameters changed role since the "
-              "state was checked; check it again");
+  before_update();
+  TORCH_CHECK(plan_sync(detail::SyncPurpose::kLoad) == checked.plan_->sync, "[", who_,
+              "::apply] the model's parameters changed role since the state was checked; check "
+              "it again");
   const std::unique_ptr<CheckedOptimizerState::Plan> plan = std::move(checked.plan_);
   apply_sync(plan->sync);
   at::NoGradGuard no_grad;
@@ -239,9 +254,10 @@ LoadReport Float16Optimizer::apply(CheckedOptimizerState&& checked) {
       slot.hold_master(p.fp32, master_policy());
     } else if (p.fp32.defined()) {
       // Saved with a main copy, now native FP32: the parameter takes the main copy's value.
-      slot.param.detach().copy_(p.fp32);
+      slot.piece().copy_(p.fp32);
     }
   }
+  publish_params();  // data parallel: every rank's parameters from the owners' pieces
   record_params();
   return std::move(plan->report);
 }

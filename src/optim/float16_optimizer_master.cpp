@@ -17,11 +17,22 @@ detail::MasterPolicy Float16Optimizer::master_policy() const {
   return {options_.master_remainders(), options_.offload().has_value()};
 }
 
+at::Tensor Float16Optimizer::Slot::piece() const {
+  const at::Tensor p = param.detach();
+  if (whole) return p;
+  return p.view({-1}).narrow(0, begin, end - begin);
+}
+
+std::vector<int64_t> Float16Optimizer::Slot::piece_sizes() const {
+  if (whole) return param.sizes().vec();
+  return {end - begin};
+}
+
 at::Tensor Float16Optimizer::Slot::master_value() const {
   if (master.defined() || !remainder.defined()) return master;
   // The parameter's BF16 bits are the high half; a parameter re-typed from outside since
   // (BF16 → FP32/FP16) gives them back by conversion (see float16_optimizer.h for when exactly).
-  const at::Tensor high = param.detach().to(remainder.device(), at::kBFloat16);
+  const at::Tensor high = piece().to(remainder.device(), at::kBFloat16);
   at::Tensor value = join_master(high, remainder);
   // Shares the remainder's version counter: a step after this value was taken bumps it, so a
   // checkpoint saver sees the snapshot is stale, as it would on an alias of an FP32 master.
@@ -35,7 +46,7 @@ at::Tensor Float16Optimizer::Slot::master_value() const {
 void Float16Optimizer::Slot::hold_master(const at::Tensor& value,
                                          const detail::MasterPolicy& policy) {
   at::NoGradGuard no_grad;
-  const at::Tensor p = param.detach();
+  const at::Tensor p = piece();
   const c10::Device where = policy.state_device(p);
   const auto on = [&](at::ScalarType dtype) {
     return at::TensorOptions().dtype(dtype).device(where);
@@ -82,7 +93,7 @@ void Float16Optimizer::Slot::drop_master() {
 void Float16Optimizer::Slot::write_param_from_master() const {
   if (!master.defined()) return;
   at::NoGradGuard no_grad;
-  const at::Tensor p = param.detach();
+  const at::Tensor p = piece();
   if (master.device() == p.device()) {
     copy_master_to_model(master, p);
     return;

@@ -26,8 +26,8 @@ void Float16Optimizer::step_offloaded(const std::vector<size_t>& active, double 
     auto found = std::find_if(offload_.begin(), offload_.end(),
                               [&](const auto& pipeline) { return pipeline->device() == device; });
     if (found == offload_.end()) {
-      offload_.push_back(std::make_unique<detail::OffloadPipeline>(*options_.offload(), device,
-                                                                   "mixprec::Float16Optimizer"));
+      offload_.push_back(
+          std::make_unique<detail::OffloadPipeline>(*options_.offload(), device, who_.c_str()));
       found = std::prev(offload_.end());
     }
     std::vector<size_t> stepped;
@@ -36,15 +36,19 @@ void Float16Optimizer::step_offloaded(const std::vector<size_t>& active, double 
     for (size_t k : active) {
       Slot& s = *slots_[k];
       if (s.param.device() != device) continue;
+      if (s.begin == s.end) {  // no piece here: the step is counted all the same
+        ++s.step;
+        continue;
+      }
       const auto& options = param_groups()[info_[k].group].options();
       detail::OffloadItem item;
-      item.grad = s.param.grad().contiguous().view({-1});
-      item.param = s.param.detach().view({-1});
+      item.grad = step_grads_[k].view({-1});
+      item.param = s.piece().view({-1});
       item.param_down = !s.master.defined();  // native FP32, or the remainder's high half
       if (s.master.defined()) item.master = s.master.view({-1});
       if (s.remainder.defined()) item.remainder = s.remainder.view({-1});
       std::vector<at::Tensor> state = s.state;
-      item.fresh = traits_->allocate_state(options, s.param.sizes(), c10::kCPU, state);
+      item.fresh = traits_->allocate_state(options, s.piece_sizes(), c10::kCPU, state);
       for (const at::Tensor& t : state) item.state.push_back(t.defined() ? t.view({-1}) : t);
       item.options = &options;
       item.steps_before = s.step;

@@ -38,19 +38,34 @@ ShardedStateDict Float16Optimizer::sharded_state_dict() const {
     const Slot& s = *slots_[k];
     groups[info.group][str(keys::kParams)].push_back(info.fqn);
     if (info.role == ParamRole::kFrozen) frozen.push_back(info.fqn);
-    if (s.has_master()) {
-      out.tensors.emplace(keys::optimizer_state_key(keys::kFp32Param, info.fqn),
-                          ShardedTensor::whole(copy_of(s.master_value())));
-    }
     if (!s.has_state()) {
       if (info.role != ParamRole::kFrozen) without_state.push_back(info.fqn);
-      continue;
+    } else if (s.step != common_step) {
+      steps[info.fqn] = s.step;
     }
-    if (s.step != common_step) steps[info.fqn] = s.step;
+    // A piece is a flat slice of the global tensor (aliasing the optimizer's own). A rank with
+    // no piece of a parameter declares nothing; a parameter without elements has a piece
+    // nowhere, so the declaring rank gives its keys, empty, as a single process would.
+    const std::vector<int64_t> shape = s.param.sizes().vec();
+    const bool declare =
+        s.whole || s.begin != s.end || (s.param.numel() == 0 && sharding_.rank == 0);
+    if (!declare) continue;
+    auto entry = [&](const at::Tensor& t) {
+      if (s.whole) return ShardedTensor::whole(copy_of(t));
+      return ShardedTensor::flat(copy_of(t).view({-1}), shape, s.begin);
+    };
+    if (info.role == ParamRole::kMaster) {
+      out.tensors.emplace(keys::optimizer_state_key(keys::kFp32Param, info.fqn),
+                          entry(s.master_value()));
+    }
+    if (!s.has_state()) continue;
+    const std::vector<bool> held = traits_->held_state(param_groups()[info.group].options());
     for (size_t i = 0; i < kinds.size(); ++i) {
       if (s.state[i].defined()) {
+        out.tensors.emplace(keys::optimizer_state_key(kinds[i], info.fqn), entry(s.state[i]));
+      } else if (!s.whole && s.begin == s.end && held[i]) {
         out.tensors.emplace(keys::optimizer_state_key(kinds[i], info.fqn),
-                            ShardedTensor::whole(copy_of(s.state[i])));
+                            entry(at::empty({0}, at::kFloat)));
       }
     }
   }
@@ -155,18 +170,18 @@ CheckedOptimizerState Float16Optimizer::check_sharded_state_dict(const ShardedSt
     for (const auto& kind : kinds) {
       const std::string key = keys::optimizer_state_key(kind, info.fqn);
       if (!state.contains(key)) continue;
-      p.moments[str(kind)] = state.at(key).local;
+      p.moments[str(kind)] = state.at(key);
       used.insert(key);
     }
     const std::string master_key = keys::optimizer_state_key(keys::kFp32Param, info.fqn);
     if (state.contains(master_key)) {
-      p.fp32 = state.at(master_key).local;
+      p.fp32 = state.at(master_key);
       p.fp32_source = master_key;
       used.insert(master_key);
     } else if (role == ParamRole::kMaster) {
       // Saved as native FP32 (no main copy): the model tensor under its FQN is the FP32 value.
       if (state.contains(info.fqn) && state.at(info.fqn).local.scalar_type() == at::kFloat) {
-        p.fp32 = state.at(info.fqn).local;
+        p.fp32 = state.at(info.fqn);
         p.fp32_source = info.fqn;
         report.notes.push_back("'" + info.fqn +
                                "' had no main copy in the state (saved as "

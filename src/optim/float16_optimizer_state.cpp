@@ -15,7 +15,21 @@ namespace mixprec::optim {
 
 using detail::copy_of;
 
+namespace {
+
+// A positional state holds whole tensors; an undefined one stays undefined (and is refused
+// by the check, naming it).
+ShardedTensor whole_or_none(const at::Tensor& t) {
+  if (t.defined()) return ShardedTensor::whole(t);
+  return ShardedTensor();
+}
+
+}  // namespace
+
 PositionalStateDict Float16Optimizer::state_dict() const {
+  TORCH_CHECK(!sharded(), "[", who_,
+              "::state_dict] torch's positional form holds one rank's pieces without their "
+              "layout; use sharded_state_dict()");
   sync_with_model();
   PositionalStateDict out;
   const auto kinds = traits_->state_kinds();
@@ -43,6 +57,9 @@ PositionalStateDict Float16Optimizer::state_dict() const {
 
 CheckedOptimizerState Float16Optimizer::check_state_dict(const PositionalStateDict& state,
                                                          const LoadOptions& options) const {
+  TORCH_CHECK(!sharded(), "[", who_,
+              "::check_state_dict] torch's positional form holds no layout of the pieces; use "
+              "check_sharded_state_dict()");
   Parsed saved;
   saved.sync = plan_sync(detail::SyncPurpose::kLoad);
   saved.params.resize(slots_.size());
@@ -93,7 +110,7 @@ CheckedOptimizerState Float16Optimizer::check_state_dict(const PositionalStateDi
         }
         if (!bad.empty()) problems.push_back(entry_name(id) + ".step " + bad);
       } else if (std::find(kinds.begin(), kinds.end(), key) != kinds.end()) {
-        p.moments[key] = t;
+        p.moments[key] = whole_or_none(t);
       } else {
         report.unexpected_keys.push_back(entry_name(id) + "." + key);
       }
@@ -104,14 +121,14 @@ CheckedOptimizerState Float16Optimizer::check_state_dict(const PositionalStateDi
       report.unexpected_keys.push_back("fp32_params[" + std::to_string(id) + "]");
       continue;
     }
-    saved.params[id].fp32 = t;
+    saved.params[id].fp32 = whole_or_none(t);
     saved.params[id].fp32_source = "fp32_params[" + std::to_string(id) + "]";
   }
   // Trainable params that the state never stepped may start fresh.
   for (int64_t id = 0; id < count; ++id) {
     auto& p = saved.params[id];
     p.fresh_ok = !state.state.count(id);
-    if (role(id) == ParamRole::kMaster && !p.fp32.defined()) {
+    if (role(id) == ParamRole::kMaster && !p.fp32.local.defined()) {
       report.missing_keys.push_back("fp32_params[" + std::to_string(id) + "] for id " +
                                     std::to_string(id) + " ('" + info_[id].fqn + "')");
     }

@@ -33,7 +33,7 @@ bool Float16Optimizer::Slot::param_differs_from_master() const {
   // A remainder's parameter is the master's high half: what it held before the write is gone,
   // so any write counts.
   if (!master.defined()) return true;
-  const at::Tensor p = param.detach();
+  const at::Tensor p = piece();
   return !at::equal(p, master.to(p.device(), p.scalar_type()));
 }
 
@@ -54,7 +54,7 @@ bool SyncPlan::operator==(const SyncPlan& other) const {
 }  // namespace detail
 
 detail::SyncPlan Float16Optimizer::plan_sync(detail::SyncPurpose purpose) const {
-  const std::string where = "[mixprec::Float16Optimizer] ";
+  const std::string where = "[" + who_ + "] ";
   // The groups must be the ones the optimizer adopted: torch's add_param_group is not virtual,
   // and param_groups() hands out a mutable vector.
   std::vector<std::string> problems;
@@ -127,6 +127,13 @@ detail::SyncPlan Float16Optimizer::plan_sync(detail::SyncPurpose purpose) const 
       continue;
     }
     const bool retyped = p.scalar_type() != s.seen.dtype;
+    if (retyped && sharded()) {
+      // The data-parallel buffers hold each dtype apart, laid out when they were built.
+      problems.push_back(name() + " changed dtype from " + c10::toString(s.seen.dtype) + " to " +
+                         c10::toString(p.scalar_type()) +
+                         " after the data-parallel optimizer was built; convert the model first");
+      continue;
+    }
     auto retype = [&] {
       return name() + " changed dtype from " + c10::toString(s.seen.dtype) + " to " +
              c10::toString(p.scalar_type());
@@ -164,7 +171,7 @@ void Float16Optimizer::apply_sync(const detail::SyncPlan& plan) const {
       // Taken before anything changes: a remainder needs the parameter's bits as they are.
       const at::Tensor value = s.master_value();
       if (change.role == ParamRole::kNativeFp32) {
-        s.param.detach().copy_(value);
+        s.piece().copy_(value);
       } else {  // BF16 <-> FP16: the form may change with the dtype (remainders are BF16's)
         s.hold_master(value, policy);
       }

@@ -33,6 +33,14 @@ struct MasterPolicy {
 
 struct Float16Optimizer::Slot {
   at::Tensor param;  // the model's parameter (same TensorImpl)
+  // The elements this optimizer steps: all of them (`whole`: the main copy and the state have
+  // the parameter's shape), or a data-parallel rank's piece [begin, end) of its row-major
+  // flattening (1-D main copy and state; possibly empty).
+  bool whole = true;
+  int64_t begin = 0, end = 0;
+  // Those elements of the parameter, detached: the parameter itself, or a 1-D view.
+  at::Tensor piece() const;
+  std::vector<int64_t> piece_sizes() const;
   // The main copy (kMaster only), in one of two forms (float16_optimizer_master.cpp):
   at::Tensor master;              // FP32 master; or
   at::Tensor remainder;           // int16 low half of the master, whose high half is `param` (BF16)
@@ -97,10 +105,14 @@ struct SyncPlan {
 struct Float16Optimizer::Parsed {
   struct Param {
     int64_t step = 0;
-    std::map<std::string, at::Tensor> moments;  // by state kind, the algorithm's kinds only
-    at::Tensor fp32;          // FP32 value for the parameter: a saved main copy, or the model's
-    std::string fp32_source;  // FP32 tensor across a plan change; and the key it came from
-    bool fresh_ok = false;    // saved without state (frozen or never stepped): may start fresh
+    // By state kind, the algorithm's kinds only: whole tensors, or flat slices holding this
+    // optimizer's piece (a data-parallel load reads only its pieces).
+    std::map<std::string, ShardedTensor> moments;
+    // FP32 value for the parameter: a saved main copy, or the model's FP32 tensor across a
+    // plan change (`local` undefined: none); and the key it came from.
+    ShardedTensor fp32;
+    std::string fp32_source;
+    bool fresh_ok = false;  // saved without state (frozen or never stepped): may start fresh
   };
   detail::SyncPlan sync;      // the roles the model asks for: the state is checked against them
   std::vector<Param> params;  // parallel to slots_

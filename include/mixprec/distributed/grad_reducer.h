@@ -1,43 +1,65 @@
-// GradReducer: data-parallel gradient reduction in buckets, overlapped with backward.
+// GradReducer: data parallelism's parameters and gradients in contiguous buffers, and gradient
+// reduction in buckets overlapped with backward (PyTorch DDP's reducer and Megatron's
+// param_and_grad_buffer in one).
 //
-// Every trainable parameter's .grad is a view into a contiguous gradient buffer (one per grad
-// dtype; layout and shards in distributed/buffer_layout.h). A post-accumulate-grad hook on each
-// parameter counts the gradients a bucket still waits for; when a bucket is complete its
-// collective starts at once, while backward goes on computing earlier layers. Buckets start
-// strictly in GradLayout::bucket_order on every rank (a bucket that is complete early waits
-// for the ones before it), so every rank issues the same collectives in the same order even
-// when backward visits parameters in another order. finish() starts whatever is left (a
-// parameter that got no gradient this step contributes its buffer range: zeros after
-// zero_grad()), waits, and averages by the world size.
+// Construction (collective: every rank constructs its reducer at the same point):
+//   1. every rank checks that all hold the same model (distributed/model_check.h: names,
+//      dtypes, shapes, trainability, tying, buffers); an error names the parameter that
+//      differs, on every rank, before anything else is sent;
+//   2. every floating parameter, trainable or frozen (tied ones once, under their first name),
+//      gets a range of its dtype's contiguous buffers (distributed/buffer_layout.h): freezing or
+//      unfreezing a parameter later needs no new layout. Parameters become views into a
+//      parameter buffer (set_data: the module keeps its tensors and their identities) and
+//      their .grad views into a gradient buffer, keeping any gradient they had;
+//   3. with broadcast_from_rank0 (the default, as DDP does), rank 0's parameters and buffers
+//      are sent to every rank, so that every rank starts from the same weights whatever it
+//      was initialised or loaded with.
+//
+// A step. A post-accumulate-grad hook per parameter notes that its gradient arrived (this
+// rank's `got_gradient`, kept until zero_grad()) and counts what its bucket still waits for;
+// a bucket whose trainable parameters have all arrived starts its collective at once, while
+// backward goes on. Every rank starts buckets in one agreed order, so collectives match even
+// when backward visits parameters differently: at first the layout's (reverse model order),
+// from the second step the order in which rank 0 saw buckets complete in the first (DDP's
+// rebuilt order): a bucket waits only for the buckets that complete before it, and one whose
+// parameters did not all arrive in the first step goes last. finish() starts what is left (a
+// parameter without a gradient contributes zeros), waits, and averages by the world size.
 //
 // Modes:
-//   kAllReduce     every rank ends with every averaged gradient (plain data parallelism:
-//                  then any optimizer, e.g. one optim::Float16Optimizer per rank);
+//   kAllReduce     every rank ends with every averaged gradient (plain data parallelism: then
+//                  any optimizer, e.g. one optim::Float16Optimizer per rank);
 //   kReduceScatter a rank ends with the averaged gradients of its own shard of each bucket
-//                  (GradLayout::param_shards(rank)); elsewhere its buffer keeps its local,
-//                  unreduced gradients. For distributed::DistributedOptimizer (ZeRO-1).
-// overlap = false starts every collective in finish() instead (debugging; and the baseline
-// the benchmark measures overlap against).
+//                  (GradLayout::param_shards(rank)); for DistributedOptimizer (ZeRO-1), which
+//                  then all-gathers the updated parameters through start_param_gather().
+// The collective is the cheapest correct one the backend offers: on Gloo, whose reduce-scatter
+// clones its input and all-reduces it whole, an in-place all-reduce of the bucket (the same
+// bytes on the wire, no copy); elsewhere a native in-place reduce-scatter.
+//
+// Memory. Everything is laid out once; a steady-state step (zero_grad, backward's hooks,
+// finish, and the optimizer's step and parameter gather) allocates no tensor.
+//   * grad_reduce_in_fp32 (default): BF16/FP16 buckets are summed in a persistent FP32 copy of
+//     the buffer, then rounded back once (why: see Numerics);
+//   * accumulate_in_fp32 (Megatron's main_grad): each backward's BF16/FP16 gradient is added to
+//     that FP32 buffer at once (main_grad()) and .grad is zeroed, so micro-batches accumulate in
+//     FP32 instead of rounding to 8 bits at every one; the optimizer steps on the FP32 averages.
+//     .grad is scratch then: read main_grad() instead.
 //
 // Numerics. The average of a bucket is (sum over ranks) / world_size, summed by the backend in
-// its own order, then rounded once to the gradient dtype. With grad_reduce_in_fp32 (default)
-// BF16/FP16 gradients are summed in an FP32 copy of the bucket. Why: with identical gradients
-// on every rank and a power-of-two world size N, every partial sum, in any order, is j*g for
-// some j <= N; that needs at most 8 (BF16) or 11 (FP16) significand bits plus log2(N), which
-// FP32's 24 hold for N up to 2^13, so the sum is exact, division by N is exact, and the average
-// rounds back to g itself: bitwise the single-process gradient, whatever algorithm the backend
-// runs. Summed in BF16 it is exact only for some orders (a sequential or pairwise sum of 4
-// equal values is; longer chains are not), and sums of different values round at every
-// partial sum to 8 bits. FP32 gradients are summed in FP32: for identical gradients a
-// sequential or pairwise sum is exact for N <= 4 (3g rounds by at most half an ulp of 4g, and
-// its tie case rounds back to even), which tests/distributed check on Gloo for N = 1, 2, 4.
-// Both modes reduce the same padded buckets; on Gloo, whose reduce-scatter is an all-reduce
-// of the bucket followed by a copy of the rank's chunk, the two modes' sums are therefore
-// bitwise identical for any data (tests/distributed check ZeRO-1 against plain DP for N = 1..4).
+// its own order, then rounded once to the gradient dtype. Summed in FP32, identical BF16/FP16
+// gradients on a power-of-two number of ranks N give partial sums j*g (j <= N) that FP32 holds
+// exactly for N up to 2^13, so the average is bitwise the single-process gradient whatever
+// order the backend sums in; summed in BF16 it is exact only for some orders. FP32 gradients
+// are summed in FP32: for identical gradients a sequential or pairwise sum is exact for N <= 4,
+// which tests/distributed check on Gloo for N = 1, 2, 4. Both modes reduce the same padded
+// buckets.
 //
 // A bucket's gradients are read when its collective starts, during backward: changing .grad
-// between backward and finish() (clipping by hand, injecting values) does not reach the
-// reduction. Do it in backward, or after finish().
+// between backward and finish() does not reach the reduction. Do it in backward, or after
+// finish().
+//
+// Failures. A collective that fails makes the group unusable (distributed/communicator.h): the
+// backend may still write into the buffers, and ranks may hold partial sums. Every later call
+// of this reducer, and of the optimizer using it, throws c10::Error saying why.
 //
 // Threading: hooks run on autograd's thread for the device. The reducer is not otherwise
 // thread-safe: call zero_grad(), finish() and the optimizer from one thread.
@@ -45,10 +67,13 @@
 
 #include "mixprec/distributed/buffer_layout.h"
 #include "mixprec/distributed/communicator.h"
+#include "mixprec/sharded_state_dict.h"
 
 #include <ATen/core/Tensor.h>
 #include <torch/arg.h>
 
+#include <cstddef>
+#include <limits>
 #include <memory>
 
 namespace torch::nn {
@@ -63,43 +88,58 @@ struct GradReducerOptions {
   TORCH_ARG(ReduceMode, mode) = ReduceMode::kAllReduce;
   // Start a bucket's collective from backward as soon as it is complete.
   TORCH_ARG(bool, overlap) = true;
-  // Sum BF16/FP16 gradients in FP32 (see the header comment); no effect on FP32 gradients.
+  // Sum BF16/FP16 gradients in a persistent FP32 buffer (see the header comment); no effect on
+  // FP32 gradients.
   TORCH_ARG(bool, grad_reduce_in_fp32) = true;
+  // Accumulate BF16/FP16 gradients in that FP32 buffer across backwards (main_grad); implies
+  // grad_reduce_in_fp32.
+  TORCH_ARG(bool, accumulate_in_fp32) = false;
+  // Send rank 0's parameters and buffers to every rank at construction.
+  TORCH_ARG(bool, broadcast_from_rank0) = true;
+  // kReduceScatter: start_param_gather() returns without waiting; each bucket's gather is
+  // waited for by wait_for_params() before the forward that uses it (Megatron's
+  // overlap_param_gather), and everything at the next finish(). Off: the gather completes
+  // inside start_param_gather(), and forward needs no call.
+  TORCH_ARG(bool, overlap_param_gather) = false;
   TORCH_ARG(int64_t, bucket_numel) = int64_t{1} << 22;
   TORCH_ARG(int64_t, shard_alignment) = 16;
 };
 
 struct ReductionTiming {
-  int64_t buckets = 0;                   // collectives per step
-  int64_t launched_during_backward = 0;  // of those, started from a hook in the last step
-  double finish_seconds = 0.0;           // wall time of the last finish()
+  int64_t buckets = 0;  // collectives per step
+  // Of those, started from a hook while later gradients of the step were still to come: the
+  // ones whose communication could overlap backward.
+  int64_t launched_during_backward = 0;
+  double finish_seconds = 0.0;  // wall time of the last finish(): the exposed reduction
+  // Wall time spent waiting for parameter gathers since the last finish() (overlap on: the
+  // part the next forward did not hide).
+  double param_gather_wait_seconds = 0.0;
 };
 
 class GradReducer {
  public:
-  // Collective (every rank constructs its reducer at the same point). First checks that every
-  // rank holds the same model (distributed/model_check.h: an error naming the first differing
-  // parameter, on every rank); then lays out every trainable parameter of `model` (tied
-  // parameters once, under their first name) and makes its .grad a view into the buffers,
-  // keeping any gradient it already had. Throws c10::Error naming the parameter for a
-  // trainable dtype other than Float/BFloat16/Half, a sparse or non-contiguous parameter,
-  // parameters on different devices, or a parameter that already has a post-accumulate-grad
-  // hook (another reducer).
+  static constexpr size_t kNoParam = std::numeric_limits<size_t>::max();
+
+  // Collective (see the header comment). Throws c10::Error, on every rank where it applies:
+  // naming the parameter for ranks holding different models, for a floating parameter that is
+  // sparse or not contiguous, on another device than the first, or already hooked by another
+  // reducer; for non-positive bucket or alignment options.
   GradReducer(std::shared_ptr<Communicator> comm, torch::nn::Module& model,
               GradReducerOptions options = {});
-  ~GradReducer();  // removes its hooks; .grad tensors stay (views keep the buffers alive)
+  ~GradReducer();  // removes its hooks; parameters and .grad stay views of the buffers
   GradReducer(const GradReducer&) = delete;
   GradReducer& operator=(const GradReducer&) = delete;
 
-  // Zeroes the buffers and makes every .grad its buffer view again. Throws c10::Error if a
-  // reduction is in flight (call finish() first).
+  // Zeroes the gradient buffers (and FP32 buffers) and makes every .grad its buffer view
+  // again; forgets which gradients arrived. Throws c10::Error if a reduction is in flight
+  // (call finish() first) or the group failed.
   void zero_grad();
-  // Collective. Starts every bucket not started yet, waits (at most the communicator's
-  // timeout each), averages. A .grad that is not the buffer view any more (set to none by
-  // an optimizer's zero_grad(), or replaced) is copied into its view first, or its range
-  // zeroed when it is undefined. Idempotent: a second call with no backward and no
-  // zero_grad() in between returns at once (every rank must then skip it alike). Throws
-  // c10::Error inside a NoSyncGuard.
+  // Collective. Starts every bucket not started yet, waits (at most the communicator's timeout
+  // each) for them and for any parameter gather still in flight, averages. A .grad that is not
+  // the buffer view any more (set to none, or replaced) is copied into its view first, or its
+  // range zeroed when undefined. Idempotent: a second call with no backward and no zero_grad()
+  // in between returns at once (every rank must then skip it alike). Throws c10::Error inside a
+  // NoSyncGuard, and if the group failed.
   void finish();
 
   // While alive, backward only accumulates into the buffers (gradient accumulation over
@@ -121,10 +161,43 @@ class GradReducer {
   const GradLayout& layout() const;
   const GradReducerOptions& options() const;
   Communicator& communicator() const;
-  // Buffer `index` of layout().buffers; every .grad of its dtype is a view into it.
+  // Buffer `index` of layout().buffers: every .grad of its dtype is a view into the gradient
+  // buffer, every parameter into the parameter buffer.
   const at::Tensor& grad_buffer(size_t index) const;
-  // Trainable parameter `index` of layout().params (the model's own tensor).
+  const at::Tensor& param_buffer(size_t index) const;
+  // Parameter `index` of layout().params (the model's own tensor).
   const at::Tensor& param(size_t index) const;
+  // The index in layout().params of a parameter of the model (by identity), or kNoParam.
+  size_t index_of(const at::Tensor& param) const;
+  // This rank's part [begin, end) of parameter `index`'s elements (kReduceScatter; all of
+  // them in kAllReduce mode).
+  FlatRange piece_of(size_t index) const;
+  // True if parameter `index` received a gradient on this rank since the last zero_grad().
+  bool got_gradient(size_t index) const;
+  // Parameter `index`'s reduced gradient after finish(), flat: its FP32 main_grad range with
+  // accumulate_in_fp32 (BF16/FP16 parameters), else its gradient buffer range. In
+  // kReduceScatter mode only this rank's piece of it holds the average.
+  at::Tensor reduced_gradient(size_t index) const;
+  // Parameter `index`'s FP32 accumulation buffer in its shape (accumulate_in_fp32 and a
+  // BF16/FP16 parameter); undefined otherwise.
+  at::Tensor main_grad(size_t index) const;
+
+  // Re-points every parameter whose tensor was replaced from outside since construction
+  // (set_data, torch::load's set_) at its buffer range again, copying the value it holds now.
+  // Parameters whose dtype or shape changed are left for the optimizer to refuse. Local.
+  void reseat_params();
+
+  // kReduceScatter (DistributedOptimizer): every rank sends its updated shard of each bucket of
+  // parameters to every rank, in place in the parameter buffers, buckets in forward order. With
+  // overlap_param_gather the call returns at once; otherwise when every parameter is current.
+  void start_param_gather();
+  // Waits for the gathers of the buckets holding parameters of `module` (recursively). A
+  // parameter whose gradient arrives before its bucket's gather was waited for is an error
+  // naming it (its forward read values being written). No-op when nothing is in flight.
+  void wait_for_params(const torch::nn::Module& module);
+  // Waits for every gather in flight.
+  void wait_param_gather();
+
   const ReductionTiming& last_timing() const;
 
   struct State;  // shared with the hooks, which hold it weakly

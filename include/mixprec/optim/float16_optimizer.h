@@ -88,6 +88,8 @@
 #include <torch/arg.h>
 #include <torch/optim/optimizer.h>
 
+#include <cstdint>
+#include <functional>
 #include <memory>
 #include <optional>
 #include <string>
@@ -285,8 +287,49 @@ class Float16Optimizer : private detail::GroupOptionsCheck, public torch::optim:
   void save(torch::serialize::OutputArchive& archive) const override;
   void load(torch::serialize::InputArchive& archive) override;
 
+ protected:
+  // Data parallelism (distributed::DistributedOptimizer, ZeRO-1) is this optimizer's rules
+  // applied to each rank's piece of every parameter: the same roles, following of the model,
+  // checks, loads and state dicts, through the same code. A sharded optimizer steps, for each
+  // parameter, the flat range [begin, end) of its row-major elements that `piece_of` gives
+  // (possibly empty); its main copies and state are 1-D pieces, its state dicts flat slices
+  // (rank `rank` declares the keys of parameters with no elements), and torch's positional
+  // forms are refused. `who` names it in messages.
+  struct Sharding {
+    std::function<FlatRange(const at::Tensor& param)> piece_of;
+    int rank = 0;
+  };
+  Float16Optimizer(const torch::nn::Module& model,
+                   std::vector<torch::optim::OptimizerParamGroup> groups,
+                   std::unique_ptr<torch::optim::OptimizerOptions> defaults,
+                   Float16OptimizerOptions options, Sharding sharding, std::string who);
+
+  // What every rank must agree on before a step: per parameter (params_info() order), the
+  // sum of squares of its gradient piece, whether a gradient arrived and whether it held a
+  // non-finite value. agree() turns this rank's values into the sums over every rank.
+  struct GradientAgreement {
+    std::vector<double> sum_of_squares;
+    std::vector<uint8_t> has_gradient;
+    std::vector<uint8_t> non_finite;
+  };
+  // The points where a data-parallel optimizer adds its collectives; a single process uses
+  // the defaults: nothing, and each parameter's own .grad. update() calls them in this order;
+  // apply() calls publish_params() once a loaded state is installed.
+  virtual void before_update() {}     // before anything is checked (local)
+  virtual void reduce_gradients() {}  // collective
+  // The gradient of the piece of params_info()[index], contiguous, or undefined if there is
+  // none to read; `arrived`: whether a gradient arrived for the parameter on this rank.
+  virtual at::Tensor piece_gradient(size_t index, bool& arrived) const;
+  virtual void agree(GradientAgreement& agreement) {}  // collective
+  virtual void publish_params() {}                     // collective: the stepped pieces
+  const std::string& who() const { return who_; }
+  bool sharded() const { return static_cast<bool>(sharding_.piece_of); }
+
+  struct Slot;  // optim/optimizer_slot.h
+  // Parallel to params_info().
+  std::vector<std::shared_ptr<Slot>> slots_;
+
  private:
-  struct Slot;
   struct Parsed;
 
   std::vector<std::string> new_param_problems(size_t first_group) const;
@@ -304,15 +347,20 @@ class Float16Optimizer : private detail::GroupOptionsCheck, public torch::optim:
   void record_params() const;
 
   Float16OptimizerOptions options_;
+  Sharding sharding_;  // none: one process, every slot whole
+  std::string who_;
   const detail::AlgorithmTraits* traits_;
   LossScaler scaler_;
   // The model's parameters at construction, by identity: FQN (first name) and a handle.
   std::vector<std::pair<std::string, at::Tensor>> model_params_;
   // Kept in step with the model lazily (plan_sync/apply_sync), also from const members.
   mutable std::vector<ParamInfo> info_;
-  std::vector<std::shared_ptr<Slot>> slots_;  // parallel to info_
-  std::vector<size_t> group_sizes_;           // params per group, as adopted
+  std::vector<size_t> group_sizes_;  // params per group, as adopted
   StepResult last_result_;
+  // update()'s working lists, kept so that a steady-state step allocates nothing.
+  GradientAgreement agreement_;
+  std::vector<at::Tensor> step_grads_;  // parallel to slots_: this step's gradient pieces
+  std::vector<size_t> active_;          // the slots stepped
   // With offloading: one pipeline per device that parameters live on, made on first use.
   std::vector<std::unique_ptr<detail::OffloadPipeline>> offload_;
   OffloadStats offload_stats_;

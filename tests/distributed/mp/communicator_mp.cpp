@@ -114,12 +114,40 @@ TEST(Collectives, TrafficCountsWhatWasSent) {
   comm.reduce_scatter_sum(t, out).wait();
   at::Tensor gathered = at::empty({10 * n}, at::kFloat);
   comm.all_gather(out, gathered).wait();
+  // In place: this rank's chunk of the output is the input.
+  comm.all_gather(gathered.narrow(0, 10 * comm.rank(), 10), gathered).wait();
+  at::Tensor root_value = at::zeros({10}, at::kFloat);
+  for (int root = 0; root < n; ++root) comm.broadcast(root_value, root).wait();
   const int64_t bytes = 40 * n;
-  EXPECT_EQ(comm.traffic(distributed::Collective::kAllReduce).payload_bytes, bytes);
-  EXPECT_EQ(comm.traffic(distributed::Collective::kAllReduce).ring_bytes_sent, 2 * 40 * (n - 1));
-  EXPECT_EQ(comm.traffic(distributed::Collective::kReduceScatter).ring_bytes_sent, 40 * (n - 1));
-  EXPECT_EQ(comm.traffic(distributed::Collective::kAllGather).payload_bytes, bytes);
-  EXPECT_EQ(comm.traffic(distributed::Collective::kAllGather).ring_bytes_sent, 40 * (n - 1));
+  using distributed::Collective;
+  EXPECT_EQ(comm.traffic(Collective::kAllReduce).payload_bytes, bytes);
+  EXPECT_EQ(comm.traffic(Collective::kAllReduce).bytes_sent, 2 * 40 * (n - 1));
+  // Gloo's reduce-scatter is a whole all-reduce.
+  EXPECT_EQ(comm.traffic(Collective::kReduceScatter).bytes_sent, 2 * 40 * (n - 1));
+  EXPECT_EQ(comm.traffic(Collective::kAllGather).payload_bytes, 2 * bytes);
+  EXPECT_EQ(comm.traffic(Collective::kAllGather).bytes_sent, 2 * 40 * (n - 1));
+  // A binomial tree from each root in turn: N - 1 sends of 40 bytes in all, over every rank.
+  at::Tensor sent = at::tensor({comm.traffic(Collective::kBroadcast).bytes_sent}, at::kLong);
+  comm.all_reduce_sum(sent).wait();
+  EXPECT_EQ(sent.item<int64_t>(), int64_t{40} * n * (n - 1));
+}
+
+TEST(Collectives, InPlaceAllGatherKeepsEveryChunk) {
+  distributed::Communicator& comm = world();
+  const int n = comm.size(), rank = comm.rank();
+  at::Tensor all = at::full({5 * n}, -1.0, at::kBFloat16);
+  all.narrow(0, 5 * rank, 5).fill_(rank + 1);
+  comm.all_gather(all.narrow(0, 5 * rank, 5), all).wait();
+  for (int r = 0; r < n; ++r) {
+    EXPECT_TRUE(at::equal(all.narrow(0, 5 * r, 5), at::full({5}, r + 1.0, at::kBFloat16))) << r;
+  }
+  at::Tensor overlapping = at::zeros({5 * n}, at::kFloat);
+  if (n > 1) {
+    EXPECT_NE(error_of([&] {
+                comm.all_gather(overlapping.narrow(0, 1, 5), overlapping).wait();
+              }).find("overlaps output"),
+              std::string::npos);
+  }
 }
 
 // A rank that never arrives is an error on the ranks that wait, within the timeout. Two ranks

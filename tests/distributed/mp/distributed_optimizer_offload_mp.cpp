@@ -110,10 +110,11 @@ TEST(DistributedOptimizer, OffloadedShardsStepBitwiseAsWithoutOffloading) {
         auto& o = static_cast<DistributedOptimizer&>(*offloaded.optimizer);
         EXPECT_EQ(o.state_bytes(ParamRole::kMaster), z.state_bytes(ParamRole::kMaster));
         EXPECT_EQ(o.state_bytes(ParamRole::kNativeFp32), z.state_bytes(ParamRole::kNativeFp32));
-        ASSERT_EQ(o.local_shards().size(), z.local_shards().size());
-        for (size_t i = 0; i < o.local_shards().size(); ++i) {
-          const auto& a = o.local_shards()[i];
-          const auto& b = z.local_shards()[i];
+        const auto o_shards = o.local_shards(), z_shards = z.local_shards();
+        ASSERT_EQ(o_shards.size(), z_shards.size());
+        for (size_t i = 0; i < o_shards.size(); ++i) {
+          const auto& a = o_shards[i];
+          const auto& b = z_shards[i];
           EXPECT_TRUE(bitwise_equal(a.master.defined() ? a.master : a.param,
                                     b.master.defined() ? b.master : b.param))
               << a.shard.fqn;

@@ -10,16 +10,20 @@
 namespace mixprec::testing {
 namespace MIXPREC_UNITY_ID {  // anonymous outside unity builds (tests/CMakeLists.txt)
 
-// "a" [3, 4] BF16, "b" [5] FP32, "c" [2] BF16; the last rank may change one thing.
+// "pre_weight" [3, 4] BF16, "b" [5] FP32, "c" [2] BF16, buffer "stat" [2] FP32; the last rank
+// may change one thing.
 struct SmallImpl : torch::nn::Module {
   SmallImpl(const std::string& what, bool deviant) {
-    a = register_parameter(deviant && what == "name" ? "a2" : "a",
+    a = register_parameter(deviant && what == "name" ? "pre_weight2" : "pre_weight",
                            at::zeros({3, 4}, at::kBFloat16));
     b = register_parameter("b", at::zeros({deviant && what == "shape" ? 6 : 5},
                                           deviant && what == "dtype" ? at::kHalf : at::kFloat));
     c = register_parameter("c", at::zeros({2}, at::kBFloat16));
     if (deviant && what == "frozen") c.set_requires_grad(false);
     if (deviant && what == "extra") register_parameter("d", at::zeros({1}));
+    // Tying: the last rank registers `c` a second time, the others a tensor of its own.
+    register_parameter("c_again", deviant && what == "tying" ? c : at::zeros({2}, at::kBFloat16));
+    register_buffer("stat", at::zeros({deviant && what == "buffer" ? 3 : 2}));
   }
   at::Tensor a, b, c;
 };
@@ -29,22 +33,26 @@ TEST(ModelCheck, DifferingRankIsAnErrorOnEveryRankNamingTheParameter) {
   const int n = world().size();
   if (n < 2) GTEST_SKIP() << "needs two ranks";
   const bool deviant = world().rank() == n - 1;
+  const std::string last = std::to_string(n - 1);
   const std::vector<std::pair<std::string, std::string>> cases = {
-      {"name", "first difference at parameter 'a'"},
-      {"shape",
-       "first difference at parameter 'b' (position 1): rank 0 has 'b Float [5] "
-       "trainable', rank " +
-           std::to_string(n - 1) + " has 'b Float [6] trainable'"},
-      {"dtype", "first difference at parameter 'b'"},
-      {"frozen", "first difference at parameter 'c'"},
-      {"extra", "first difference at parameter 'd' (position 3): rank 0 has nothing"},
+      {"name", "'pre_weight' only on rank 0; 'pre_weight2' only on rank " + last},
+      {"shape", "'b' differs: rank 0 has 'b Float [5] trainable', rank " + last +
+                    " has 'b Float [6] trainable'"},
+      {"dtype", "'b' differs"},
+      {"frozen", "'c' differs"},
+      // An extra parameter is named, not the first one by position.
+      {"extra", "'d' only on rank " + last},
+      {"tying", "'c_again' differs: rank 0 has 'c_again BFloat16 [2] trainable', rank " + last +
+                    " has 'c_again BFloat16 [2] trainable tied to 'c''"},
+      {"buffer", "'buffer stat' differs"},
   };
   for (const auto& [what, expected] : cases) {
     Small model(what, deviant);
     const std::string message =
         error_of([&] { distributed::GradReducer reducer(world_ptr(), *model); });
-    EXPECT_NE(message.find(expected), std::string::npos) << what << ": " << message;
-    world().barrier();  // every rank is still in step
+    EXPECT_NE(message.find("the ranks hold different models: " + expected), std::string::npos)
+        << what << ": " << message;
+    world().barrier();  // every rank is still in step: an error, never a hang
   }
 }
 
@@ -52,7 +60,8 @@ TEST(ModelCheck, SameModelPasses) {
   Small model("none", false);
   distributed::check_same_model(world(), *model);
   EXPECT_EQ(distributed::model_description(*model),
-            "a BFloat16 [3, 4] trainable\nb Float [5] trainable\nc BFloat16 [2] trainable\n");
+            "pre_weight BFloat16 [3, 4] trainable\nb Float [5] trainable\nc BFloat16 [2] "
+            "trainable\nc_again BFloat16 [2] trainable\nbuffer stat Float [2]\n");
 }
 
 }  // namespace MIXPREC_UNITY_ID
