@@ -269,6 +269,7 @@ GradReducer::GradReducer(std::shared_ptr<Communicator> comm, torch::nn::Module& 
         bucket.round_to =
             shard_only ? bucket.grads.narrow(0, lo - span.begin, hi - lo) : bucket.grads;
       }
+      bucket.world_size = at::scalar_tensor(static_cast<double>(world), bucket.send.options());
       bucket.params_range = s.param_buffers[b].narrow(0, span.begin, span.numel());
       const int64_t shard = span.numel() / world;
       for (int r = 0; r < world; ++r) {
@@ -355,7 +356,7 @@ void GradReducer::finish() {
   for (size_t id = 0; id < s.buckets.size(); ++id) {
     State::Bucket& bucket = s.buckets[id];
     s.flights[id].wait();
-    if (n > 1) bucket.reduced.div_(n);
+    if (n > 1) bucket.reduced.div_(bucket.world_size);
     if (bucket.round_to.defined()) bucket.round_to.copy_(bucket.reduced);
     if (s.launched_at[id] >= 0 && s.launched_at[id] < s.arrivals) ++during_backward;
   }
@@ -435,6 +436,8 @@ void GradReducer::reseat_params() {
     }
     view.copy_(p.detach());
     at::Tensor(p).set_data(view);
+    // A new value through the parameter: its version moves, as an in-place write's would.
+    p.unsafeGetTensorImpl()->bump_version();
   }
 }
 

@@ -38,12 +38,15 @@ struct GradReducer::State {
   // Per bucket, by flat id (buffers in order, then their buckets): what its collective reads
   // and writes.
   struct Bucket {
-    size_t buffer = 0, index = 0;    // in layout.buffers[buffer].buckets
-    std::vector<size_t> params;      // layout.params indices in it
-    at::Tensor grads;                // its range of the gradient buffer
-    at::Tensor send;                 // what is summed in place: `grads` or its FP32 copy
-    at::Tensor reduced;              // what holds the sum: `send`, or this rank's shard of it
-    at::Tensor round_to;             // where the FP32 average is rounded back, or undefined
+    size_t buffer = 0, index = 0;  // in layout.buffers[buffer].buckets
+    std::vector<size_t> params;    // layout.params indices in it
+    at::Tensor grads;              // its range of the gradient buffer
+    at::Tensor send;               // what is summed in place: `grads` or its FP32 copy
+    at::Tensor reduced;            // what holds the sum: `send`, or this rank's shard of it
+    at::Tensor round_to;           // where the FP32 average is rounded back, or undefined
+    // The world size as a 0-dim tensor of `send`'s dtype: dividing by a scalar would wrap it
+    // into a new tensor at every step.
+    at::Tensor world_size;
     bool copy_in = false;            // copy `grads` into `send` before the collective
     at::Tensor params_range;         // its range of the parameter buffer
     std::vector<at::Tensor> shards;  // per rank: that rank's shard of `params_range`

@@ -14,16 +14,21 @@ if(NOT _mixprec_torchrun_for_tests)
   message(WARNING "mixprec: no torchrun at ${MIXPREC_TORCHRUN}; multi-process tests not added")
   return()
 endif()
-foreach(suite Collectives GradReducer ModelCheck DistributedOptimizer ZeroStateDict
-              CollectiveCheckpoint)
-  foreach(n 1 2 3 4)
+function(mixprec_mp_suite suite)
+  foreach(n IN LISTS ARGN)
     add_test(NAME distributed.mp.${suite}.np${n}
              COMMAND "${MIXPREC_TORCHRUN}" --standalone --nproc-per-node ${n} --no-python
                      $<TARGET_FILE:distributed_mp_tests> --gtest_filter=${suite}.*:${suite}/*)
     set_tests_properties(distributed.mp.${suite}.np${n} PROPERTIES TIMEOUT 300 LABELS distributed
                          ENVIRONMENT "OMP_NUM_THREADS=1;${MIXPREC_TEST_ENVIRONMENT}")
   endforeach()
+endfunction()
+foreach(suite Collectives GradReducer ModelCheck DistributedOptimizer ZeroStateDict
+              CollectiveCheckpoint)
+  mixprec_mp_suite(${suite} 1 2 3 4)
 endforeach()
+# Following the model, broadcasts, failures and allocations: an even and an odd world.
+mixprec_mp_suite(ZeroFollowsModel 2 3)
 
 # Checkpoints across launches: saved by N ranks and resumed by M (one entry: each torchrun
 # start costs seconds here), and a rank SIGKILLed in the middle of a collective save.
