@@ -1,17 +1,37 @@
-// Data-parallel benchmark: ZeRO-1 (GradReducer reduce-scatter + DistributedOptimizer) against
-// plain DP (GradReducer all-reduce + a Float16Optimizer per rank) on a BF16 MLP with FP32 gates.
+// Data-parallel benchmark: ZeRO-1 (GradReducer + DistributedOptimizer) against plain data
+// parallelism (GradReducer all-reduce + a Float16Optimizer per rank) and against PyTorch DDP
+// (gloo) + ZeroRedundancyOptimizer (bench/dist_peer.py), on two models: the main job's GPT with
+// MoE blocks (examples/train, BF16 with FP32 norms, routers and expert biases) and a synthetic
+// BF16 MLP with FP32 gates.
 //
-//   bench_dist                  launcher mode: runs itself under torchrun for N = 1, 2, 4 and
-//                               prints the figures side by side (torchrun from MIXPREC_TORCHRUN
-//                               or --torchrun PATH)
-//   torchrun --standalone --nproc-per-node N --no-python bench_dist --worker
-//                               one measurement at world size N (rank 0 prints)
+//   bench_dist [--steps N] [--torchrun PATH] [--python PATH]
+//       launcher: for each model and N = 2, 4, runs itself and the peer under torchrun and
+//       prints the figures side by side
+//   torchrun --standalone --nproc-per-node N --no-python bench_dist --worker --model gpt|mlp
+//       one measurement of mixprec at world size N (rank 0 prints a JSON line)
 //
-// Figures per configuration: per-rank optimizer state bytes (owned masters + moments), step
-// time (backward + reduction + optimizer, max over ranks, median of the timed steps), bytes
-// each rank hands to collectives per step against the ZeRO-1 minimum 2(N-1)/N of the
-// parameter bytes, and how much of the gradient reduction backward hides: 1 - (finish() time
-// with overlap) / (finish() time without overlap), fastest step of each.
+// Figures, per configuration (one OpenMP thread per rank):
+//   step ms      zero_grad + forward + backward + reduction + optimizer step (+ parameter
+//                gather), the slowest rank's, median over the timed steps
+//   peak MiB     growth of each process's resident memory from just before the model is built
+//                to the peak (VmHWM), the largest over ranks: model, gradients, optimizer
+//                state, activations, communication buffers (mixprec's first configuration, as
+//                the peak only grows, and the peer's)
+//   sent         bytes each rank sends per step under the backend's algorithms
+//                (distributed/communicator.h), against the ZeRO-1 minimum: a reduce-scatter
+//                plus an all-gather of the BF16/FP32 parameter bytes, 2(N-1)/N of them
+//   hidden       the share of gradient reduction that backward hides: 1 - finish() time with
+//                overlap / finish() time with every bucket started after backward
+//   allocs       tensor allocations (a counting CPU allocator, every thread) per steady-state
+//                step inside zero_grad() and the optimizer's update()
+// Ranks share this machine's cores (oversubscribed beyond 2): compare ratios, not absolute
+// times.
+#include "data.h"
+#include "gpt.h"
+#include "plan.h"
+#include "support/bench_paths.h"
+#include "support/counting_allocator.h"
+
 #include "mixprec/distributed/distributed_optimizer.h"
 #include "mixprec/distributed/init.h"
 #include "mixprec/precision/convert.h"
@@ -20,13 +40,17 @@
 #include <ATen/ATen.h>
 #include <torch/nn/modules/linear.h>
 #include <torch/optim/adamw.h>
+#include <nlohmann/json.hpp>
 
 #include <algorithm>
 #include <chrono>
 #include <cstdio>
 #include <cstdlib>
 #include <cstring>
+#include <fstream>
+#include <functional>
 #include <iostream>
+#include <memory>
 #include <string>
 #include <vector>
 
@@ -35,43 +59,106 @@ namespace {
 using namespace mixprec;
 using Clock = std::chrono::steady_clock;
 
-constexpr int64_t kWidth = 384, kLayers = 4, kBatch = 64;
-constexpr int kWarmup = 3, kSteps = 16;
+constexpr int64_t kWidth = 384, kLayers = 4, kMlpRows = 64;  // the MLP: 64 rows per rank
+constexpr int64_t kGptBatch = 16;                            // the GPT: global batch
+constexpr int kWarmup = 3;
+
+// One of the two models, with its loss for a step's batch.
+struct Workload {
+  virtual ~Workload() = default;
+  virtual torch::nn::Module& module() = 0;
+  virtual at::Tensor loss(int64_t step, int rank, int world) = 0;
+  // Before each part of the model is read in forward (overlapped parameter gathers).
+  virtual void set_before_use(std::function<void(const torch::nn::Module&)> fn) = 0;
+};
+
+// A BF16 linear layer with tanh, scaled by an FP32 gate.
+struct GatedImpl : torch::nn::Module {
+  GatedImpl() {
+    fc = register_module("fc", torch::nn::Linear(kWidth, kWidth));
+    gate = register_parameter("gate", keep_in_fp32(at::ones({kWidth})));
+  }
+  at::Tensor forward(const at::Tensor& h) {
+    return (at::tanh(fc(h)).to(at::kFloat) * gate).to(at::kBFloat16);
+  }
+  torch::nn::Linear fc{nullptr};
+  at::Tensor gate;
+};
+TORCH_MODULE(Gated);
 
 struct MlpImpl : torch::nn::Module {
   MlpImpl() {
     at::manual_seed(3);
     for (int64_t i = 0; i < kLayers; ++i) {
-      layers.push_back(
-          register_module("fc" + std::to_string(i), torch::nn::Linear(kWidth, kWidth)));
-      gates.push_back(
-          register_parameter("gate" + std::to_string(i), keep_in_fp32(at::ones({kWidth}))));
+      layers.push_back(register_module("layer" + std::to_string(i), Gated()));
     }
     convert_module_to_dtype_except_fp32_marked(*this, at::kBFloat16);
   }
-  at::Tensor loss(const at::Tensor& x) {
-    at::Tensor h = x.to(at::kBFloat16);
-    for (int64_t i = 0; i < kLayers; ++i) {
-      h = (at::tanh(layers[i](h)).to(at::kFloat) * gates[i]).to(at::kBFloat16);
-    }
-    return h.to(at::kFloat).pow(2).mean();
-  }
-  std::vector<torch::nn::Linear> layers;
-  std::vector<at::Tensor> gates;
+  std::vector<Gated> layers;
 };
 TORCH_MODULE(Mlp);
 
-struct Figures {
-  double state_bytes = 0;     // max over ranks
-  double step_seconds = 0;    // median over steps of the max over ranks
-  double finish_seconds = 0;  // finish() alone: fastest step (least disturbed by other load)
-  double sent_bytes = 0;      // ring-model bytes per rank per step
-  double payload_bytes = 0;   // bytes handed to collectives per rank per step
-  double scatter_bytes = 0;   // the reduce-scatter part of sent_bytes
-  int64_t launched = 0, buckets = 0;
+struct MlpWorkload : Workload {
+  Mlp mlp;
+  std::function<void(const torch::nn::Module&)> before_use;
+  torch::nn::Module& module() override { return *mlp; }
+  at::Tensor loss(int64_t step, int rank, int /*world*/) override {
+    at::manual_seed(100 + step + 1000 * rank);
+    at::Tensor h = at::randn({kMlpRows, kWidth}).to(at::kBFloat16);
+    for (int64_t i = 0; i < kLayers; ++i) {
+      if (before_use) before_use(*mlp->layers[i]);
+      h = mlp->layers[i](h);
+    }
+    return h.to(at::kFloat).pow(2).mean();
+  }
+  void set_before_use(std::function<void(const torch::nn::Module&)> fn) override {
+    before_use = std::move(fn);
+  }
 };
 
-double max_over_ranks(distributed::Communicator& comm, double value) {
+// The main job's model as mixprec-train builds it with --fp8 off (BF16, FP32 norms, routers
+// and expert biases), fed random bytes.
+struct GptWorkload : Workload {
+  train::MixedModel model;
+  GptWorkload() : model(make()) {}
+  static train::MixedModel make() {
+    at::manual_seed(3);
+    train::GptConfig config;
+    train::Precision precision;
+    return train::apply_precision(train::Gpt(config), precision);
+  }
+  torch::nn::Module& module() override { return *model.gpt; }
+  at::Tensor loss(int64_t step, int rank, int world) override {
+    at::manual_seed(100 + step + 1000 * rank);
+    const train::GptConfig& c = model.gpt->config;
+    const at::Tensor tokens =
+        at::randint(0, c.vocab, {kGptBatch / world, c.seq_len + 1}, at::kLong);
+    auto [logits, aux] = model.forward(tokens.narrow(1, 0, c.seq_len));
+    const at::Tensor targets = tokens.narrow(1, 1, c.seq_len);
+    return at::cross_entropy_loss(logits.reshape({-1, c.vocab}), targets.reshape({-1})) +
+           0.01 * aux;
+  }
+  void set_before_use(std::function<void(const torch::nn::Module&)> fn) override {
+    model.gpt->before_use = std::move(fn);
+  }
+};
+
+std::unique_ptr<Workload> make_workload(const std::string& name) {
+  if (name == "gpt") return std::make_unique<GptWorkload>();
+  return std::make_unique<MlpWorkload>();
+}
+
+double status_mib(const char* field) {
+  std::ifstream in("/proc/self/status");
+  for (std::string line; std::getline(in, line);) {
+    if (line.rfind(std::string(field) + ":", 0) == 0) {
+      return std::strtod(line.c_str() + std::strlen(field) + 1, nullptr) / 1024.0;
+    }
+  }
+  return 0.0;
+}
+
+double reduce_max(distributed::Communicator& comm, double value) {
   at::Tensor t = at::tensor({value}, at::kDouble);
   comm.all_reduce_max(t).wait();
   return t.item<double>();
@@ -79,154 +166,225 @@ double max_over_ranks(distributed::Communicator& comm, double value) {
 
 double median(std::vector<double> v) {
   std::sort(v.begin(), v.end());
-  return v[v.size() / 2];
+  return v.empty() ? 0.0 : v[v.size() / 2];
 }
 
-Figures measure(const std::shared_ptr<distributed::Communicator>& comm, bool zero, bool overlap,
-                bool fp32_reduce) {
-  Mlp model;
-  const auto reduce = distributed::GradReducerOptions()
-                          .mode(zero ? distributed::ReduceMode::kReduceScatter
-                                     : distributed::ReduceMode::kAllReduce)
-                          .overlap(overlap)
-                          .grad_reduce_in_fp32(fp32_reduce)
-                          .bucket_numel(kWidth * kWidth / 2);
-  distributed::GradReducer reducer(comm, *model, reduce);
-  const auto adamw = torch::optim::AdamWOptions(1e-3).weight_decay(0.01);
-  std::unique_ptr<distributed::DistributedOptimizer> zero_opt;
-  std::unique_ptr<optim::Float16Optimizer> dp_opt;
-  if (zero) {
-    zero_opt = std::make_unique<distributed::DistributedOptimizer>(reducer, *model, adamw);
-  } else {
-    dp_opt = std::make_unique<optim::Float16Optimizer>(*model, adamw);
+struct Config {
+  const char* name;
+  bool zero;
+  bool overlap;         // buckets start during backward
+  bool overlap_gather;  // ZeRO-1: parameter gathers overlap the next forward
+};
+
+struct Figures {
+  double step_ms = 0, backward_ms = 0, finish_ms = 0, sent_bytes = 0, allocs_per_step = 0,
+         peak_mib = 0;
+  int64_t launched = 0, buckets = 0;
+};
+
+Figures measure(const std::shared_ptr<distributed::Communicator>& comm, const std::string& model,
+                const Config& config, int steps, double baseline_mib) {
+  std::unique_ptr<Workload> work = make_workload(model);
+  distributed::GradReducer reducer(
+      comm, work->module(),
+      distributed::GradReducerOptions()
+          .mode(config.zero ? distributed::ReduceMode::kReduceScatter
+                            : distributed::ReduceMode::kAllReduce)
+          .overlap(config.overlap)
+          .overlap_param_gather(config.overlap_gather)
+          .bucket_numel(model == "gpt" ? int64_t{1} << 17 : kWidth * kWidth / 2));
+  if (config.overlap_gather) {
+    work->set_before_use([&](const torch::nn::Module& m) { reducer.wait_for_params(m); });
   }
-  std::vector<double> steps, finishes;
-  Figures f;
-  for (int i = 0; i < kWarmup + kSteps; ++i) {
-    at::manual_seed(100 + i + 1000 * comm->rank());
-    const at::Tensor x = at::randn({kBatch, kWidth});
+  const auto adamw = torch::optim::AdamWOptions(1e-3).weight_decay(0.01);
+  std::unique_ptr<optim::Float16Optimizer> optimizer;
+  if (config.zero) {
+    optimizer = std::make_unique<distributed::DistributedOptimizer>(reducer, work->module(), adamw);
+  } else {
+    optimizer = std::make_unique<optim::Float16Optimizer>(work->module(), adamw);
+  }
+  testing::CountingAllocatorGuard counting;
+  std::vector<double> step_ms, backward_ms, finish_ms;
+  int64_t allocations = 0;
+  const int world = comm->size(), rank = comm->rank();
+  for (int i = 0; i < kWarmup + steps; ++i) {
     comm->barrier();
     if (i == kWarmup) comm->reset_traffic();
     const auto t0 = Clock::now();
+    int64_t mark = counting.allocations();
     reducer.zero_grad();
-    model->loss(x).backward();
-    if (zero) {
-      zero_opt->update();
-    } else {
-      reducer.finish();
-      dp_opt->update();
-    }
-    const double seconds = std::chrono::duration<double>(Clock::now() - t0).count();
-    const double finish = reducer.last_timing().finish_seconds;
+    int64_t ours = counting.allocations() - mark;
+    const at::Tensor loss = work->loss(i, rank, world);
+    const auto backward_start = Clock::now();
+    loss.backward();
+    const double backward =
+        std::chrono::duration<double, std::milli>(Clock::now() - backward_start).count();
+    mark = counting.allocations();
+    if (!config.zero) reducer.finish();
+    optimizer->update();
+    ours += counting.allocations() - mark;
+    const double ms = std::chrono::duration<double, std::milli>(Clock::now() - t0).count();
     if (i >= kWarmup) {
-      steps.push_back(max_over_ranks(*comm, seconds));
-      finishes.push_back(max_over_ranks(*comm, finish));
+      step_ms.push_back(reduce_max(*comm, ms));
+      backward_ms.push_back(reduce_max(*comm, backward));
+      finish_ms.push_back(reduce_max(*comm, reducer.last_timing().finish_seconds * 1e3));
+      allocations += ours;
     }
   }
+  reducer.wait_param_gather();
+  Figures f;
   using distributed::Collective;
-  for (Collective c :
-       {Collective::kAllReduce, Collective::kReduceScatter, Collective::kAllGather}) {
-    // kSteps steps, plus the timing all-reduces of 8 bytes (2 per step) and barriers (1 per step)
-    f.sent_bytes += comm->traffic(c).bytes_sent;
-    f.payload_bytes += comm->traffic(c).payload_bytes;
+  for (Collective c : {Collective::kAllReduce, Collective::kReduceScatter, Collective::kAllGather,
+                       Collective::kBroadcast}) {
+    f.sent_bytes += static_cast<double>(comm->traffic(c).bytes_sent);
   }
-  const double n = comm->size();
-  const double bookkeeping =
-      kSteps * (2 * 8 + 8) * 2 * (n - 1) / n;  // timing + barrier all-reduces
-  f.sent_bytes = (f.sent_bytes - bookkeeping) / kSteps;
-  f.payload_bytes = (f.payload_bytes - kSteps * (2 * 8 + 8)) / kSteps;
-  f.scatter_bytes =
-      static_cast<double>(comm->traffic(Collective::kReduceScatter).bytes_sent) / kSteps;
-  const double state = zero ? zero_opt->state_bytes(optim::ParamRole::kMaster) +
-                                  zero_opt->state_bytes(optim::ParamRole::kNativeFp32)
-                            : dp_opt->state_bytes(optim::ParamRole::kMaster) +
-                                  dp_opt->state_bytes(optim::ParamRole::kNativeFp32);
-  f.state_bytes = max_over_ranks(*comm, state);
-  f.step_seconds = median(steps);
-  f.finish_seconds = *std::min_element(finishes.begin(), finishes.end());
+  // Less the benchmark's own all-reduces: a barrier (8 bytes) and two timings (8 each) a step.
+  const double n = world;
+  f.sent_bytes = (f.sent_bytes - steps * 3 * 8 * 2 * (n - 1) / n) / steps;
+  f.step_ms = median(step_ms);
+  f.backward_ms = median(backward_ms);
+  f.finish_ms = *std::min_element(finish_ms.begin(), finish_ms.end());
+  f.allocs_per_step = reduce_max(*comm, static_cast<double>(allocations) / steps);
+  f.peak_mib = reduce_max(*comm, status_mib("VmHWM") - baseline_mib);
   f.launched = reducer.last_timing().launched_during_backward;
   f.buckets = reducer.last_timing().buckets;
   return f;
 }
 
-int worker() {
+int worker(const std::string& model, int steps) {
   auto comm = distributed::init_from_env();
+  const double baseline_mib = status_mib("VmRSS");
   const int n = comm->size();
-  Mlp probe;
-  double param_bytes = 0;
-  for (const auto& p : probe->parameters()) param_bytes += static_cast<double>(p.nbytes());
-  const double minimum = 2.0 * (n - 1) / n * param_bytes;
-
-  const Figures dp = measure(comm, false, true, true);
-  const Figures zero = measure(comm, true, true, true);
-  const Figures zero_bf16 = measure(comm, true, true, false);
-  const Figures dp_serial = measure(comm, false, false, true);
-  const Figures zero_serial = measure(comm, true, false, true);
+  const Config zero{"zero1", true, true, false}, zero_gather{"zero1_gather", true, true, true},
+      dp{"dp", false, true, false}, zero_serial{"zero1_serial", true, false, false};
+  // The first configuration's peak is its own: resident memory only grows from there.
+  const Figures fz = measure(comm, model, zero, steps, baseline_mib);
+  const Figures fg = measure(comm, model, zero_gather, steps, baseline_mib);
+  const Figures fd = measure(comm, model, dp, steps, baseline_mib);
+  const Figures fs = measure(comm, model, zero_serial, steps, baseline_mib);
   if (comm->rank() != 0) return 0;
-  auto hidden = [](const Figures& overlapped, const Figures& serial) {
-    return serial.finish_seconds > 0 ? 1.0 - overlapped.finish_seconds / serial.finish_seconds
-                                     : 0.0;
+  std::unique_ptr<Workload> probe = make_workload(model);
+  double param_bytes = 0, params = 0;
+  for (const auto& p : probe->module().parameters()) {
+    param_bytes += static_cast<double>(p.nbytes());
+    params += static_cast<double>(p.numel());
+  }
+  auto figures = [](const Figures& f) {
+    return nlohmann::json{{"step_ms", f.step_ms},        {"backward_ms", f.backward_ms},
+                          {"finish_ms", f.finish_ms},    {"sent", f.sent_bytes},
+                          {"allocs", f.allocs_per_step}, {"peak_mib", f.peak_mib},
+                          {"launched", f.launched},      {"buckets", f.buckets}};
   };
-  std::printf("== N=%d  params %.0f bytes (BF16 weights, FP32 gates); %d-step medians\n", n,
-              param_bytes, kSteps);
-  std::printf("optimizer state per rank: plain DP %.0f B, ZeRO-1 %.0f B (ratio %.3f, ideal %.3f)\n",
-              dp.state_bytes, zero.state_bytes, zero.state_bytes / dp.state_bytes, 1.0 / n);
-  std::printf("step time (max over ranks): plain DP %.2f ms, ZeRO-1 %.2f ms (ratio %.2f)\n",
-              dp.step_seconds * 1e3, zero.step_seconds * 1e3, zero.step_seconds / dp.step_seconds);
-  std::printf(
-      "bytes sent per rank per step (ring model): plain DP %.0f, ZeRO-1 %.0f, ZeRO-1 "
-      "with BF16 reduction %.0f; ZeRO-1 minimum 2(N-1)/N x params = %.0f (ratios %.2f, "
-      "%.2f, %.2f)\n",
-      dp.sent_bytes, zero.sent_bytes, zero_bf16.sent_bytes, minimum,
-      minimum > 0 ? dp.sent_bytes / minimum : 0.0, minimum > 0 ? zero.sent_bytes / minimum : 0.0,
-      minimum > 0 ? zero_bf16.sent_bytes / minimum : 0.0);
-  // Gloo's reduce-scatter is an all-reduce of the whole bucket plus a copy: twice the ring
-  // reduce-scatter's bytes on the wire.
-  const double gloo_zero = zero.sent_bytes + zero.scatter_bytes;
-  std::printf(
-      "on Gloo, whose reduce-scatter runs a whole all-reduce, ZeRO-1 puts about %.0f "
-      "bytes on the wire (ratio %.2f)\n",
-      gloo_zero, minimum > 0 ? gloo_zero / minimum : 0.0);
-  std::printf(
-      "gradient reduction hidden behind backward: plain DP %.0f%% (%lld of %lld buckets "
-      "started in backward), ZeRO-1 %.0f%% (finish() %.2f ms overlapped vs %.2f ms not)\n",
-      100 * hidden(dp, dp_serial), static_cast<long long>(dp.launched),
-      static_cast<long long>(dp.buckets), 100 * hidden(zero, zero_serial),
-      zero.finish_seconds * 1e3, zero_serial.finish_seconds * 1e3);
-  std::printf(
-      "{\"n\":%d,\"dp_state\":%.0f,\"zero_state\":%.0f,\"dp_step_ms\":%.3f,"
-      "\"zero_step_ms\":%.3f,\"dp_sent\":%.0f,\"zero_sent\":%.0f,\"zero_bf16_sent\":%.0f,"
-      "\"minimum\":%.0f,\"dp_hidden\":%.3f,\"zero_hidden\":%.3f}\n",
-      n, dp.state_bytes, zero.state_bytes, dp.step_seconds * 1e3, zero.step_seconds * 1e3,
-      dp.sent_bytes, zero.sent_bytes, zero_bf16.sent_bytes, minimum, hidden(dp, dp_serial),
-      hidden(zero, zero_serial));
+  const nlohmann::json out = {
+      {"model", model},
+      {"n", n},
+      {"params", params},
+      {"param_bytes", param_bytes},
+      {"minimum_sent", 2.0 * (n - 1) / n * param_bytes},
+      {"zero1", figures(fz)},
+      {"zero1_gather", figures(fg)},
+      {"dp", figures(fd)},
+      {"zero1_serial", figures(fs)},
+  };
+  std::printf("%s\n", out.dump().c_str());
   std::fflush(stdout);
   return 0;
 }
 
-int launcher(const std::string& self, std::string torchrun) {
-  if (torchrun.empty()) {
-#ifdef MIXPREC_TORCHRUN
-    torchrun = MIXPREC_TORCHRUN;
-#endif
+// The last line of a command's output that parses as a JSON object.
+nlohmann::json run_json(const std::string& command) {
+  FILE* pipe = ::popen(command.c_str(), "r");
+  if (pipe == nullptr) return {};
+  std::string out;
+  char buf[4096];
+  for (size_t n; (n = std::fread(buf, 1, sizeof buf, pipe)) > 0;) out.append(buf, n);
+  const int status = ::pclose(pipe);
+  nlohmann::json last;
+  size_t begin = 0;
+  while (begin < out.size()) {
+    const size_t end = out.find('\n', begin);
+    const std::string line = out.substr(begin, end == std::string::npos ? end : end - begin);
+    if (!line.empty() && line[0] == '{') {
+      auto parsed = nlohmann::json::parse(line, nullptr, /*allow_exceptions=*/false);
+      if (parsed.is_object()) last = parsed;
+    }
+    if (end == std::string::npos) break;
+    begin = end + 1;
   }
+  if (status != 0 || last.is_null()) std::cerr << "bench_dist: failed: " << command << "\n" << out;
+  return last;
+}
+
+int launcher(const std::string& self, std::string torchrun, std::string python, int steps) {
+  if (torchrun.empty()) torchrun = bench::kTorchrun;
+  if (python.empty()) python = bench::kPython;
   if (torchrun.empty()) {
     std::cerr << "bench_dist: pass --torchrun PATH, or run it under torchrun with --worker\n";
     return 2;
   }
-  std::cout << "bench_dist: ZeRO-1 vs plain DP on Gloo, " << kLayers << " x " << kWidth
-            << " MLP, batch " << kBatch << "; N = 1, 2, 4 processes on this machine's cores "
-            << "(oversubscribed beyond the core count: compare ratios, not absolute times)\n";
-  for (int n : {1, 2, 4}) {
-    // One OpenMP thread per rank for every N (torchrun sets it only for N > 1), so the
-    // ratios compare like with like.
-    const std::string command = "OMP_NUM_THREADS=1 " + torchrun +
-                                " --standalone --nproc-per-node " + std::to_string(n) +
-                                " --no-python " + self + " --worker 2>/dev/null";
-    std::cout.flush();
-    if (std::system(command.c_str()) != 0) {
-      std::cerr << "bench_dist: N=" << n << " failed: " << command << "\n";
-      return 1;
+  const std::string peer = std::string(bench::kSourceDir) + "/bench/dist_peer.py";
+  std::printf(
+      "bench_dist: ZeRO-1 on Gloo vs plain DP vs PyTorch DDP(gloo) + ZeroRedundancyOptimizer, "
+      "%d timed steps, 1 thread per rank on this machine's cores (oversubscribed beyond them: "
+      "compare ratios)\n",
+      steps);
+  for (const char* model : {"gpt", "mlp"}) {
+    for (int n : {2, 4}) {
+      const std::string launch =
+          "OMP_NUM_THREADS=1 " + torchrun + " --standalone --nproc-per-node " + std::to_string(n);
+      const nlohmann::json ours = run_json(launch + " --no-python " + self + " --worker --model " +
+                                           model + " --steps " + std::to_string(steps) + " 2>&1");
+      nlohmann::json theirs;
+      if (!python.empty()) {
+        theirs = run_json(launch + " " + peer + " --model " + model + " --steps " +
+                          std::to_string(steps) + " 2>&1");
+      }
+      if (ours.is_null()) return 1;
+      const double minimum = ours["minimum_sent"].get<double>();
+      const double dp_ms = ours["dp"]["step_ms"].get<double>();
+      const double peer_ms = theirs.is_null() ? 0.0 : theirs["step_ms"].get<double>();
+      std::printf(
+          "\n== %s, N=%d: %.0f parameters (%.2f MiB), ZeRO-1 minimum %.0f bytes sent "
+          "per rank per step\n",
+          model, n, ours["params"].get<double>(), ours["param_bytes"].get<double>() / (1 << 20),
+          minimum);
+      std::printf("  %-34s %9s %7s %8s %9s %12s %7s %7s %7s\n", "configuration", "step ms", "vs DP",
+                  "vs peer", "peak MiB", "sent/step", "x min", "hidden", "allocs");
+      const auto serial_finish = ours["zero1_serial"]["finish_ms"].get<double>();
+      for (const auto& [key, label] : std::vector<std::pair<std::string, std::string>>{
+               {"zero1", "mixprec ZeRO-1"},
+               {"zero1_gather", "mixprec ZeRO-1, gather overlapped"},
+               {"dp", "mixprec plain DP"},
+               {"zero1_serial", "mixprec ZeRO-1, reduction after bwd"}}) {
+        const nlohmann::json& f = ours[key];
+        const double ms = f["step_ms"].get<double>();
+        const double hidden = key == "zero1_serial" || serial_finish <= 0
+                                  ? 0.0
+                                  : 1.0 - f["finish_ms"].get<double>() / serial_finish;
+        char peak[32] = "-";
+        if (key == "zero1") std::snprintf(peak, sizeof peak, "%.1f", f["peak_mib"].get<double>());
+        std::printf("  %-34s %9.2f %7.2f %8s %9s %12.0f %7.2f %6.0f%% %7.1f\n", label.c_str(), ms,
+                    ms / dp_ms,
+                    peer_ms > 0 ? (std::to_string(ms / peer_ms).substr(0, 4)).c_str() : "-", peak,
+                    f["sent"].get<double>(), f["sent"].get<double>() / minimum, 100 * hidden,
+                    f["allocs"].get<double>());
+      }
+      std::printf(
+          "  backward %.2f ms; the reduction, started after backward, waits %.2f ms (finish(), "
+          "fastest step): %s\n",
+          ours["zero1_serial"]["backward_ms"].get<double>(), serial_finish,
+          ours["zero1_serial"]["backward_ms"].get<double>() > serial_finish
+              ? "backward is the longer, so overlap can hide all of it"
+              : "the reduction is the longer: overlap can hide at most backward's length");
+      if (!theirs.is_null()) {
+        std::printf("  %-34s %9.2f %7.2f %8s %9.1f %12.0f %7.2f %7s %7s\n",
+                    "PyTorch DDP + ZeroRedundancyOpt.", peer_ms, peer_ms / dp_ms, "1.00",
+                    theirs["peak_growth_mib"].get<double>(),
+                    theirs["modeled_sent_bytes"].get<double>(),
+                    theirs["modeled_sent_bytes"].get<double>() / minimum, "-", "-");
+      }
+      std::printf("  JSON %s\n  JSON %s\n", ours.dump().c_str(), theirs.dump().c_str());
+      std::fflush(stdout);
     }
   }
   return 0;
@@ -235,11 +393,16 @@ int launcher(const std::string& self, std::string torchrun) {
 }  // namespace
 
 int main(int argc, char** argv) {
-  std::string torchrun;
+  std::string torchrun, python, model = "mlp";
+  int steps = 16;
+  bool is_worker = false;
   for (int i = 1; i < argc; ++i) {
-    if (std::strcmp(argv[i], "--worker") == 0) return worker();
+    if (std::strcmp(argv[i], "--worker") == 0) is_worker = true;
+    if (std::strcmp(argv[i], "--model") == 0 && i + 1 < argc) model = argv[++i];
+    if (std::strcmp(argv[i], "--steps") == 0 && i + 1 < argc) steps = std::atoi(argv[++i]);
     if (std::strcmp(argv[i], "--torchrun") == 0 && i + 1 < argc) torchrun = argv[++i];
+    if (std::strcmp(argv[i], "--python") == 0 && i + 1 < argc) python = argv[++i];
   }
-  if (std::getenv("RANK") != nullptr) return worker();
-  return launcher(argv[0], torchrun);
+  if (is_worker || std::getenv("RANK") != nullptr) return worker(model, steps);
+  return launcher(argv[0], torchrun, python, steps);
 }

@@ -4,7 +4,7 @@
 //
 //   bench_dist_checkpoint        launcher mode: runs itself under torchrun, saving on
 //                                N = 1, 2, 4 ranks and loading each checkpoint on M = 1, 2, 4
-//                                (torchrun from MIXPREC_TORCHRUN or --torchrun PATH)
+//                                (torchrun beside the project's Python, or --torchrun PATH)
 //   torchrun ... bench_dist_checkpoint --save ROOT | --load ROOT     one launch's work
 //
 // Save on N: the bytes each rank writes (its data file) and the wall time of a save (max over
@@ -19,6 +19,7 @@
 #include "mixprec/distributed/init.h"
 #include "mixprec/precision/convert.h"
 #include "mixprec/precision/keep_fp32.h"
+#include "support/bench_paths.h"
 
 #include <ATen/ATen.h>
 #include <torch/nn/modules/linear.h>
@@ -223,9 +224,7 @@ int load_worker(const std::string& given) {
 
 int launcher(const std::string& self, std::string torchrun) {
   if (torchrun.empty()) {
-#ifdef MIXPREC_TORCHRUN
-    torchrun = MIXPREC_TORCHRUN;
-#endif
+    torchrun = mixprec::bench::kTorchrun;
   }
   if (torchrun.empty()) {
     std::cerr << "bench_dist_checkpoint: pass --torchrun PATH, or run it under torchrun with "

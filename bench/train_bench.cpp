@@ -28,6 +28,7 @@
 #include "loop.h"
 #include "optimizer.h"
 #include "plan.h"
+#include "support/bench_paths.h"
 
 #include <ATen/ATen.h>
 #include <ATen/Parallel.h>
@@ -224,14 +225,13 @@ int parent(const Options& o, const char* self) {
       {"mixprec bf16", env + shell_quote(self) + " --child mixprec" + common},
       {"libtorch fp32", env + shell_quote(self) + " --child fp32" + common},
   };
-#if defined(MIXPREC_PYTHON) && defined(MIXPREC_SOURCE_DIR)
-  if (std::string(MIXPREC_PYTHON).size() > 0) {
+  if (std::string(mixprec::bench::kPython).size() > 0) {
     children.emplace_back(
         "pytorch autocast bf16",
-        env + shell_quote(MIXPREC_PYTHON) + " " +
-            shell_quote(std::string(MIXPREC_SOURCE_DIR) + "/bench/train_bench.py") + common);
+        env + shell_quote(mixprec::bench::kPython) + " " +
+            shell_quote(std::string(mixprec::bench::kSourceDir) + "/bench/train_bench.py") +
+            common);
   }
-#endif
   const TrainConfig& defaults = o.config;
   std::printf(
       "training step of mixprec-train's model: %s, batch %lld x %lld tokens; "

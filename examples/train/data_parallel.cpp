@@ -17,16 +17,20 @@ using mixprec::optim::ParamRole;
 
 class DataParallelOptimizer final : public TrainingOptimizer {
  public:
-  DataParallelOptimizer(torch::nn::Module& model, const TrainConfig& config,
-                        const Precision& precision,
+  DataParallelOptimizer(MixedModel& mixed, const TrainConfig& config, const Precision& precision,
                         std::shared_ptr<mixprec::distributed::Communicator> ranks)
-      : model_(model),
-        reducer_(std::move(ranks), model,
-                 mixprec::distributed::GradReducerOptions().mode(
-                     mixprec::distributed::ReduceMode::kReduceScatter)),
-        optimizer_(reducer_, model, adamw_groups(model, config),
+      : model_(*mixed.module),
+        reducer_(std::move(ranks), *mixed.module,
+                 mixprec::distributed::GradReducerOptions()
+                     .mode(mixprec::distributed::ReduceMode::kReduceScatter)
+                     .overlap_param_gather(true)),
+        optimizer_(reducer_, *mixed.module, adamw_groups(*mixed.module, config),
                    std::make_unique<torch::optim::AdamWOptions>(adamw_options(config)),
-                   float16_options(config, precision)) {}
+                   float16_options(config, precision)),
+        gpt_(mixed.gpt) {
+    gpt_->before_use = [this](const torch::nn::Module& part) { reducer_.wait_for_params(part); };
+  }
+  ~DataParallelOptimizer() override { gpt_->before_use = nullptr; }
 
   double loss_scale() const override { return optimizer_.loss_scale(); }
   void zero_grad() override { reducer_.zero_grad(); }
@@ -55,12 +59,13 @@ class DataParallelOptimizer final : public TrainingOptimizer {
   torch::nn::Module& model_;
   mixprec::distributed::GradReducer reducer_;
   mixprec::distributed::DistributedOptimizer optimizer_;
+  Gpt gpt_;
 };
 
 }  // namespace
 
 std::unique_ptr<TrainingOptimizer> make_data_parallel_optimizer(
-    torch::nn::Module& model, const TrainConfig& config, const Precision& precision,
+    MixedModel& model, const TrainConfig& config, const Precision& precision,
     std::shared_ptr<mixprec::distributed::Communicator> ranks) {
   return std::make_unique<DataParallelOptimizer>(model, config, precision, std::move(ranks));
 }
@@ -77,17 +82,30 @@ double mean_over_ranks(mixprec::distributed::Communicator* ranks, double value) 
   return t.item<double>() / ranks->size();
 }
 
-bool any_rank(mixprec::distributed::Communicator* ranks, bool mine) {
+StepAgreement agree_on_step(mixprec::distributed::Communicator* ranks, StepAgreement mine,
+                            const std::vector<at::Tensor>& expert_loads) {
   if (ranks == nullptr) return mine;
-  at::Tensor t = at::full({1}, mine ? 1 : 0, at::kLong);
-  ranks->all_reduce_max(t).wait();
-  return t.item<int64_t>() != 0;
-}
-
-void sum_over_ranks(mixprec::distributed::Communicator* ranks,
-                    const std::vector<at::Tensor>& tensors) {
-  if (ranks == nullptr) return;
-  for (const at::Tensor& t : tensors) ranks->all_reduce_sum(t).wait();
+  // FP64 holds the token counts exactly (far below 2^53).
+  int64_t counts = 0;
+  for (const at::Tensor& t : expert_loads) counts += t.numel();
+  at::Tensor sums = at::empty({3 + counts}, at::kDouble);
+  double* values = sums.mutable_data_ptr<double>();
+  values[0] = mine.loss;
+  values[1] = mine.aux_loss;
+  values[2] = mine.stop ? 1.0 : 0.0;
+  int64_t at = 3;
+  for (const at::Tensor& t : expert_loads) {
+    sums.narrow(0, at, t.numel()).copy_(t.reshape({-1}));
+    at += t.numel();
+  }
+  ranks->all_reduce_sum(sums).wait();
+  at = 3;
+  for (const at::Tensor& t : expert_loads) {
+    t.copy_(sums.narrow(0, at, t.numel()).view(t.sizes()));
+    at += t.numel();
+  }
+  const double n = ranks->size();
+  return {values[0] / n, values[1] / n, values[2] > 0};
 }
 
 }  // namespace train

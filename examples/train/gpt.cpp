@@ -81,13 +81,19 @@ std::tuple<at::Tensor, at::Tensor> GptImpl::forward(const at::Tensor& tokens) {
               "[mixprec-train::Gpt] tokens must be [batch, T] with T <= ", config.seq_len, ", got ",
               tokens.sizes());
   const at::Tensor positions = at::arange(tokens.size(1), tokens.options());
+  if (before_use) {
+    before_use(*tok_emb);
+    before_use(*pos_emb);
+  }
   at::Tensor x = tok_emb(tokens) + pos_emb(positions);
   at::Tensor aux = at::zeros({}, at::kFloat);
   for (const auto& block : *blocks) {
+    if (before_use) before_use(*block);
     auto [next, block_aux] = block->as<BlockImpl>()->forward(x);
     x = next;
     aux = aux + block_aux;
   }
+  if (before_use) before_use(*final_norm);
   x = final_norm(x);
   at::Tensor logits;
   {

@@ -27,6 +27,7 @@
 #include <torch/nn/modules/linear.h>
 #include <torch/nn/modules/normalization.h>
 
+#include <functional>
 #include <tuple>
 
 namespace train {
@@ -84,6 +85,11 @@ struct GptImpl : torch::nn::Module {
   // Fully qualified names of the expert-bias buffers ("blocks.0.moe.expert_bias", …): the
   // precision plan keeps them FP32 by name.
   std::vector<std::string> expert_bias_names() const;
+
+  // Called with each part of the model (embeddings, each block, the final norm) just before
+  // forward reads it, when set: data parallelism with an overlapped parameter gather waits
+  // there for that part's parameters (GradReducer::wait_for_params).
+  std::function<void(const torch::nn::Module&)> before_use;
 
   GptConfig config;
   torch::nn::Embedding tok_emb{nullptr};

@@ -63,7 +63,7 @@ double Loop::validation_loss() {
 
 StepOutcome train_step(const TrainConfig& config, MixedModel& model, TrainingOptimizer& optimizer,
                        const BatchSampler& batches, int64_t index, double lr,
-                       mixprec::distributed::Communicator* ranks) {
+                       mixprec::distributed::Communicator* ranks, bool stop_requested) {
   const int64_t rank_rows = config.batch / config.world_size;
   const int64_t micro_rows = rank_rows / config.grad_accum;
   optimizer.set_lr(lr);
@@ -85,11 +85,14 @@ StepOutcome train_step(const TrainConfig& config, MixedModel& model, TrainingOpt
     out.aux_loss += aux.item<double>() / static_cast<double>(config.grad_accum);
   }
   out.result = optimizer.step();
-  out.loss = mean_over_ranks(ranks, out.loss);
-  out.aux_loss = mean_over_ranks(ranks, out.aux_loss);
   // Aux-loss-free balancing uses the load of this step's tokens, whether or not it was skipped:
-  // every rank's tokens, so the biases stay identical on every rank.
-  sum_over_ranks(ranks, model.gpt->expert_loads());
+  // every rank's tokens, so the biases stay identical on every rank. A signal may reach the
+  // ranks between different steps; they agree here, so all stop after the same one.
+  const StepAgreement agreed =
+      agree_on_step(ranks, {out.loss, out.aux_loss, stop_requested}, model.gpt->expert_loads());
+  out.loss = agreed.loss;
+  out.aux_loss = agreed.aux_loss;
+  out.stop = agreed.stop;
   model.gpt->update_expert_biases(config.bias_update_rate);
   return out;
 }
@@ -101,8 +104,8 @@ LoopOutcome Loop::run(RunState& state) {
     const auto start = Clock::now();
     const double lr =
         learning_rate(state.step, config.steps, config.lr, config.warmup, config.min_lr_ratio);
-    const StepOutcome done =
-        train_step(config, model, optimizer, train_batches, state.step, lr, ranks);
+    const StepOutcome done = train_step(config, model, optimizer, train_batches, state.step, lr,
+                                        ranks, stop.requested());
     const mixprec::optim::StepResult& result = done.result;
     const double step_s = seconds_since(start);
     outcome.train_s += step_s;
@@ -130,8 +133,7 @@ LoopOutcome Loop::run(RunState& state) {
     if (metrics != nullptr) metrics->write(r);
     progress.step(r);
 
-    // A signal may reach the ranks between different steps; all stop after the same one.
-    const bool stopping = any_rank(ranks, stop.requested()) || state.step == config.stop_at;
+    const bool stopping = done.stop || state.step == config.stop_at;
     if (state.step % config.ckpt_every == 0 || state.step == config.steps || stopping) {
       checkpointer.save(state.step, optimizer.training_state(state.to_json(config, metrics_path)));
     }

@@ -53,13 +53,15 @@ struct LoopOutcome {
 // ranks and the expert loads are summed over ranks before the bias update. The benchmark
 // times exactly this.
 struct StepOutcome {
-  double loss = 0;      // mean cross-entropy over the micro-batches
+  double loss = 0;      // mean cross-entropy over the micro-batches (and ranks)
   double aux_loss = 0;  // mean load-balancing loss
+  bool stop = false;    // some rank was asked to stop (`stop_requested` there)
   mixprec::optim::StepResult result;
 };
 StepOutcome train_step(const TrainConfig& config, MixedModel& model, TrainingOptimizer& optimizer,
                        const BatchSampler& batches, int64_t index, double lr,
-                       mixprec::distributed::Communicator* ranks = nullptr);
+                       mixprec::distributed::Communicator* ranks = nullptr,
+                       bool stop_requested = false);
 
 struct Loop {
   const TrainConfig& config;

@@ -84,7 +84,7 @@ int run(int argc, char** argv) {
   // 5. Optimizer: AdamW with FP32 masters for the half parameters only; with several ranks,
   //    ZeRO-1 (each rank holds and steps 1/N of masters and moments).
   std::unique_ptr<TrainingOptimizer> optimizer =
-      ranks ? make_data_parallel_optimizer(*model.module, config, precision, ranks)
+      ranks ? make_data_parallel_optimizer(model, config, precision, ranks)
             : make_single_process_optimizer(*model.module, config, precision);
 
   // 6. Resume: model, optimizer, RNG and the run's position, all from one checkpoint.

@@ -73,9 +73,11 @@ std::unique_ptr<TrainingOptimizer> make_single_process_optimizer(torch::nn::Modu
 
 // The same AdamW, clipping and loss scaler, data parallel over `ranks` (ZeRO-1). Collective:
 // every rank calls it at the same point with the same model (checked: an error names the first
-// parameter that differs).
+// parameter that differs); rank 0's weights become every rank's. The parameter gather after a
+// step overlaps the next forward: the model waits for each part's parameters just before it
+// reads them (GptImpl::before_use).
 std::unique_ptr<TrainingOptimizer> make_data_parallel_optimizer(
-    torch::nn::Module& model, const TrainConfig& config, const Precision& precision,
+    MixedModel& model, const TrainConfig& config, const Precision& precision,
     std::shared_ptr<mixprec::distributed::Communicator> ranks);
 
 // What both share: the summary's memory figures (state_bytes: this rank's), the two parameter

@@ -19,6 +19,8 @@ ShardedStateDict training_state_dict(const torch::nn::Module& model,
                                      const nlohmann::json& user) {
   const Communicator& comm = optimizer.communicator();
   const int64_t rank = comm.rank(), world = comm.size();
+  // An overlapped parameter gather may still be writing the parameters this reads.
+  optimizer.reducer().wait_param_gather();
   ShardedStateDict whole = model_sharded_state_dict(model);
   std::set<std::string> params;
   for (const auto& item : model.named_parameters()) params.insert(item.key());

@@ -88,8 +88,8 @@ checkpoint::SaveResult save_checkpoint(Communicator& comm, const std::filesystem
                                        const checkpoint::SaveOptions& options = {});
 
 // This rank's part of the training state (model pieces, optimizer pieces, RNG, user), as the
-// header comment lays it out. Throws c10::Error if a model tensor's name is one the
-// checkpoint reserves. Not collective.
+// header comment lays it out, once any parameter gather in flight has completed. Throws
+// c10::Error if a model tensor's name is one the checkpoint reserves. Not collective.
 ShardedStateDict training_state_dict(const torch::nn::Module& model,
                                      const DistributedOptimizer& optimizer,
                                      const nlohmann::json& user = nlohmann::json::object());
