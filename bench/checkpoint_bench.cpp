@@ -11,10 +11,11 @@
 //           save is followed by an fsync so that it is as durable as the others.
 //   ours    save_checkpoint (data file, checksums, manifest, fsyncs, atomic rename, `latest`);
 //           read_checkpoint (every chunk's checksum verified); verify_checkpoint.
-//   async   AsyncCheckpointSaver (default 1 GiB staging budget): time until save() returns
-//           (training may continue) and until the commit. Staging is a host-memory copy, so
-//           its bound is the state's bytes at copy bandwidth (support/copy_bandwidth.h,
-//           measured in the same run over 256 MiB buffers).
+//   async   AsyncCheckpointSaver, its staging memory reserved once up front (as a training
+//           job does at start): the time training is blocked (save() copies the state into
+//           staging) against a synchronous save of the same state, and the background save's
+//           own time. Staging is a host-memory copy, so its bound is the state's bytes at copy
+//           bandwidth (support/copy_bandwidth.h, measured in the same run over 256 MiB buffers).
 //   reshard the state saved by 3 data-parallel ranks, loaded by 2 (every rank needs part of
 //           the middle rank's chunks). Every byte a load uses is verified; the cost is in the
 //           bytes read (ReadStats): with whole-chunk checksums only (block 0, manifest version
@@ -27,8 +28,10 @@
 // operation; VmHWM − that RSS afterwards is the operation's high-water mark (page cache is not
 // RSS, so this is memory the process itself held).
 //
-// Goals: ours ≥ 0.8 of raw for save and load; ≥ 2× torch::save / torch::load; peak extra
-// memory of a synchronous save ≤ 10% of the state. Each operation runs kRounds times, one
+// Goals: save ≥ 0.9 of raw and ≥ 1.5× torch::save; load (every byte verified) ≥ 0.9 of raw
+// and ≥ 1.0× torch::load; peak extra memory of a synchronous save ≤ 10% of the state; an
+// async save blocks training ≤ 10% of a synchronous save's time, and its background part
+// writes at ≥ 0.8 of the synchronous save's throughput. Each operation runs kRounds times, one
 // iteration each, and the summary takes the fastest round (shared machines are noisy; the
 // first write of a run also pays for flushing whatever else is dirty). A full run takes about
 // a minute. MIXPREC_BENCH_STATE_MB overrides the state size (default 1024); files go to a fresh
@@ -294,24 +297,30 @@ void BM_OursVerify(benchmark::State& bm) {
   bm.SetBytesProcessed(static_cast<int64_t>(bm.iterations() * s.bytes));
 }
 
-double async_return_seconds = 0;
-std::size_t async_peak_staged = 0;
+double async_blocked_seconds = 0, async_background_seconds = 0;
+std::size_t async_staging_bytes = 0;
 
 void BM_OursAsyncSave(benchmark::State& bm) {
   State& s = state();
   ckpt::AsyncCheckpointSaver saver;
+  saver.reserve(ckpt::staging_bytes_for(s.dict));  // once, as a job does at start
   for (auto _ : bm) {
     fs::remove_all(s.dir / "async");
     const auto t0 = Clock::now();
     saver.save(s.dir / "async", "step-1", s.dict);
-    const double returned = seconds_since(t0);
     saver.wait();
     record_time(bm, __func__, seconds_since(t0));
-    bm.counters["return_s"] = returned;
-    async_return_seconds =
-        async_return_seconds > 0 ? std::min(async_return_seconds, returned) : returned;
+    const double blocked = saver.last_blocked_seconds();
+    const double background = saver.last_background_seconds();
+    bm.counters["blocked_s"] = blocked;
+    bm.counters["background_s"] = background;
+    // The fastest round of each, as for every other figure.
+    async_blocked_seconds =
+        async_blocked_seconds > 0 ? std::min(async_blocked_seconds, blocked) : blocked;
+    async_background_seconds =
+        async_background_seconds > 0 ? std::min(async_background_seconds, background) : background;
   }
-  async_peak_staged = std::max(async_peak_staged, saver.peak_staged_bytes());
+  async_staging_bytes = saver.staging_bytes();
   bm.SetBytesProcessed(static_cast<int64_t>(bm.iterations() * s.bytes));
 }
 
@@ -397,9 +406,9 @@ int main(int argc, char** argv) {
   std::printf(
       "  load  raw %.2f GB/s  torch::load %.2f GB/s  ours %.2f GB/s  (verify alone %.2f GB/s)\n",
       gbps("BM_RawRead"), gbps("BM_TorchLoad"), gbps("BM_OursLoad"), gbps("BM_OursVerify"));
-  std::printf("  ours / raw          save %.2f  load %.2f   (goal >= 0.80)\n",
+  std::printf("  ours / raw          save %.2f  load %.2f   (goals >= 0.90, >= 0.90)\n",
               ratio(t("BM_RawWrite"), t("BM_OursSave")), ratio(t("BM_RawRead"), t("BM_OursLoad")));
-  std::printf("  ours vs torch       save %.2fx  load %.2fx  (goal >= 2x)\n",
+  std::printf("  ours vs torch       save %.2fx  load %.2fx  (goals >= 1.5x, >= 1.0x)\n",
               ratio(t("BM_TorchSave"), t("BM_OursSave")),
               ratio(t("BM_TorchLoad"), t("BM_OursLoad")));
   auto peak = [&](const char* name) {
@@ -413,9 +422,12 @@ int main(int argc, char** argv) {
               peak("BM_OursSave").c_str(), peak("BM_RawWrite").c_str(),
               peak("BM_TorchSave").c_str());
   std::printf(
-      "  async save          returns after %.2f s, committed after %.2f s (sync %.2f s); "
-      "peak staged %.1f MiB\n",
-      async_return_seconds, t("BM_OursAsyncSave"), t("BM_OursSave"), async_peak_staged / 1048576.0);
+      "  async save          training blocked %.3f s = %.1f%% of a sync save (%.2f s; goal <= "
+      "10%%); background %.2f s = %.2f of the sync save's throughput (goal >= 0.80); staging "
+      "%.1f MiB, reserved once\n",
+      async_blocked_seconds, 100 * ratio(async_blocked_seconds, t("BM_OursSave")),
+      t("BM_OursSave"), async_background_seconds,
+      ratio(t("BM_OursSave"), async_background_seconds), async_staging_bytes / 1048576.0);
   const double copy_gbs = mixprec::bench::copy_bandwidth(reporter).copy_gbs;
   std::printf("  staging bound       the state copied once at %.2f GB/s (read+written): %.2f s\n",
               copy_gbs, ratio(2.0 * s.bytes / 1e9, copy_gbs));

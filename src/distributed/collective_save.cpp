@@ -125,4 +125,16 @@ ckpt::SaveResult save_checkpoint(Communicator& comm, const std::filesystem::path
   return detail::result_from_json(nlohmann::json::parse(committed[0]));
 }
 
+void save_checkpoint_async(checkpoint::AsyncCheckpointSaver& saver,
+                           std::shared_ptr<Communicator> checkpoint_comm,
+                           const std::filesystem::path& root, const std::string& name,
+                           ShardedStateDict mine, const checkpoint::SaveOptions& options) {
+  TORCH_CHECK(checkpoint_comm, "[mixprec::distributed::save_checkpoint_async] the group is null");
+  checkpoint_comm->check_usable("mixprec::distributed::save_checkpoint_async");
+  saver.save(std::move(mine),
+             [comm = std::move(checkpoint_comm), root, name, options](const ShardedStateDict& staged) {
+               return save_checkpoint(*comm, root, name, staged, options);
+             });
+}
+
 }  // namespace mixprec::distributed

@@ -122,7 +122,8 @@ std::shared_ptr<Communicator> init_from_env(const InitOptions& options) {
   try {
     c10d::TCPStoreOptions tcp;
     tcp.port = env.master_port;
-    tcp.isServer = !env.use_agent_store && env.rank == 0;
+    // Without torchrun's agent rank 0 serves the store, once: for the main group.
+    tcp.isServer = !env.use_agent_store && env.rank == 0 && options.group_name.empty();
     tcp.numWorkers = env.world_size;
     tcp.waitWorkers = false;  // the group's rendezvous below waits for every rank, with a timeout
     tcp.timeout = options.timeout;
@@ -133,9 +134,10 @@ std::shared_ptr<Communicator> init_from_env(const InitOptions& options) {
   }
   // torch.distributed's prefix under torchrun's agent store, so keys of an earlier attempt
   // (an elastic restart) never meet this one's.
-  const std::string prefix = env.use_agent_store
-                                 ? "/worker/attempt_" + std::to_string(env.restart_count)
-                                 : std::string("mixprec");
+  std::string prefix = env.use_agent_store
+                           ? "/worker/attempt_" + std::to_string(env.restart_count)
+                           : std::string("mixprec");
+  if (!options.group_name.empty()) prefix += "/mixprec-group/" + options.group_name;
   return make_group(c10::make_intrusive<c10d::PrefixStore>(prefix, store), env.rank, env.world_size,
                     options, where);
 }
@@ -144,7 +146,10 @@ std::shared_ptr<Communicator> init_with_store(const c10::intrusive_ptr<c10d::Sto
                                               int rank, int world_size,
                                               const InitOptions& options) {
   TORCH_CHECK(store, "[mixprec::distributed::init_with_store] the store is null");
-  return make_group(store, rank, world_size, options, "");
+  if (options.group_name.empty()) return make_group(store, rank, world_size, options, "");
+  return make_group(
+      c10::make_intrusive<c10d::PrefixStore>("mixprec-group/" + options.group_name, store), rank,
+      world_size, options, "");
 }
 
 std::shared_ptr<Communicator> init_single_process(const InitOptions& options) {

@@ -240,6 +240,20 @@ int64_t Float16Optimizer::state_bytes(ParamRole role) const {
   return bytes;
 }
 
+int64_t Float16Optimizer::state_bytes_when_stepped() const {
+  int64_t bytes = 0;
+  for (size_t k = 0; k < slots_.size(); ++k) {
+    if (info_[k].role == ParamRole::kFrozen) continue;
+    const Slot& s = *slots_[k];
+    const int64_t numel = s.end - s.begin;
+    if (s.master.defined()) bytes += numel * 4;
+    if (s.remainder.defined()) bytes += numel * 2;
+    const std::vector<bool> held = traits_->held_state(param_groups()[info_[k].group].options());
+    for (bool h : held) bytes += h ? numel * 4 : 0;
+  }
+  return bytes;
+}
+
 at::Tensor Float16Optimizer::step(LossClosure closure) {
   at::Tensor loss;
   if (closure) {

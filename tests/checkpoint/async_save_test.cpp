@@ -1,5 +1,5 @@
 // Asynchronous saves: errors reported once, consistent snapshots (a step between building the
-// state dict and staging it is refused), bounded staging of large and non-contiguous states.
+// state dict and staging it is refused), staging memory allocated once within its budget.
 #include "mixprec/checkpoint/async_save.h"
 
 #include "checkpoint/support_training.h"
@@ -8,11 +8,9 @@
 
 #include "checkpoint/format/format_test_util.h"
 
-#include <c10/core/Allocator.h>
-#include <c10/core/CPUAllocator.h>
-#include <gtest/gtest.h>
+#include "support/counting_allocator.h"
 
-#include <atomic>
+#include <gtest/gtest.h>
 
 namespace mixprec::checkpoint {
 namespace MIXPREC_UNITY_ID {  // anonymous outside unity builds (tests/CMakeLists.txt)
@@ -42,10 +40,11 @@ TEST(AsyncSave, StagingFailureIsReportedOnceAndTheNextSaveWrites) {
   // A meta tensor has no bytes: staging it fails after the writer has started.
   ShardedStateDict bad = training_state_dict(*a.model, *a.optimizer);
   bad.tensors.emplace("no_data", ShardedTensor::whole(at::empty({4}, at::device(at::kMeta))));
-  const std::string msg = error_of([&] { saver.save(root.path, "bad", bad); });
+  saver.save(root.path, "bad", bad);
+  const std::string msg = error_of([&] { saver.wait_until_staged(); });
   EXPECT_NE(msg.find("meta"), std::string::npos) << msg;
   EXPECT_FALSE(saver.in_flight());
-  EXPECT_FALSE(saver.wait().has_value()) << "the error was already reported by save()";
+  EXPECT_FALSE(saver.wait().has_value()) << "the error was already reported";
   EXPECT_FALSE(fs::exists(root.path / "bad"));
 
   saver.save(root.path, "good", training_state_dict(*a.model, *a.optimizer));
@@ -78,17 +77,15 @@ TEST(AsyncSave, StepDuringStagingIsRefusedAndNothingIsCommitted) {
   TrainingSetup a(at::kBFloat16);
   a.step();
   AsyncSaveOptions options;
-  options.piece_bytes(4096);  // the state spans many pieces
-  options.staging_budget_bytes(4 * 4096);
   int staged = 0;
   bool step_now = true;
-  options.on_piece_staged([&](const std::string&) {
+  options.on_tensor_staged([&](const std::string&) {
     // Stands in for another thread of the training loop stepping while save() stages.
     if (++staged == 2 && step_now) a.step();
   });
   AsyncCheckpointSaver saver(options);
-  const std::string msg =
-      error_of([&] { saver.save(root.path, "torn", training_state_dict(*a.model, *a.optimizer)); });
+  saver.save(root.path, "torn", training_state_dict(*a.model, *a.optimizer));
+  const std::string msg = error_of([&] { saver.wait_until_staged(); });
   EXPECT_NE(msg.find("changed while it was being staged"), std::string::npos) << msg;
   EXPECT_FALSE(saver.in_flight());
   EXPECT_FALSE(saver.wait().has_value());
@@ -98,7 +95,8 @@ TEST(AsyncSave, StepDuringStagingIsRefusedAndNothingIsCommitted) {
   step_now = false;
   const ShardedStateDict expected = training_state_dict(*a.model, *a.optimizer).clone();
   saver.save(root.path, "whole", training_state_dict(*a.model, *a.optimizer));
-  a.step();  // after save() returned: allowed, and not in the checkpoint
+  saver.wait_until_staged();
+  a.step();  // once staged: allowed, and not in the checkpoint
   ASSERT_TRUE(saver.wait().has_value());
   const ShardedStateDict back = read_checkpoint(root.path / "whole");
   for (const auto& [key, t] : expected.tensors) {
@@ -107,37 +105,17 @@ TEST(AsyncSave, StepDuringStagingIsRefusedAndNothingIsCommitted) {
   EXPECT_EQ(back.common["optimizer"]["step"], expected.common["optimizer"]["step"]);
 }
 
-// Counts CPU allocations made through c10's CPU allocator while it is installed.
-class CountingAllocator final : public c10::Allocator {
- public:
-  CountingAllocator() : inner_(c10::GetCPUAllocator()) { c10::SetCPUAllocator(this, kPriority); }
-  ~CountingAllocator() override { c10::SetCPUAllocator(inner_, kPriority); }
-  c10::DataPtr allocate(size_t n) override {
-    largest_ = std::max<size_t>(largest_, n);
-    total_ += n;
-    return inner_->allocate(n);
-  }
-  c10::DeleterFnPtr raw_deleter() const override { return inner_->raw_deleter(); }
-  void copy_data(void* dest, const void* src, std::size_t count) const override {
-    default_copy_data(dest, src, count);
-  }
-  size_t largest() const { return largest_; }
-  size_t total() const { return total_; }
-
- private:
-  static constexpr uint8_t kPriority = 200;
-  c10::Allocator* inner_;
-  std::atomic<size_t> largest_{0}, total_{0};
-};
-
-TEST(AsyncSave, NonContiguousStateFarAboveTheBudgetIsStagedPieceByPiece) {
+// The staging memory is allocated once, when it is reserved, and every save copies into it
+// without allocating; a strided state is staged exactly.
+TEST(AsyncSave, StagingIsAllocatedOnceAndReused) {
   TempRoot root;
   ShardedStateDict state;
   at::manual_seed(5);
   std::vector<at::Tensor> originals;
   for (int i = 0; i < 6; ++i) {
-    // 2 MiB each, transposed (strides [1, 512]): every piece is a strided gather.
-    at::Tensor t = at::randn({512, 1024}).t();
+    // 2 MiB each; the odd ones transposed (strides [1, 512]), copied element by element.
+    at::Tensor t = at::randn({512, 1024});
+    if (i % 2 == 1) t = t.t();
     originals.push_back(t.contiguous());
     ShardedTensor shard;
     shard.local = t;
@@ -146,36 +124,44 @@ TEST(AsyncSave, NonContiguousStateFarAboveTheBudgetIsStagedPieceByPiece) {
     state.tensors.emplace("t" + std::to_string(i), std::move(shard));
   }
   state.tensors.emplace("scalar", ShardedTensor::whole(at::scalar_tensor(2.5)));
-  AsyncSaveOptions options;
-  options.piece_bytes(16 << 10);
-  options.staging_budget_bytes(64 << 10);  // 12 MiB of state through 64 KiB
-  AsyncCheckpointSaver saver(options);
-  {
-    CountingAllocator counting;
-    saver.save(root.path, "strided", state);
-    saver.wait();
-    // Only piece-sized staging buffers: no tensor is ever flattened (copied) whole, so the
-    // work is linear in the state's size.
-    EXPECT_LE(counting.largest(), options.piece_bytes());
-    EXPECT_LE(counting.total(), options.staging_budget_bytes());
+  AsyncCheckpointSaver saver;
+  saver.reserve(staging_bytes_for(state));
+  EXPECT_EQ(saver.staging_bytes(), 6u * (2u << 20) + 64);
+  for (const char* name : {"first", "second"}) {
+    mixprec::testing::CountingAllocatorGuard counting;
+    saver.save(root.path, name, state);
+    saver.wait_until_staged();
+    // ATen's transposing copy takes one scratch buffer per strided tensor; nothing else, and
+    // no new arena.
+    EXPECT_LE(counting.allocations(), 3) << name << ": staging allocated";
+    EXPECT_LE(counting.bytes(), 3 * (2 << 20)) << name << ": staging allocated";
+    ASSERT_TRUE(saver.wait().has_value());
+    const ShardedStateDict back = read_checkpoint(root.path / name);
+    for (int i = 0; i < 6; ++i) {
+      EXPECT_TRUE(at::equal(back.at("t" + std::to_string(i)).local, originals[i])) << i;
+    }
+    EXPECT_EQ(back.at("scalar").local.item<double>(), 2.5);
   }
-  EXPECT_LE(saver.peak_staged_bytes(), options.staging_budget_bytes());
-  EXPECT_GT(saver.peak_staged_bytes(), 0u);
-  const ShardedStateDict back = read_checkpoint(root.path / "strided");
-  for (int i = 0; i < 6; ++i) {
-    EXPECT_TRUE(at::equal(back.at("t" + std::to_string(i)).local, originals[i])) << i;
-  }
-  EXPECT_EQ(back.at("scalar").local.item<double>(), 2.5);
+  EXPECT_GT(saver.last_background_seconds(), 0);
 }
 
-TEST(AsyncSave, PieceAndBudgetOptionsAreValidated) {
-  AsyncSaveOptions small_piece;
-  small_piece.piece_bytes(100);
-  EXPECT_THROW(AsyncCheckpointSaver{small_piece}, c10::Error);
-  AsyncSaveOptions small_budget;
-  small_budget.piece_bytes(1 << 20);
-  small_budget.staging_budget_bytes(1 << 19);
-  EXPECT_THROW(AsyncCheckpointSaver{small_budget}, c10::Error);
+// A state larger than the budget is refused up front, naming both sizes, with nothing written.
+TEST(AsyncSave, StateLargerThanTheBudgetIsRefusedBeforeAnythingIsWritten) {
+  TempRoot root;
+  TrainingSetup a(at::kBFloat16);
+  a.step();
+  const ShardedStateDict state = training_state_dict(*a.model, *a.optimizer);
+  const std::size_t need = staging_bytes_for(state);
+  AsyncCheckpointSaver saver(AsyncSaveOptions().staging_budget_bytes(need - 1));
+  const std::string expected = "the checkpoint needs " + std::to_string(need) +
+                               " bytes of host staging memory, the budget is " +
+                               std::to_string(need - 1) + " bytes";
+  EXPECT_NE(error_of([&] { saver.reserve(need); }).find(expected), std::string::npos);
+  EXPECT_NE(error_of([&] { saver.save(root.path, "big", state); }).find(expected),
+            std::string::npos);
+  EXPECT_FALSE(fs::exists(root.path / "big"));
+  EXPECT_EQ(saver.staging_bytes(), 0u);
+  EXPECT_THROW(AsyncCheckpointSaver(AsyncSaveOptions().staging_budget_bytes(0)), c10::Error);
 }
 
 }  // namespace MIXPREC_UNITY_ID

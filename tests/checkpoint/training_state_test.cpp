@@ -300,10 +300,11 @@ TEST(AsyncSave, SameBytesAsSyncAndIndependentOfLaterSteps) {
   save_training_state(root.path, "sync", *a.model, *a.optimizer);
   AsyncCheckpointSaver saver(AsyncSaveOptions().staging_budget_bytes(64u << 20));
   saver.save(root.path, "async", training_state_dict(*a.model, *a.optimizer));
+  saver.wait_until_staged();
   for (int i = 0; i < 3; ++i) a.step();  // training goes on while the writer works
   const auto result = saver.wait();
   ASSERT_TRUE(result.has_value());
-  EXPECT_LE(saver.peak_staged_bytes(), 64u << 20);
+  EXPECT_LE(saver.staging_bytes(), 64u << 20);
   expect_same_checkpoint(root.path / "sync", root.path / "async");
   EXPECT_EQ(resolve_checkpoint(root.path), root.path / "async");
 }
@@ -323,8 +324,12 @@ TEST(AsyncSave, ErrorsSurfaceOnWaitAndNextSave) {
   EXPECT_TRUE(saver.wait().has_value());
 }
 
-TEST(AsyncSave, BudgetBelowOnePieceIsRefused) {
-  EXPECT_THROW(AsyncCheckpointSaver(AsyncSaveOptions().staging_budget_bytes(1u << 20)), c10::Error);
+TEST(AsyncSave, BudgetBelowTheStateIsRefusedAtReserve) {
+  TrainingSetup a(at::kBFloat16);
+  a.step();
+  AsyncCheckpointSaver saver(AsyncSaveOptions().staging_budget_bytes(1024));
+  EXPECT_THROW(saver.reserve(staging_bytes_for(training_state_dict(*a.model, *a.optimizer))),
+               c10::Error);
 }
 
 }  // namespace MIXPREC_UNITY_ID

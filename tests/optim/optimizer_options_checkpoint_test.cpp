@@ -114,17 +114,18 @@ TEST_P(SnapshotChecks, StepDuringAsyncStagingIsRefused) {
   set_mixed_grads(*model, 0);
   ASSERT_TRUE(opt->update().success);
   checkpoint::AsyncSaveOptions options;
-  options.piece_bytes(4096).staging_budget_bytes(4 * 4096);
   int staged = 0;
-  options.on_piece_staged([&](const std::string&) {
+  options.on_tensor_staged([&](const std::string&) {
     if (++staged == 2) {
       set_mixed_grads(*model, 1);
       opt->update();  // another thread of the loop stepping while save() stages
     }
   });
   checkpoint::AsyncCheckpointSaver saver(options);
-  const std::string msg = error_of(
-      [&] { saver.save(root.path(), "torn", checkpoint::training_state_dict(*model, *opt)); });
+  const std::string msg = error_of([&] {
+    saver.save(root.path(), "torn", checkpoint::training_state_dict(*model, *opt));
+    saver.wait_until_staged();
+  });
   EXPECT_NE(msg.find("changed while it was being staged"), std::string::npos) << msg;
   EXPECT_FALSE(std::filesystem::exists(root.path() / "torn"));
 }

@@ -1,39 +1,45 @@
-// Asynchronous checkpoint saves: stage to host memory within a budget, write in the background.
+// Asynchronous checkpoint saves: training waits at most while the state is copied to host memory.
 //
-// save() validates the state (exactly as save_checkpoint does, errors thrown right there),
-// then copies its tensors piece by piece (≤ piece_bytes each, 64 MiB by default) into host
-// memory while a background thread writes the pieces already staged. Staged-but-unwritten
-// bytes never exceed the budget (a piece waits for the writer to free room), so a large state
-// costs at most `budget` extra memory; the staging buffers are kept and reused by later
-// saves. Any layout is staged piece by piece in time linear in its size: a non-contiguous
-// tensor is never copied whole. save() returns once every piece is staged: from then on
-// training may change the tensors. The background thread commits the checkpoint when the
-// last byte is written — and only if staging completed.
+// save() validates the state (exactly as save_checkpoint does, errors thrown right there) and
+// returns; a background thread copies every tensor it will write into one host staging arena,
+// then writes the copy — checksums, fsyncs, manifest, commit, `latest`, retention: the whole
+// synchronous save, from memory no one else touches — or, with a Writer, whatever the caller
+// gives it (a collective save on a process group of its own: distributed/
+// collective_checkpoint.h, save_checkpoint_async). The state's tensors may be read meanwhile
+// (the next step's forward and backward), but must not change until wait_until_staged()
+// returns: call it before the next optimizer step (or anything else that writes the model or
+// optimizer state). Training is blocked only for what of the copy the work in between did not
+// hide — at worst the copy itself, when the state changes right after save().
+//
+// Memory. The arena is allocated once (reserve(), or the first save), its pages touched when it
+// is allocated, and reused by every later save: a steady save allocates nothing. It is sized
+// for the whole state (every replica-0 shard's bytes), so staging never waits for the writer;
+// a state larger than the budget is refused, naming both sizes, by reserve() — call it when
+// training starts, so that a save that cannot fit says so then and not at step 10 000.
 //
 // Consistency: a state dict aliases the live model and optimizer tensors, while its common
 // state (the step count) is a snapshot taken when it was built. The saved state is a
-// consistent snapshot because every tensor is staged before save() returns, and save()
-// refuses (c10::Error naming the keys, nothing written) a state whose tensors changed
-// after the dict was built — their version counters (ShardedTensor::version), which every
-// in-place write and optimizer step bumps, are checked when save() starts and again after
-// the last piece is staged. So "build the dict, step, save" and a step on another thread
-// during staging are errors, not a checkpoint of step N+1 moments under step N. Build the
-// dict right before save() and do not step until save() returns.
+// consistent snapshot because every tensor is copied before anything changes it, and a state
+// whose tensors changed anyway is refused (c10::Error naming the keys, nothing written) —
+// their version counters (ShardedTensor::version), which every in-place write and optimizer
+// step bumps, are checked when save() starts and again after the last tensor is copied. Build
+// the dict right before save(), and do not step before wait_until_staged().
 //
-// Errors are reported once. One raised while staging (including the consistency check) is
-// thrown by that save() itself, which abandons the save (nothing is committed; the
-// background writer is stopped and joined; the next save() starts cleanly). An error of the
-// background writer is rethrown by the next wait() or save(); the destructor waits too and
-// reports (never throws) an error nobody collected. At most one save is in flight: a new
-// save() first waits for the previous one.
+// At most one save is in flight: save() first waits for the previous one, and so does wait()
+// (and the destructor, which reports, never throws, an error nobody collected). An error while
+// staging (a tensor changed, a copy failed) is thrown, once, by wait_until_staged() (or else
+// by wait() or the next save()), and nothing is written; an error of the writing, by the next
+// wait() or save().
 #pragma once
 
 #include "mixprec/checkpoint/save.h"
 
 #include <torch/arg.h>
 
+#include <condition_variable>
 #include <exception>
 #include <functional>
+#include <mutex>
 #include <memory>
 #include <optional>
 #include <thread>
@@ -41,45 +47,78 @@
 namespace mixprec::checkpoint {
 
 struct AsyncSaveOptions {
-  // Most bytes staged but not yet written at once; ≥ piece_bytes.
-  TORCH_ARG(std::size_t, staging_budget_bytes) = std::size_t{1} << 30;
-  // Size of one staging buffer (the unit of staging and writing). The default, 64 MiB, keeps
-  // write(2) at full speed; smaller pieces let tests put a small budget under pressure.
-  TORCH_ARG(std::size_t, piece_bytes) = std::size_t{64} << 20;  // ≥ 4 KiB
-  // Called on the thread that calls save() after each piece is staged, with the piece's key
-  // (progress reporting; tests use it to step the optimizer in the middle of staging).
-  TORCH_ARG(std::function<void(const std::string& key)>, on_piece_staged);
+  // Most host memory the staging arena may take (it takes what the state needs).
+  TORCH_ARG(std::size_t, staging_budget_bytes) = std::size_t{4} << 30;
+  // Called on the background thread after each tensor is copied, with its key (progress
+  // reporting; tests use it to step the optimizer in the middle of staging).
+  TORCH_ARG(std::function<void(const std::string& key)>, on_tensor_staged);
 };
+
+// The bytes the staging arena needs for `state`: each replica-0 shard's bytes, each rounded up
+// to 64 (the alignment every staged tensor starts at).
+std::size_t staging_bytes_for(const ShardedStateDict& state);
 
 class AsyncCheckpointSaver {
  public:
-  // Throws c10::Error if piece_bytes < 4 KiB or the budget is smaller than one piece.
+  // The background half of a save: writes and commits the staged copy, returns the result.
+  using Writer = std::function<SaveResult(const ShardedStateDict& staged)>;
+
+  // Throws c10::Error if the budget is 0.
   explicit AsyncCheckpointSaver(AsyncSaveOptions options = {});
   ~AsyncCheckpointSaver();
   AsyncCheckpointSaver(const AsyncCheckpointSaver&) = delete;
   AsyncCheckpointSaver& operator=(const AsyncCheckpointSaver&) = delete;
 
-  // Starts saving `state` as <root>/<name>; returns when it is staged (see above).
-  // Rethrows the previous save's background error, if any, before starting; throws
-  // c10::Error if `state` cannot be saved or changed since it was built (see above).
+  // Makes the arena at least `bytes` (staging_bytes_for a state) large, allocating it now and
+  // touching its pages. Throws c10::Error naming both sizes if `bytes` exceeds the budget.
+  // Waits for a save in flight first (the arena is its memory).
+  void reserve(std::size_t bytes);
+
+  // Starts saving `state` as <root>/<name> (save_checkpoint's rules); returns once it is
+  // checked, before it is staged. Rethrows the previous save's background error, if any, before
+  // starting; throws c10::Error if `state` cannot be saved, does not fit the budget, or changed
+  // since it was built (see above).
   void save(const std::filesystem::path& root, const std::string& name, ShardedStateDict state,
             const SaveOptions& options = {});
+  // The same with `write` as the background half (it gets the staged copy: the same keys,
+  // shards and common state, each written tensor a contiguous host copy).
+  void save(ShardedStateDict state, Writer write);
 
+  // Returns once the save in flight (if any) has copied its state: from then on the state may
+  // change. Throws its staging error.
+  void wait_until_staged();
   // Waits for the save in flight; returns its result (nullopt if none was in flight), or
   // rethrows its error.
   std::optional<SaveResult> wait();
 
   bool in_flight() const { return worker_.joinable(); }
-  // Most bytes staged at once during the last save (≤ the budget).
-  std::size_t peak_staged_bytes() const;
+  // The arena's size (0 before the first reserve or save).
+  std::size_t staging_bytes() const { return arena_bytes_; }
+  // Seconds the caller spent in the last save() (waiting for the previous save, checks) and in
+  // wait_until_staged() for it: the time training was blocked by the save.
+  double last_blocked_seconds() const { return last_blocked_seconds_; }
+  // Seconds the last completed staging copy took on the background thread.
+  double last_staging_seconds() const { return last_staging_seconds_; }
+  // Seconds the last completed writing took on the background thread (after staging: files,
+  // checksums, fsyncs, commit).
+  double last_background_seconds() const { return last_background_seconds_; }
 
  private:
-  struct Pipeline;
-  struct BufferPool;
-  void abandon();  // stops and joins the writer of a save whose staging failed
   AsyncSaveOptions options_;
-  std::shared_ptr<BufferPool> pool_;  // staging buffers, reused across saves
-  std::shared_ptr<Pipeline> pipeline_;
+  at::Tensor arena_;  // uint8, the staging memory
+  std::size_t arena_bytes_ = 0;
+  ShardedStateDict state_;   // what is being saved (aliases live tensors until staged)
+  ShardedStateDict staged_;  // its copy in the arena, which the background half writes
+  std::optional<SaveResult> result_;
+  std::exception_ptr error_;
+  // Staging's end, signalled by the background thread.
+  std::mutex mutex_;
+  std::condition_variable staged_signal_;
+  bool staging_ = false;
+  std::exception_ptr staging_error_;
+  double last_blocked_seconds_ = 0;
+  double last_staging_seconds_ = 0;
+  double last_background_seconds_ = 0;
   std::thread worker_;
 };
 

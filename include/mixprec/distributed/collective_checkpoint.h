@@ -59,6 +59,7 @@
 // (more ranks than saved it) keeps its generators, with a note.
 #pragma once
 
+#include "mixprec/checkpoint/async_save.h"
 #include "mixprec/checkpoint/load.h"
 #include "mixprec/checkpoint/save.h"
 #include "mixprec/checkpoint/training_state.h"
@@ -86,6 +87,20 @@ namespace mixprec::distributed {
 checkpoint::SaveResult save_checkpoint(Communicator& comm, const std::filesystem::path& root,
                                        const std::string& name, const ShardedStateDict& mine,
                                        const checkpoint::SaveOptions& options = {});
+
+// Collective, asynchronous: stages this rank's `mine` in `saver` (training waits only for that
+// copy, checkpoint/async_save.h) and returns; the collective save above then runs in the
+// background on `checkpoint_comm`, a group of its own (init.h: InitOptions::group_name), so that
+// its collectives never interleave with training's and wait with their own timeout (rank 0 may
+// wait for the root's lock or clean stale staging first). Every rank calls it at the same step
+// with a saver of its own; at most one save is in flight (the saver waits for the previous one
+// first). An error surfaces at the next save or saver.wait(): the phases agree on outcomes, so
+// every rank has the same error; a rank lost mid-save is the group's error on the others, with
+// the guarantees of a synchronous save (nothing committed unless every file is durable).
+void save_checkpoint_async(checkpoint::AsyncCheckpointSaver& saver,
+                           std::shared_ptr<Communicator> checkpoint_comm,
+                           const std::filesystem::path& root, const std::string& name,
+                           ShardedStateDict mine, const checkpoint::SaveOptions& options = {});
 
 // This rank's part of the training state (model pieces, optimizer pieces, RNG, user), as the
 // header comment lays it out, once any parameter gather in flight has completed. Throws

@@ -40,6 +40,11 @@ struct InitOptions {
   // Bounds the rendezvous (store connection, group formation) and every collective.
   std::chrono::milliseconds timeout{std::chrono::minutes(5)};
   BackendKind backend = BackendKind::kGloo;
+  // A second group over the same ranks and store, apart from the first: collectives of two
+  // groups never interleave, and each has its own timeout (e.g. "checkpoint": background
+  // checkpoint saves beside the training collectives). Empty: the main group. Every rank
+  // forms each group, in the same order; a named group's store client never serves.
+  std::string group_name;
 };
 
 // The launcher's environment, checked.

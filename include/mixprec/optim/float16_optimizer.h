@@ -240,6 +240,10 @@ class Float16Optimizer : private detail::GroupOptionsCheck, public torch::optim:
   // Bytes of optimizer-owned tensors (masters or remainders, and moments) for parameters of
   // `role`; with offloading they are host memory.
   int64_t state_bytes(ParamRole role) const;
+  // Those bytes over every role once every trainable parameter has been stepped under the
+  // groups' current hyper-parameters (moments are made at a parameter's first step): what a
+  // checkpoint of the optimizer will hold, known before training starts.
+  int64_t state_bytes_when_stepped() const;
   // What the last update() that stepped did with offloading on (all zero without it).
   const OffloadStats& offload_stats() const { return offload_stats_; }
 

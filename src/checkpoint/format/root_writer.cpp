@@ -7,6 +7,7 @@
 #include "mixprec/checkpoint/format/manifest.h"
 #include "mixprec/checkpoint/format/newest_checkpoint.h"
 #include "mixprec/checkpoint/format/retention.h"
+#include "mixprec/checkpoint/format/root_lock.h"
 #include "mixprec/checkpoint/format/root_layout.h"
 #include "posix_file.h"
 #include "staging_dirs.h"
@@ -24,68 +25,23 @@ using detail::concat;
 using detail::crash_point;
 using detail::fail;
 
-// Polling interval while waiting for another writer's lock (flock has no timed wait).
-constexpr std::chrono::milliseconds kLockPoll{10};
-
-std::string lock_holder(int fd) {
-  char buffer[256] = {};
-  const ssize_t n = ::pread(fd, buffer, sizeof(buffer) - 1, 0);
-  std::string text(buffer, n > 0 ? static_cast<std::size_t>(n) : 0);
-  while (!text.empty() && (text.back() == '\n' || text.back() == '\0')) text.pop_back();
-  return text;
-}
-
-// Opens <root>/lock and takes it (step 1 of root_writer.h); returns the descriptor.
-int acquire_lock(const Directory& root, std::chrono::milliseconds timeout) {
-  const std::filesystem::path path = root / kLockFileName;
-  crash_point("lock: before open");
-  detail::UniqueFd fd = detail::open_regular_at(root.fd(), kLockFileName, O_RDWR | O_CREAT, path);
-  const auto deadline = std::chrono::steady_clock::now() + timeout;
-  while (::flock(fd.get(), LOCK_EX | LOCK_NB) != 0) {
-    if (errno == EINTR) continue;
-    if (errno != EWOULDBLOCK) detail::fail_errno(path, "flock");
-    if (std::chrono::steady_clock::now() >= deadline) {
-      const std::string holder = lock_holder(fd.get());
-      fail(path.string(), ": another writer holds this checkpoint root's lock (",
-           holder.empty() ? std::string("holder unknown") : "held by " + holder,
-           "); one writer per root: wait for it to finish",
-           timeout.count() > 0 ? concat(" (waited ", timeout.count(), " ms)")
-                               : std::string(", or set a lock timeout to wait"));
-    }
-    std::this_thread::sleep_for(kLockPoll);
-  }
-  crash_point("lock: after acquire");
-  // Who holds it, for the message of the next writer that has to wait. Best effort.
-  const detail::WriterIdentity self = detail::current_writer();
-  const std::string note = concat(self.host, " pid ", self.pid, "\n");
-  if (::ftruncate(fd.get(), 0) == 0) {
-    [[maybe_unused]] ssize_t n = ::pwrite(fd.get(), note.data(), note.size(), 0);
-  }
-  return fd.release();
-}
-
 }  // namespace
 
 RootWriter::RootWriter(const std::filesystem::path& root, const WriterOptions& options)
-    : root_(open_root(root, /*create=*/true)) {
-  lock_fd_ = acquire_lock(root_, options.lock_timeout);
+    : root_(open_root(root, /*create=*/true)),
+      lock_(std::make_unique<RootFileLock>(
+          root_, kLockFileName, options.lock_timeout,
+          "another writer holds this checkpoint root's lock; one writer per root")) {
   try {
-    try {
-      report_.cleaned_staging =
-          clean_stale_staging(root_, StagingCleanupOptions{options.foreign_staging_timeout});
-    } catch (const FormatError& e) {
-      report_.warnings.push_back(concat("stale staging was not cleaned: ", e.what()));
-    }
-    repair_latest();
-  } catch (...) {
-    ::close(lock_fd_);  // the destructor does not run after a throw here
-    throw;
+    report_.cleaned_staging =
+        clean_stale_staging(root_, StagingCleanupOptions{options.foreign_staging_timeout});
+  } catch (const FormatError& e) {
+    report_.warnings.push_back(concat("stale staging was not cleaned: ", e.what()));
   }
+  repair_latest();
 }
 
-RootWriter::~RootWriter() {
-  if (lock_fd_ >= 0) ::close(lock_fd_);
-}
+RootWriter::~RootWriter() = default;
 
 void RootWriter::repair_latest() {
   NewestCheckpoint newest;

@@ -1,6 +1,8 @@
 // Layout of a checkpoint root, and the names reserved in it.
 //
 //   <root>/lock                          the writer lock: one writer per root (root_writer.h)
+//   <root>/.run-lock                     a training run's lock on its root for the whole run
+//                                        (root_lock.h; the program's choice, saves ignore it)
 //   <root>/latest                        text file: the name of the newest committed
 //                                        checkpoint and one '\n' (latest.h)
 //   <root>/latest.tmp-<owner>-<hex>      the next `latest` while it is written; renamed
@@ -32,6 +34,7 @@ namespace mixprec::checkpoint {
 inline constexpr std::string_view kLatestFileName = "latest";
 inline constexpr std::string_view kLatestTempPrefix = "latest.tmp-";
 inline constexpr std::string_view kLockFileName = "lock";
+inline constexpr std::string_view kRunLockFileName = ".run-lock";
 inline constexpr std::string_view kStagingPrefix = ".tmp-";
 
 // True for `latest`, `latest.*` and `lock`.

@@ -28,6 +28,7 @@
 
 #include "mixprec/checkpoint/format/commit.h"
 #include "mixprec/checkpoint/format/directory.h"
+#include "mixprec/checkpoint/format/root_lock.h"
 
 #include <chrono>
 #include <cstdint>
@@ -95,7 +96,7 @@ class RootWriter {
   void repair_latest();
 
   Directory root_;
-  int lock_fd_ = -1;
+  std::unique_ptr<RootFileLock> lock_;
   OpenReport report_;
 };
 
