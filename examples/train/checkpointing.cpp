@@ -3,11 +3,14 @@
 #include "config.h"
 
 #include "mixprec/checkpoint/format/error.h"
-#include "mixprec/checkpoint/format/latest.h"
+#include "mixprec/checkpoint/format/newest_checkpoint.h"
+#include "mixprec/checkpoint/format/root_layout.h"
+#include "mixprec/checkpoint/format/root_lock.h"
 #include "mixprec/checkpoint/format/state_keys.h"
 #include "mixprec/checkpoint/load.h"
 #include "mixprec/checkpoint/save.h"
 #include "mixprec/distributed/collective_checkpoint.h"
+#include "mixprec/distributed/init.h"
 
 #include <fcntl.h>
 #include <unistd.h>
@@ -16,10 +19,21 @@
 
 #include <chrono>
 #include <cstring>
+#include <fstream>
 
 namespace train {
 namespace fs = std::filesystem;
 namespace keys = mixprec::checkpoint::keys;
+
+namespace {
+
+std::string host_name() {
+  char name[256] = {};
+  if (::gethostname(name, sizeof name - 1) != 0) return "unknown-host";
+  return name;
+}
+
+}  // namespace
 
 std::string checkpoint_name(int64_t step) {
   char buf[32];
@@ -27,15 +41,23 @@ std::string checkpoint_name(int64_t step) {
   return buf;
 }
 
-std::optional<fs::path> latest_checkpoint(const fs::path& root) {
-  std::optional<std::string> name;
+std::optional<fs::path> newest_checkpoint(const fs::path& root, std::string* note) {
+  std::error_code ec;
+  if (!fs::exists(root, ec)) return std::nullopt;
   try {
-    name = mixprec::checkpoint::read_latest(root);
+    const mixprec::checkpoint::Directory dir =
+        mixprec::checkpoint::Directory::open(root, mixprec::checkpoint::Directory::Last::kMayBeLink);
+    const mixprec::checkpoint::NewestCheckpoint newest =
+        mixprec::checkpoint::find_newest_checkpoint(dir);
+    if (!newest.latest_error.empty()) {
+      throw UsageError("checkpoint root " + root.string() + " is damaged: " + newest.latest_error);
+    }
+    if (!newest.name) return std::nullopt;
+    if (note != nullptr) *note = mixprec::checkpoint::find_checkpoint(root).note;
+    return root / *newest.name;
   } catch (const mixprec::checkpoint::FormatError& e) {
     throw UsageError(std::string("checkpoint root ") + root.string() + " is damaged: " + e.what());
   }
-  if (!name) return std::nullopt;
-  return root / *name;
 }
 
 nlohmann::json read_user_metadata(const fs::path& checkpoint) {
@@ -68,7 +90,8 @@ void ensure_writable_dir(const fs::path& dir, const std::string& what) {
     throw UsageError(what + " " + dir.string() + " is not a directory");
   // access(2) answers "yes" to root on read-only directories and says nothing about read-only
   // mounts; creating a file is the only honest test.
-  const fs::path probe = dir / (".mixprec-train-probe-" + std::to_string(::getpid()));
+  // Named by host and pid: ranks on several machines may probe one shared directory at once.
+  const fs::path probe = dir / (".mixprec-train-probe-" + host_name() + "-" + std::to_string(::getpid()));
   const int fd = ::open(probe.c_str(), O_CREAT | O_EXCL | O_WRONLY, 0600);
   if (fd < 0) {
     throw UsageError(what + " " + dir.string() + " is not writable: " + std::strerror(errno));
@@ -77,29 +100,85 @@ void ensure_writable_dir(const fs::path& dir, const std::string& what) {
   ::unlink(probe.c_str());
 }
 
-Checkpointer::Checkpointer(fs::path root, bool async, int64_t keep_last,
-                           std::shared_ptr<mixprec::distributed::Communicator> ranks)
-    : root_(std::move(root)), keep_last_(keep_last), ranks_(std::move(ranks)) {
-  if (async && ranks_) {
-    throw UsageError(
-        "--async-save writes from one process; with several ranks every save is a blocking "
-        "collective (drop --async-save)");
+RunLock::RunLock(const fs::path& root, std::chrono::seconds wait) {
+  try {
+    held_ = std::make_unique<mixprec::checkpoint::RootFileLock>(
+        mixprec::checkpoint::open_root(root, /*create=*/true),
+        mixprec::checkpoint::kRunLockFileName,
+        std::chrono::duration_cast<std::chrono::milliseconds>(wait),
+        "another mixprec-train run is using this checkpoint directory");
+  } catch (const mixprec::checkpoint::FormatError& e) {
+    throw UsageError(std::string("checkpoint directory ") + root.string() + " is in use: " +
+                     e.what() + " (one run per checkpoint directory; --wait-for-ckpt-dir S waits)");
   }
-  if (async) {
-    // The budget bounds staged-but-unwritten bytes; the smallest allowed is plenty for the
-    // models this program trains.
-    mixprec::checkpoint::AsyncSaveOptions options;
-    options.staging_budget_bytes(std::size_t{64} << 20);
-    async_ = std::make_unique<mixprec::checkpoint::AsyncCheckpointSaver>(options);
+}
+
+RunLock::~RunLock() = default;
+
+void check_shared_root(const fs::path& root, mixprec::distributed::Communicator& ranks) {
+  // Rank 0 writes a token only this run can know; every rank must read it back.
+  std::string token;
+  if (ranks.rank() == 0) {
+    token = ".mixprec-train-shared-" + host_name() + "-" + std::to_string(::getpid());
+    std::ofstream(root / token) << token << "\n";
+  }
+  token = ranks.all_gather_strings(token).front();
+  std::string seen;
+  std::ifstream(root / token) >> seen;
+  const bool ok = seen == token;
+  const std::vector<std::string> answers =
+      ranks.all_gather_strings(ok ? std::string() : host_name());
+  if (ranks.rank() == 0) {
+    std::error_code ec;
+    fs::remove(root / token, ec);
+  }
+  for (size_t r = 0; r < answers.size(); ++r) {
+    if (answers[r].empty()) continue;
+    throw UsageError("rank " + std::to_string(r) + " on host " + answers[r] +
+                     " does not see the checkpoint directory " + fs::absolute(root).string() +
+                     " that rank 0 writes: every rank needs it on a shared filesystem (an absolute "
+                     "--out or --ckpt-dir on storage every machine mounts)");
+  }
+}
+
+Checkpointer::Checkpointer(fs::path root, const CheckpointerOptions& options,
+                           std::shared_ptr<mixprec::distributed::Communicator> ranks)
+    : root_(std::move(root)), options_(options), ranks_(std::move(ranks)) {
+  if (!options_.async) return;
+  mixprec::checkpoint::AsyncSaveOptions async;
+  async.staging_budget_bytes(options_.staging_budget_bytes);
+  async_ = std::make_unique<mixprec::checkpoint::AsyncCheckpointSaver>(async);
+  if (ranks_ && ranks_->size() > 1) {
+    // The save's collectives on a group of their own: they never interleave with training's,
+    // and rank 0 may wait for the root's lock or clean stale staging within their timeout.
+    mixprec::distributed::InitOptions group;
+    group.timeout = options_.collective_timeout;
+    group.group_name = "checkpoint";
+    checkpoint_ranks_ = mixprec::distributed::init_from_env(group);
+  }
+}
+
+void Checkpointer::prepare(std::size_t bytes) {
+  if (!async_) return;
+  try {
+    async_->reserve(bytes);
+  } catch (const c10::Error&) {
+    throw UsageError("--async-save needs " + std::to_string((bytes + (1 << 20) - 1) >> 20) +
+                     " MiB of host memory to copy the training state into; --staging-budget-mb "
+                     "is " + std::to_string(options_.staging_budget_bytes >> 20) +
+                     " (raise it, or save synchronously)");
   }
 }
 
 void Checkpointer::save(int64_t step, mixprec::ShardedStateDict state) {
   mixprec::checkpoint::SaveOptions options;
-  options.keep_last(static_cast<std::size_t>(keep_last_));
+  options.keep_last(static_cast<std::size_t>(options_.keep_last));
   const std::string name = checkpoint_name(step);
   const auto start = std::chrono::steady_clock::now();
-  if (async_) {
+  if (async_ && checkpoint_ranks_) {
+    mixprec::distributed::save_checkpoint_async(*async_, checkpoint_ranks_, root_, name,
+                                                std::move(state), options);
+  } else if (async_) {
     async_->save(root_, name, std::move(state), options);
   } else if (ranks_) {
     mixprec::distributed::save_checkpoint(*ranks_, root_, name, state, options);
@@ -111,6 +190,16 @@ void Checkpointer::save(int64_t step, mixprec::ShardedStateDict state) {
   stats_.blocked_s += stats_.last_blocked_s;
   stats_.saves += 1;
   stats_.last_dir = root_ / name;
+}
+
+void Checkpointer::before_state_changes() {
+  if (!async_ || !async_->in_flight()) return;
+  const auto start = std::chrono::steady_clock::now();
+  async_->wait_until_staged();
+  const double waited =
+      std::chrono::duration<double>(std::chrono::steady_clock::now() - start).count();
+  stats_.last_blocked_s += waited;
+  stats_.blocked_s += waited;
 }
 
 void Checkpointer::finish() {

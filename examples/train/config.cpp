@@ -76,7 +76,15 @@ const std::vector<Flag>& flags() {
        "checkpoint root (default: <out>/checkpoints)"},
       {"checkpoints", "ckpt-every", &C::ckpt_every, "N", "save every N steps (and at the end)"},
       {"checkpoints", "keep-last", &C::keep_last, "N", "checkpoints kept (older ones removed)"},
-      {"checkpoints", "async-save", &C::async_save, "", "write checkpoints in the background"},
+      {"checkpoints", "async-save", &C::async_save, "",
+       "write checkpoints in the background: training waits only while the state is copied "
+       "to host memory (with several ranks too)"},
+      {"checkpoints", "staging-budget-mb", &C::staging_budget_mb, "N",
+       "--async-save: host memory the copy may take, checked before the first step"},
+      {"checkpoints", "ckpt-timeout", &C::ckpt_timeout, "S",
+       "several ranks: seconds a save's collectives may wait (their own group, not training's)"},
+      {"checkpoints", "wait-for-ckpt-dir", &C::wait_for_ckpt_dir, "S",
+       "seconds to wait while another run holds the checkpoint directory (0: fail at once)"},
       {"checkpoints", "resume", &C::resume, "",
        "continue from the checkpoint root's latest checkpoint (default root: newest run in runs/)"},
       {"checkpoints", "stop-at", &C::stop_at, "N",
@@ -226,6 +234,9 @@ void validate(const TrainConfig& c) {
   positive("log-every", c.log_every);
   positive("ckpt-every", c.ckpt_every);
   positive("keep-last", c.keep_last);
+  positive("staging-budget-mb", c.staging_budget_mb);
+  positive("ckpt-timeout", c.ckpt_timeout);
+  check(c.wait_for_ckpt_dir >= 0, "--wait-for-ckpt-dir must not be negative");
   check(c.d_model % c.heads == 0, "--heads " + std::to_string(c.heads) +
                                       " does not divide --d-model " + std::to_string(c.d_model));
   check(c.top_k <= c.experts,

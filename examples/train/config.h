@@ -69,6 +69,9 @@ struct TrainConfig {
   int64_t ckpt_every = 200;
   int64_t keep_last = 3;
   bool async_save = false;
+  int64_t staging_budget_mb = 4096;  // --async-save: host memory for staging, checked at start
+  int64_t ckpt_timeout = 1800;       // seconds a collective checkpoint save may take
+  int64_t wait_for_ckpt_dir = 0;     // seconds to wait for another run to free --ckpt-dir
   bool resume = false;
   int64_t stop_at = 0;  // stop after this step as if interrupted (0: run to --steps)
 

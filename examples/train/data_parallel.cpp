@@ -49,6 +49,10 @@ class DataParallelOptimizer final : public TrainingOptimizer {
     return mixprec::distributed::load_training_state(dir, model_, optimizer_).user;
   }
 
+  std::size_t checkpoint_bytes() const override {
+    return checkpoint_bytes_when_stepped(training_state({}), optimizer_);
+  }
+
   OptimizerMemory memory() const override {
     return optimizer_memory(model_, optimizer_.params_info(),
                             optimizer_.state_bytes(ParamRole::kMaster) +

@@ -63,7 +63,8 @@ double Loop::validation_loss() {
 
 StepOutcome train_step(const TrainConfig& config, MixedModel& model, TrainingOptimizer& optimizer,
                        const BatchSampler& batches, int64_t index, double lr,
-                       mixprec::distributed::Communicator* ranks, bool stop_requested) {
+                       mixprec::distributed::Communicator* ranks, bool stop_requested,
+                       const std::function<void()>& before_update) {
   const int64_t rank_rows = config.batch / config.world_size;
   const int64_t micro_rows = rank_rows / config.grad_accum;
   optimizer.set_lr(lr);
@@ -84,6 +85,8 @@ StepOutcome train_step(const TrainConfig& config, MixedModel& model, TrainingOpt
     out.loss += loss.item<double>() / static_cast<double>(config.grad_accum);
     out.aux_loss += aux.item<double>() / static_cast<double>(config.grad_accum);
   }
+  // Forward and backward only read the state; an async save's copy overlapped them.
+  if (before_update) before_update();
   out.result = optimizer.step();
   // Aux-loss-free balancing uses the load of this step's tokens, whether or not it was skipped:
   // every rank's tokens, so the biases stay identical on every rank. A signal may reach the
@@ -104,8 +107,9 @@ LoopOutcome Loop::run(RunState& state) {
     const auto start = Clock::now();
     const double lr =
         learning_rate(state.step, config.steps, config.lr, config.warmup, config.min_lr_ratio);
-    const StepOutcome done = train_step(config, model, optimizer, train_batches, state.step, lr,
-                                        ranks, stop.requested());
+    const StepOutcome done =
+        train_step(config, model, optimizer, train_batches, state.step, lr, ranks, stop.requested(),
+                   [this] { checkpointer.before_state_changes(); });
     const mixprec::optim::StepResult& result = done.result;
     const double step_s = seconds_since(start);
     outcome.train_s += step_s;

@@ -23,6 +23,7 @@
 #include "progress.h"
 #include "signals.h"
 
+#include <functional>
 #include <optional>
 #include <vector>
 
@@ -58,10 +59,13 @@ struct StepOutcome {
   bool stop = false;    // some rank was asked to stop (`stop_requested` there)
   mixprec::optim::StepResult result;
 };
+// `before_update`, if set, runs between backward and the optimizer step: the last moment
+// before the step writes the model and optimizer state (an async save's copy must be done).
 StepOutcome train_step(const TrainConfig& config, MixedModel& model, TrainingOptimizer& optimizer,
                        const BatchSampler& batches, int64_t index, double lr,
                        mixprec::distributed::Communicator* ranks = nullptr,
-                       bool stop_requested = false);
+                       bool stop_requested = false,
+                       const std::function<void()>& before_update = nullptr);
 
 struct Loop {
   const TrainConfig& config;

@@ -71,6 +71,12 @@ int run(int argc, char** argv) {
   const BatchSampler train_batches(corpus.train, config.seq_len, config.seed, /*stream=*/0);
   const BatchSampler val_batches(corpus.val, config.seq_len, config.seed, /*stream=*/1);
   ensure_writable_dir(paths.ckpt_root, "checkpoint directory");
+  // One run per checkpoint directory, for the whole run (rank 0 commits every save); and every
+  // rank must see the directory rank 0 writes, before the first step rather than at the first
+  // save.
+  std::optional<RunLock> run_lock;
+  if (rank0) run_lock.emplace(paths.ckpt_root, std::chrono::seconds(config.wait_for_ckpt_dir));
+  if (ranks && ranks->size() > 1) check_shared_root(paths.ckpt_root, *ranks);
 
   // 3. Model: a GPT with MoE blocks, built in FP32 from the seed.
   at::manual_seed(static_cast<uint64_t>(config.seed));
@@ -111,10 +117,17 @@ int run(int argc, char** argv) {
     if (paths.resume_from) {
       std::printf("resumed      from %s at step %lld\n", paths.resume_from->string().c_str(),
                   static_cast<long long>(state.step));
+      if (!paths.resume_note.empty()) std::printf("             (%s)\n", paths.resume_note.c_str());
     }
     std::fflush(stdout);
   }
-  Checkpointer checkpointer(paths.ckpt_root, config.async_save, config.keep_last, ranks);
+  CheckpointerOptions saving;
+  saving.async = config.async_save;
+  saving.keep_last = config.keep_last;
+  saving.staging_budget_bytes = static_cast<std::size_t>(config.staging_budget_mb) << 20;
+  saving.collective_timeout = std::chrono::seconds(config.ckpt_timeout);
+  Checkpointer checkpointer(paths.ckpt_root, saving, ranks);
+  checkpointer.prepare(optimizer->checkpoint_bytes());  // a save that cannot fit says so now
   Progress progress(rank0 ? progress_mode(config.progress) : ProgressMode::kNone, config.steps,
                     config.log_every);
   StopRequest stop;
@@ -188,7 +201,11 @@ int main(int argc, char** argv) {
     std::fprintf(stderr, "mixprec-train: %s\n", first_line(e.what()).c_str());
     return 2;
   } catch (const c10::Error& e) {
-    std::fprintf(stderr, "mixprec-train: %s\n", first_line(e.what_without_backtrace()).c_str());
+    // A failure while running: the whole message, whose later lines list every problem found
+    // (a save that names three bad tensors names all three), without LibTorch's backtrace.
+    std::string message = e.what_without_backtrace();
+    while (!message.empty() && message.back() == '\n') message.pop_back();
+    std::fprintf(stderr, "mixprec-train: %s\n", message.c_str());
     return 1;
   } catch (const std::exception& e) {
     std::fprintf(stderr, "mixprec-train: %s\n", first_line(e.what()).c_str());

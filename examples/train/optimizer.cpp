@@ -1,5 +1,6 @@
 #include "optimizer.h"
 
+#include "mixprec/checkpoint/async_save.h"
 #include "mixprec/checkpoint/training_state.h"
 
 #include <torch/nn/module.h>
@@ -45,6 +46,9 @@ class SingleProcessOptimizer final : public TrainingOptimizer {
                             optimizer_.state_bytes(ParamRole::kMaster) +
                                 optimizer_.state_bytes(ParamRole::kNativeFp32));
   }
+  std::size_t checkpoint_bytes() const override {
+    return checkpoint_bytes_when_stepped(training_state({}), optimizer_);
+  }
 
  private:
   torch::nn::Module& model_;
@@ -52,6 +56,17 @@ class SingleProcessOptimizer final : public TrainingOptimizer {
 };
 
 }  // namespace
+
+std::size_t checkpoint_bytes_when_stepped(const mixprec::ShardedStateDict& now,
+                                          const Float16Optimizer& optimizer) {
+  const int64_t held =
+      optimizer.state_bytes(ParamRole::kMaster) + optimizer.state_bytes(ParamRole::kNativeFp32);
+  const int64_t growth = optimizer.state_bytes_when_stepped() - held;
+  // Every state tensor yet to come starts at a 64-byte boundary of the staging arena.
+  const std::size_t alignment = 64 * 4 * optimizer.params_info().size();
+  return mixprec::checkpoint::staging_bytes_for(now) + static_cast<std::size_t>(growth) +
+         alignment;
+}
 
 std::vector<torch::optim::OptimizerParamGroup> adamw_groups(torch::nn::Module& model,
                                                             const TrainConfig& config) {

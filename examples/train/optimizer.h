@@ -62,7 +62,15 @@ class TrainingOptimizer {
   virtual nlohmann::json load(const std::filesystem::path& dir) = 0;
 
   virtual OptimizerMemory memory() const = 0;
+  // Host memory an asynchronous save of this rank's training state will copy into, once every
+  // parameter holds its moments: known before the first step (checkpointing.h reserves it).
+  virtual std::size_t checkpoint_bytes() const = 0;
 };
+
+// checkpoint_bytes() of a training state dict `now` of `optimizer`'s model, before or after
+// its first steps.
+std::size_t checkpoint_bytes_when_stepped(const mixprec::ShardedStateDict& now,
+                                          const mixprec::optim::Float16Optimizer& optimizer);
 
 // AdamW over `model`'s parameters in two groups — matrices and embeddings with weight decay;
 // norms, biases and the router without — with Float16Optimizer's FP32 masters, global-norm

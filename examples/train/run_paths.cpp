@@ -13,7 +13,7 @@ namespace {
 
 const fs::path kRunsDir = "runs";
 
-// The newest run directory under runs/ whose checkpoints/ has a `latest`.
+// The newest run directory under runs/ whose checkpoints/ holds a checkpoint.
 std::optional<fs::path> newest_resumable_run() {
   std::vector<fs::path> runs;
   std::error_code ec;
@@ -22,7 +22,7 @@ std::optional<fs::path> newest_resumable_run() {
   }
   std::sort(runs.rbegin(), runs.rend());  // names are timestamps: newest first
   for (const fs::path& run : runs) {
-    if (fs::exists(run / "checkpoints" / "latest", ec)) return run;
+    if (newest_checkpoint(run / "checkpoints")) return run;
   }
   return std::nullopt;
 }
@@ -59,19 +59,22 @@ RunPaths resolve_run_paths(TrainConfig& config) {
   paths.ckpt_root = config.ckpt_dir.empty() ? out / "checkpoints" : fs::path(config.ckpt_dir);
   paths.metrics = config.metrics.empty() ? out / "metrics.jsonl" : fs::path(config.metrics);
 
-  const std::optional<fs::path> latest = latest_checkpoint(paths.ckpt_root);
+  // The newest complete checkpoint, whatever `latest` says: a save that died after its commit
+  // is resumed from, not replayed into an "already committed" error.
+  std::string note;
+  const std::optional<fs::path> latest = newest_checkpoint(paths.ckpt_root, &note);
   if (!config.resume) {
     if (latest) {
       throw UsageError("checkpoint directory " + paths.ckpt_root.string() +
-                       " already holds a run (latest: " + latest->filename().string() +
+                       " already holds a run (newest checkpoint: " + latest->filename().string() +
                        "); --resume continues it, or choose another --out or --ckpt-dir");
     }
     return paths;
   }
   if (!latest) {
-    throw UsageError("--resume: no checkpoint in " + paths.ckpt_root.string() +
-                     " (it has no 'latest')");
+    throw UsageError("--resume: no checkpoint in " + paths.ckpt_root.string());
   }
+  paths.resume_note = note;
   const nlohmann::json user = read_user_metadata(*latest);
   const std::string source = "checkpoint " + latest->string();
   if (!user.contains("config")) throw UsageError(source + " was not written by mixprec-train");

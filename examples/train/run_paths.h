@@ -17,6 +17,7 @@ struct RunPaths {
   std::filesystem::path ckpt_root;
   std::filesystem::path metrics;
   std::optional<std::filesystem::path> resume_from;  // the checkpoint to load (with --resume)
+  std::string resume_note;  // why that is not what `latest` names (a save ended early); or ""
 };
 
 // runs/<date>-<time> (with a suffix if taken): a fresh run's directory unless --out is given.

@@ -17,9 +17,13 @@ StopRequest::StopRequest() {
   struct sigaction action {};
   action.sa_handler = on_stop_signal;
   sigemptyset(&action.sa_mask);
-  action.sa_flags = SA_RESETHAND | SA_RESTART;  // a second signal gets the default action
-  sigaction(SIGINT, &action, &g_previous_int);
+  // SIGTERM stays handled: under SLURM the step daemon and the launcher both send one,
+  // milliseconds apart, and the second must not kill the save the first one asked for.
+  action.sa_flags = SA_RESTART;
   sigaction(SIGTERM, &action, &g_previous_term);
+  // A second Ctrl-C is a person insisting: it gets the default action (the process ends).
+  action.sa_flags = SA_RESETHAND | SA_RESTART;
+  sigaction(SIGINT, &action, &g_previous_int);
 }
 
 StopRequest::~StopRequest() {

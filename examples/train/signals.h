@@ -1,6 +1,7 @@
 // SIGINT and SIGTERM as a request to stop: the loop finishes the step it is in, saves a
-// checkpoint and the program exits with status 0. A second signal ends the process at once
-// (the handler is installed with SA_RESETHAND, so the default action is back after the first).
+// checkpoint and the program exits with status 0. Further SIGTERMs change nothing (a cluster's
+// launcher and its step daemon often both send one); a second SIGINT — a person pressing
+// Ctrl-C again — ends the process at once (SA_RESETHAND restores the default action).
 #pragma once
 
 namespace train {

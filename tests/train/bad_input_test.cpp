@@ -96,7 +96,7 @@ TEST_F(BadInput, CheckpointDirectoryNotWritable) {
 TEST_F(BadInput, FreshRunIntoAnExistingRunsCheckpoints) {
   ASSERT_EQ(run_program(dir_.path(), args({"--out", "run"})).status, 0);
   expect_refused(args({"--out", "run"}),
-                 "already holds a run (latest: step-000002); --resume continues it");
+                 "already holds a run (newest checkpoint: step-000002); --resume continues it");
 }
 
 }  // namespace MIXPREC_UNITY_ID

@@ -132,16 +132,26 @@ TEST(DataParallel, TwoRanksMatchOneProcessAndResumeOnOneTwoOrThree) {
   EXPECT_EQ(keys_on3, keys_straight);
 }
 
-TEST(DataParallel, AsyncSaveIsRefusedOnEveryRank) {
+// Saves in the background on two ranks (the collective save on a group of its own) write
+// exactly the checkpoints blocking saves write.
+TEST(DataParallel, AsyncSavesOnTwoRanksWriteTheBlockingSavesCheckpoints) {
   if (mixprec::test::torchrun().empty()) GTEST_SKIP() << "no torchrun beside MIXPREC_PYTHON";
   Scratch dir;
   write_corpus(dir / "corpus.txt");
-  const ProgramRun run = run_program(
-      dir.path(), data_parallel_run(dir) + std::vector<std::string>{"--out", "x", "--async-save"},
-      "async", 2);
-  EXPECT_NE(run.status, 0);
-  EXPECT_NE(run.err.find("--async-save"), std::string::npos) << run.err;
-  EXPECT_FALSE(fs::exists(dir / "x/checkpoints/latest"));
+  const auto run_with = [&](const std::string& name, std::vector<std::string> extra) {
+    extra.insert(extra.end(), {"--out", name, "--ckpt-every", "4"});
+    return run_program(dir.path(), data_parallel_run(dir) + extra, name, 2);
+  };
+  const ProgramRun blocking = run_with("blocking", {});
+  const ProgramRun async = run_with("async", {"--async-save"});
+  ASSERT_EQ(blocking.status, 0) << blocking.err;
+  ASSERT_EQ(async.status, 0) << async.err;
+  for (const char* step : {"step-000004", "step-000008"}) {
+    const auto expected = chunk_checksums(dir / "blocking/checkpoints" / step);
+    ASSERT_FALSE(expected.empty()) << step;
+    EXPECT_EQ(chunk_checksums(dir / "async/checkpoints" / step), expected) << step;
+  }
+  EXPECT_EQ(read_text(dir / "async/checkpoints/latest"), "step-000008\n");
 }
 
 }  // namespace MIXPREC_UNITY_ID
