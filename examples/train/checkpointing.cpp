@@ -20,12 +20,32 @@
 #include <chrono>
 #include <cstring>
 #include <fstream>
+#include <functional>
 
 namespace train {
 namespace fs = std::filesystem;
 namespace keys = mixprec::checkpoint::keys;
 
 namespace {
+
+// Runs `attempt` on every rank; a UsageError on any rank is thrown on every rank (the first
+// failing rank's), so that no rank goes on into a collective the failed one never joins.
+// Collective with several ranks.
+void on_every_rank_or_none(mixprec::distributed::Communicator* ranks,
+                           const std::function<void()>& attempt) {
+  const bool several = ranks != nullptr && ranks->size() > 1;
+  std::string refused;
+  try {
+    attempt();
+  } catch (const UsageError& e) {
+    if (!several) throw;
+    refused = e.what();
+  }
+  if (!several) return;
+  for (const std::string& message : ranks->all_gather_strings(refused)) {
+    if (!message.empty()) throw UsageError(message);
+  }
+}
 
 std::string host_name() {
   char name[256] = {};
@@ -45,8 +65,8 @@ std::optional<fs::path> newest_checkpoint(const fs::path& root, std::string* not
   std::error_code ec;
   if (!fs::exists(root, ec)) return std::nullopt;
   try {
-    const mixprec::checkpoint::Directory dir =
-        mixprec::checkpoint::Directory::open(root, mixprec::checkpoint::Directory::Last::kMayBeLink);
+    const mixprec::checkpoint::Directory dir = mixprec::checkpoint::Directory::open(
+        root, mixprec::checkpoint::Directory::Last::kMayBeLink);
     const mixprec::checkpoint::NewestCheckpoint newest =
         mixprec::checkpoint::find_newest_checkpoint(dir);
     if (!newest.latest_error.empty()) {
@@ -91,7 +111,8 @@ void ensure_writable_dir(const fs::path& dir, const std::string& what) {
   // access(2) answers "yes" to root on read-only directories and says nothing about read-only
   // mounts; creating a file is the only honest test.
   // Named by host and pid: ranks on several machines may probe one shared directory at once.
-  const fs::path probe = dir / (".mixprec-train-probe-" + host_name() + "-" + std::to_string(::getpid()));
+  const fs::path probe =
+      dir / (".mixprec-train-probe-" + host_name() + "-" + std::to_string(::getpid()));
   const int fd = ::open(probe.c_str(), O_CREAT | O_EXCL | O_WRONLY, 0600);
   if (fd < 0) {
     throw UsageError(what + " " + dir.string() + " is not writable: " + std::strerror(errno));
@@ -114,6 +135,16 @@ RunLock::RunLock(const fs::path& root, std::chrono::seconds wait) {
 }
 
 RunLock::~RunLock() = default;
+
+std::unique_ptr<RunLock> hold_checkpoint_root(const fs::path& root, std::chrono::seconds wait,
+                                              mixprec::distributed::Communicator* ranks) {
+  std::unique_ptr<RunLock> lock;
+  on_every_rank_or_none(ranks, [&] {
+    if (ranks == nullptr || ranks->rank() == 0) lock = std::make_unique<RunLock>(root, wait);
+  });
+  if (ranks != nullptr && ranks->size() > 1) check_shared_root(root, *ranks);
+  return lock;
+}
 
 void check_shared_root(const fs::path& root, mixprec::distributed::Communicator& ranks) {
   // Rank 0 writes a token only this run can know; every rank must read it back.
@@ -160,14 +191,17 @@ Checkpointer::Checkpointer(fs::path root, const CheckpointerOptions& options,
 
 void Checkpointer::prepare(std::size_t bytes) {
   if (!async_) return;
-  try {
-    async_->reserve(bytes);
-  } catch (const c10::Error&) {
-    throw UsageError("--async-save needs " + std::to_string((bytes + (1 << 20) - 1) >> 20) +
-                     " MiB of host memory to copy the training state into; --staging-budget-mb "
-                     "is " + std::to_string(options_.staging_budget_bytes >> 20) +
-                     " (raise it, or save synchronously)");
-  }
+  on_every_rank_or_none(ranks_.get(), [&] {
+    try {
+      async_->reserve(bytes);
+    } catch (const c10::Error&) {
+      throw UsageError("--async-save needs " + std::to_string((bytes + (1 << 20) - 1) >> 20) +
+                       " MiB of host memory to copy the training state into; --staging-budget-mb "
+                       "is " +
+                       std::to_string(options_.staging_budget_bytes >> 20) +
+                       " (raise it, or save synchronously)");
+    }
+  });
 }
 
 void Checkpointer::save(int64_t step, mixprec::ShardedStateDict state) {

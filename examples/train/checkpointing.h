@@ -66,7 +66,15 @@ class RunLock {
 // shared filesystem). Rank 0 writes a token file into `root`; every rank reads it back; a rank
 // that cannot gets, on every rank, a UsageError naming the path and that rank's host — before
 // training, not at the first save. Rank 0 removes the token.
-void check_shared_root(const std::filesystem::path& root, mixprec::distributed::Communicator& ranks);
+void check_shared_root(const std::filesystem::path& root,
+                       mixprec::distributed::Communicator& ranks);
+
+// Both of the above, on every rank (`ranks` may be null: one process): rank 0 takes the run
+// lock, and when it cannot, every rank throws its UsageError (the other ranks do not wait in
+// a collective for a rank that has left). The lock, on rank 0; null elsewhere.
+std::unique_ptr<RunLock> hold_checkpoint_root(const std::filesystem::path& root,
+                                              std::chrono::seconds wait,
+                                              mixprec::distributed::Communicator* ranks);
 
 // Timings and sizes of the saves so far, for the summary.
 struct SaveStats {
@@ -81,8 +89,8 @@ struct CheckpointerOptions {
   // several ranks the collective save runs on a process group of its own); at most one save in
   // flight, the next save or finish() waits for it.
   bool async = false;
-  int64_t keep_last = 3;                      // retention
-  std::size_t staging_budget_bytes = 4u << 30;  // async: host memory for the copy
+  int64_t keep_last = 3;                          // retention
+  std::size_t staging_budget_bytes = 4u << 30;    // async: host memory for the copy
   std::chrono::seconds collective_timeout{1800};  // async on several ranks: the save's group
 };
 

@@ -86,7 +86,8 @@ const std::vector<Flag>& flags() {
       {"checkpoints", "wait-for-ckpt-dir", &C::wait_for_ckpt_dir, "S",
        "seconds to wait while another run holds the checkpoint directory (0: fail at once)"},
       {"checkpoints", "resume", &C::resume, "",
-       "continue from the checkpoint root's latest checkpoint (default root: newest run in runs/)"},
+       "continue from the newest complete checkpoint of the run (default: the newest run in "
+       "runs/)"},
       {"checkpoints", "stop-at", &C::stop_at, "N",
        "stop after step N with a checkpoint, as if interrupted (0: never); --resume continues"},
       {"sample", "prompt", &C::prompt, "TEXT", "text the final sample starts from"},

@@ -62,7 +62,8 @@ int run(int argc, char** argv) {
   if (ranks && config.out.empty() && config.ckpt_dir.empty() && !config.resume) {
     config.out = ranks->all_gather_strings(new_run_dir().string()).front();
   }
-  const RunPaths paths = resolve_run_paths(config);
+  RunPaths paths = resolve_run_paths(config);
+  find_resume_point(config, paths);  // before anything is written: a bad --resume changes nothing
   if (config.threads > 0) at::set_num_threads(static_cast<int>(config.threads));
   const bool rank0 = config.rank == 0;
 
@@ -73,10 +74,10 @@ int run(int argc, char** argv) {
   ensure_writable_dir(paths.ckpt_root, "checkpoint directory");
   // One run per checkpoint directory, for the whole run (rank 0 commits every save); and every
   // rank must see the directory rank 0 writes, before the first step rather than at the first
-  // save.
-  std::optional<RunLock> run_lock;
-  if (rank0) run_lock.emplace(paths.ckpt_root, std::chrono::seconds(config.wait_for_ckpt_dir));
-  if (ranks && ranks->size() > 1) check_shared_root(paths.ckpt_root, *ranks);
+  // save. A run that waited for another one's end looks again at what it left.
+  const std::unique_ptr<RunLock> run_lock = hold_checkpoint_root(
+      paths.ckpt_root, std::chrono::seconds(config.wait_for_ckpt_dir), ranks.get());
+  find_resume_point(config, paths);
 
   // 3. Model: a GPT with MoE blocks, built in FP32 from the seed.
   at::manual_seed(static_cast<uint64_t>(config.seed));

@@ -42,7 +42,7 @@ fs::path new_run_dir() {
   return dir;
 }
 
-RunPaths resolve_run_paths(TrainConfig& config) {
+RunPaths resolve_run_paths(const TrainConfig& config) {
   fs::path out = config.out;
   if (config.resume && out.empty() && config.ckpt_dir.empty()) {
     const auto newest = newest_resumable_run();
@@ -58,7 +58,15 @@ RunPaths resolve_run_paths(TrainConfig& config) {
   RunPaths paths;
   paths.ckpt_root = config.ckpt_dir.empty() ? out / "checkpoints" : fs::path(config.ckpt_dir);
   paths.metrics = config.metrics.empty() ? out / "metrics.jsonl" : fs::path(config.metrics);
+  std::error_code ec;
+  if (config.resume && !fs::is_directory(paths.ckpt_root, ec)) {
+    throw UsageError("--resume: no checkpoint in " + paths.ckpt_root.string() +
+                     " (no such directory)");
+  }
+  return paths;
+}
 
+void find_resume_point(TrainConfig& config, RunPaths& paths) {
   // The newest complete checkpoint, whatever `latest` says: a save that died after its commit
   // is resumed from, not replayed into an "already committed" error.
   std::string note;
@@ -69,7 +77,7 @@ RunPaths resolve_run_paths(TrainConfig& config) {
                        " already holds a run (newest checkpoint: " + latest->filename().string() +
                        "); --resume continues it, or choose another --out or --ckpt-dir");
     }
-    return paths;
+    return;
   }
   if (!latest) {
     throw UsageError("--resume: no checkpoint in " + paths.ckpt_root.string());
@@ -83,7 +91,6 @@ RunPaths resolve_run_paths(TrainConfig& config) {
     paths.metrics = user.at("metrics").get<std::string>();
   }
   paths.resume_from = latest;
-  return paths;
 }
 
 }  // namespace train

@@ -3,7 +3,8 @@
 // A fresh run gets a new directory, runs/<date>-<time>/ (or --out DIR), holding checkpoints/
 // and metrics.jsonl; --ckpt-dir and --metrics place those elsewhere. A fresh run never writes
 // into a checkpoint root that already holds checkpoints: that is the job of --resume, which
-// continues the root's `latest` (by default the newest run under runs/ that has one).
+// continues the root's newest complete checkpoint, whatever `latest` says (by default the
+// newest run under runs/ that has one).
 #pragma once
 
 #include "config.h"
@@ -23,10 +24,16 @@ struct RunPaths {
 // runs/<date>-<time> (with a suffix if taken): a fresh run's directory unless --out is given.
 std::filesystem::path new_run_dir();
 
-// Decides the paths without writing anything. With --resume, reads the checkpoint's saved
-// configuration into `config` (adopt_run_shape) and its metrics path unless --metrics is given.
-// Throws UsageError: --resume without a checkpoint; a fresh run into a root with checkpoints;
-// a checkpoint of another configuration (naming the flag).
-RunPaths resolve_run_paths(TrainConfig& config);
+// Decides the paths without writing anything; with --resume, the run to continue (by default
+// the newest under runs/). Throws UsageError for --resume without a checkpoint directory.
+RunPaths resolve_run_paths(const TrainConfig& config);
+
+// What the checkpoint root holds decides how the run starts; call it holding the run lock
+// (hold_checkpoint_root), so that a run that waited for another sees that run's checkpoints.
+// With --resume: the newest complete checkpoint into `paths.resume_from`, its saved
+// configuration into `config` (adopt_run_shape) and its metrics path unless --metrics is
+// given. Throws UsageError: --resume without a checkpoint; a fresh run into a root with
+// checkpoints; a checkpoint of another configuration (naming the flag).
+void find_resume_point(TrainConfig& config, RunPaths& paths);
 
 }  // namespace train

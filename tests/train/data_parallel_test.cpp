@@ -12,6 +12,9 @@
 
 #include <gtest/gtest.h>
 
+#include <netinet/in.h>
+#include <sys/socket.h>
+
 #include <cmath>
 
 namespace train {
@@ -152,6 +155,77 @@ TEST(DataParallel, AsyncSavesOnTwoRanksWriteTheBlockingSavesCheckpoints) {
     EXPECT_EQ(chunk_checksums(dir / "async/checkpoints" / step), expected) << step;
   }
   EXPECT_EQ(read_text(dir / "async/checkpoints/latest"), "step-000008\n");
+}
+
+// A TCP port nothing listens on now (the kernel's pick), for a rendezvous.
+int free_port() {
+  const int fd = ::socket(AF_INET, SOCK_STREAM, 0);
+  sockaddr_in addr{};
+  addr.sin_family = AF_INET;
+  addr.sin_addr.s_addr = htonl(INADDR_LOOPBACK);
+  socklen_t size = sizeof addr;
+  const bool ok = ::bind(fd, reinterpret_cast<sockaddr*>(&addr), size) == 0 &&
+                  ::getsockname(fd, reinterpret_cast<sockaddr*>(&addr), &size) == 0;
+  ::close(fd);
+  if (!ok) throw std::runtime_error("no free TCP port on 127.0.0.1");
+  return ntohs(addr.sin_port);
+}
+
+// Two torchrun agents on this machine stand in for two nodes: 2 processes on one, 1 on the
+// other, joined by c10d rendezvous on localhost, as on a cluster (README: "On several
+// machines"). Three ranks over two nodes train exactly as three on one node do (bitwise: the
+// same algorithm on the same rows), save, and the run resumes on one node with 2 processes.
+TEST(DataParallel, TwoNodesTrainAsThreeRanksOnOneAndResumeOnOneNode) {
+  if (mixprec::test::torchrun().empty()) GTEST_SKIP() << "no torchrun beside MIXPREC_PYTHON";
+  Scratch dir;
+  write_corpus(dir / "corpus.txt");
+  const auto run = data_parallel_run(dir) + std::vector<std::string>{"--ckpt-every", "4"};
+  const auto out = [&](const std::string& name) {
+    return run + std::vector<std::string>{"--out", name};
+  };
+  const ProgramRun three = run_program(dir.path(), out("three"), "three", 3);
+  ASSERT_EQ(three.status, 0) << three.err;
+  const auto straight = read_metrics(dir / "three/metrics.jsonl");
+  ASSERT_EQ(straight.size(), 8u);
+
+  const std::string endpoint = "127.0.0.1:" + std::to_string(free_port());
+  const auto node = [&](int node_rank, int processes) {
+    return std::vector<std::string>{
+        "--nnodes", "2", "--node-rank", std::to_string(node_rank), "--nproc-per-node",
+        std::to_string(processes), "--rdzv-backend", "c10d", "--rdzv-endpoint", endpoint,
+        "--rdzv-id", "mixprec-two-nodes",
+        // Both agents are on this host: say which one serves the rendezvous store.
+        "--rdzv-conf", node_rank == 0 ? "is_host=1" : "is_host=0"};
+  };
+  const auto stop_at_4 = out("nodes") + std::vector<std::string>{"--stop-at", "4"};
+  const pid_t node0 = start_launched(dir.path(), node(0, 2), stop_at_4, "node0");
+  const pid_t node1 = start_launched(dir.path(), node(1, 1), stop_at_4, "node1");
+  const ProgramRun first = wait_program(dir.path(), node0, "node0");
+  const ProgramRun second = wait_program(dir.path(), node1, "node1");
+  ASSERT_EQ(first.status, 0) << first.err;
+  ASSERT_EQ(second.status, 0) << second.err;
+  const std::string talk = first.out + second.out;  // rank 0 is on either node
+  std::printf("two nodes:\n%s", talk.c_str());
+  EXPECT_NE(talk.find("3 ranks, ZeRO-1"), std::string::npos) << talk;
+  EXPECT_EQ(read_text(dir / "nodes/checkpoints/latest"), "step-000004\n");
+  const auto on_two_nodes = read_metrics(dir / "nodes/metrics.jsonl");
+  ASSERT_EQ(on_two_nodes.size(), 4u);
+  for (size_t i = 0; i < 4; ++i) {
+    SCOPED_TRACE("two nodes, step " + std::to_string(i + 1));
+    EXPECT_EQ(on_two_nodes[i].loss, straight[i].loss);  // bitwise: exact equality on purpose
+    EXPECT_EQ(on_two_nodes[i].grad_norm, straight[i].grad_norm);
+  }
+  EXPECT_EQ(chunk_checksums(dir / "nodes/checkpoints/step-000004"),
+            chunk_checksums(dir / "three/checkpoints/step-000004"));
+
+  // One node, 2 processes, carries on to step 8.
+  const ProgramRun resumed =
+      run_program(dir.path(), out("nodes") + std::vector<std::string>{"--resume"}, "resumed", 2);
+  ASSERT_EQ(resumed.status, 0) << resumed.err;
+  std::printf("resumed on one node:\n%s", resumed.out.c_str());
+  EXPECT_NE(resumed.out.find("2 ranks, ZeRO-1"), std::string::npos) << resumed.out;
+  expect_close_losses(read_metrics(dir / "nodes/metrics.jsonl"), straight,
+                      "two nodes, resumed on one with 2 ranks");
 }
 
 }  // namespace MIXPREC_UNITY_ID

@@ -72,18 +72,20 @@ inline std::vector<std::string> operator+(std::vector<std::string> a,
 }
 
 // Starts mixprec-train with `args` (stdout/stderr to files in `scratch`); returns its pid.
-// `ranks` > 0: under `torchrun --standalone --nproc-per-node <ranks> --no-python`.
-inline pid_t start_program(const fs::path& scratch, const std::vector<std::string>& args,
-                           const std::string& tag, int ranks = 0) {
+// A non-empty `torchrun_args`: under `torchrun <torchrun_args> --no-python`.
+inline pid_t start_launched(const fs::path& scratch, const std::vector<std::string>& torchrun_args,
+                            const std::vector<std::string>& args, const std::string& tag) {
   const fs::path out = scratch / (tag + ".out"), err = scratch / (tag + ".err");
   // Resolved before fork(): the child only execs.
   std::string bin = mixprec::test::required_env("MIXPREC_TRAIN_BIN");
   std::vector<std::string> copy = args;
-  if (ranks > 0) {
+  const bool launched = !torchrun_args.empty();
+  if (launched) {
     const std::string torchrun = mixprec::test::torchrun();
     if (torchrun.empty()) throw std::runtime_error("MIXPREC_TORCHRUN is not set: no torchrun");
-    copy.insert(copy.begin(),
-                {"--standalone", "--nproc-per-node", std::to_string(ranks), "--no-python", bin});
+    std::vector<std::string> prefix = torchrun_args;
+    prefix.insert(prefix.end(), {"--no-python", bin});
+    copy.insert(copy.begin(), prefix.begin(), prefix.end());
     bin = torchrun;
   }
   const pid_t pid = ::fork();
@@ -92,7 +94,7 @@ inline pid_t start_program(const fs::path& scratch, const std::vector<std::strin
     const int e = ::open(err.c_str(), O_WRONLY | O_CREAT | O_TRUNC, 0644);
     const int in = ::open("/dev/null", O_RDONLY);
     ::dup2(o, 1), ::dup2(e, 2), ::dup2(in, 0);
-    if (ranks > 0) ::setenv("OMP_NUM_THREADS", "1", 1);
+    if (launched) ::setenv("OMP_NUM_THREADS", "1", 1);
     std::vector<char*> argv;
     argv.push_back(bin.data());
     for (auto& a : copy) argv.push_back(a.data());
@@ -102,6 +104,14 @@ inline pid_t start_program(const fs::path& scratch, const std::vector<std::strin
     ::_exit(127);
   }
   return pid;
+}
+
+// `ranks` > 0: under `torchrun --standalone --nproc-per-node <ranks> --no-python`.
+inline pid_t start_program(const fs::path& scratch, const std::vector<std::string>& args,
+                           const std::string& tag, int ranks = 0) {
+  std::vector<std::string> torchrun_args;
+  if (ranks > 0) torchrun_args = {"--standalone", "--nproc-per-node", std::to_string(ranks)};
+  return start_launched(scratch, torchrun_args, args, tag);
 }
 
 inline ProgramRun wait_program(const fs::path& scratch, pid_t pid, const std::string& tag) {

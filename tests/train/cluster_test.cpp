@@ -1,0 +1,152 @@
+// mixprec-train as a cluster runs it: a job requeued while its last incarnation still exits,
+// two jobs pointed at one directory, a save cut off between its commit and `latest`, the
+// scheduler's SIGTERM arriving twice, and a staging budget that cannot hold the state.
+#include "checkpointing.h"
+#include "train/train_program.h"
+
+#include <gtest/gtest.h>
+
+#include <unistd.h>
+
+namespace train {
+namespace MIXPREC_UNITY_ID {  // anonymous outside unity builds (tests/CMakeLists.txt)
+
+using namespace train::testing;
+
+class Cluster : public ::testing::Test {
+ protected:
+  void SetUp() override { write_corpus(dir_ / "corpus.txt"); }
+
+  std::vector<std::string> args(const std::vector<std::string>& extra) const {
+    return tiny_model() +
+           std::vector<std::string>{
+               "--data", (dir_ / "corpus.txt").string(), "--out", "run", "--eval-every", "1000"} +
+           extra;
+  }
+
+  // Starts a run that trains until stopped, and returns once the metrics hold `steps` steps.
+  pid_t start_long_run(const std::vector<std::string>& extra, const std::string& tag,
+                       size_t steps) {
+    const pid_t pid = start_program(
+        dir_.path(), args({"--steps", "100000", "--ckpt-every", "1000"}) + extra, tag);
+    const auto deadline = std::chrono::steady_clock::now() + std::chrono::seconds(120);
+    while (count_lines(dir_ / "run/metrics.jsonl") < steps &&
+           std::chrono::steady_clock::now() < deadline) {
+      std::this_thread::sleep_for(std::chrono::milliseconds(20));
+    }
+    return pid;
+  }
+
+  Scratch dir_;
+};
+
+size_t lines_in(const std::string& text) { return std::count(text.begin(), text.end(), '\n'); }
+
+// A second run on a directory in use, even one that has not saved yet, is refused in one line
+// naming the directory and its holder; with --wait-for-ckpt-dir a requeued --resume waits for
+// the holder to stop and continues from the checkpoint it left.
+TEST_F(Cluster, OneRunPerCheckpointDirectoryAndARequeuedResumeWaits) {
+  const pid_t first = start_long_run({}, "first", 2);
+  ASSERT_FALSE(fs::exists(dir_ / "run/checkpoints/latest")) << "no save yet";
+  const ProgramRun fresh = run_program(dir_.path(), args({"--steps", "3"}), "fresh");
+  EXPECT_EQ(fresh.status, 2) << fresh.err;
+  EXPECT_EQ(lines_in(fresh.err), 1u) << fresh.err;
+  EXPECT_NE(fresh.err.find("checkpoint directory run/checkpoints is in use"), std::string::npos)
+      << fresh.err;
+  EXPECT_NE(fresh.err.find("pid " + std::to_string(first)), std::string::npos) << fresh.err;
+  EXPECT_NE(fresh.err.find("--wait-for-ckpt-dir"), std::string::npos) << fresh.err;
+  ASSERT_EQ(::kill(first, SIGTERM), 0);
+  ASSERT_EQ(wait_program(dir_.path(), first, "first").status, 0);
+
+  // The job runs again; it is requeued while still running (a node's health check failed),
+  // and the new incarnation starts before the old one has stopped.
+  const size_t logged = count_lines(dir_ / "run/metrics.jsonl");
+  const pid_t second = start_long_run({"--resume"}, "second", logged + 2);
+  const ProgramRun resume_now =
+      run_program(dir_.path(), args({"--resume", "--steps", "100000"}), "resume_now");
+  EXPECT_EQ(resume_now.status, 2) << resume_now.err;
+  EXPECT_NE(resume_now.err.find("is in use"), std::string::npos) << resume_now.err;
+  const pid_t requeued = start_program(
+      dir_.path(), args({"--resume", "--wait-for-ckpt-dir", "120", "--steps", "100000"}),
+      "requeued");
+  std::this_thread::sleep_for(std::chrono::milliseconds(300));
+  ASSERT_EQ(::kill(second, SIGTERM), 0);
+  const ProgramRun stopped = wait_program(dir_.path(), second, "second");
+  ASSERT_EQ(stopped.status, 0) << stopped.err;
+  const std::string saved = checkpoint_name(read_metrics(dir_ / "run/metrics.jsonl").back().step);
+
+  // The waiting run takes over from the checkpoint the stopped one just wrote.
+  const auto deadline = std::chrono::steady_clock::now() + std::chrono::seconds(120);
+  while (read_text(dir_ / "requeued.out").find("resumed      from") == std::string::npos &&
+         std::chrono::steady_clock::now() < deadline) {
+    std::this_thread::sleep_for(std::chrono::milliseconds(20));
+  }
+  ASSERT_EQ(::kill(requeued, SIGTERM), 0);
+  const ProgramRun after = wait_program(dir_.path(), requeued, "requeued");
+  ASSERT_EQ(after.status, 0) << after.err;
+  EXPECT_NE(after.out.find("resumed      from run/checkpoints/" + saved), std::string::npos)
+      << after.out;
+}
+
+// A save that died between its commit and the `latest` update, and a first save that died
+// before `latest` existed: --resume continues from the newest complete checkpoint, says why,
+// and neither replays steps nor meets an "already committed" checkpoint.
+TEST_F(Cluster, ResumeContinuesFromTheNewestCompleteCheckpoint) {
+  ASSERT_EQ(run_program(dir_.path(), args({"--steps", "4", "--ckpt-every", "2"})).status, 0);
+  const fs::path root = dir_ / "run/checkpoints";
+  ASSERT_EQ(read_text(root / "latest"), "step-000004\n");
+  std::ofstream(root / "latest", std::ios::trunc) << "step-000002\n";  // the update never ran
+
+  const ProgramRun resumed =
+      run_program(dir_.path(), args({"--resume", "--steps", "6", "--ckpt-every", "2"}), "stale");
+  ASSERT_EQ(resumed.status, 0) << resumed.err;
+  EXPECT_NE(resumed.out.find("resumed      from run/checkpoints/step-000004 at step 4"),
+            std::string::npos)
+      << resumed.out;
+  const auto metrics = read_metrics(dir_ / "run/metrics.jsonl");
+  ASSERT_EQ(metrics.size(), 6u);
+  for (size_t i = 0; i < metrics.size(); ++i) EXPECT_EQ(metrics[i].step, int64_t(i + 1));
+  EXPECT_EQ(read_text(root / "latest"), "step-000006\n");
+
+  fs::remove(root / "latest");  // as if the first save of a run had died before writing it
+  const ProgramRun without =
+      run_program(dir_.path(), args({"--resume", "--steps", "7", "--ckpt-every", "2"}), "none");
+  ASSERT_EQ(without.status, 0) << without.err;
+  EXPECT_NE(without.out.find("resumed      from run/checkpoints/step-000006 at step 6"),
+            std::string::npos)
+      << without.out;
+  EXPECT_EQ(read_text(root / "latest"), "step-000007\n");
+}
+
+// SLURM signals a job step's processes from slurmstepd and from torchrun's agent, moments
+// apart: the second SIGTERM must not cut the save the first one asked for.
+TEST_F(Cluster, ASecondSigtermStillEndsInACheckpoint) {
+  const pid_t pid = start_long_run({}, "run", 3);
+  ASSERT_EQ(::kill(pid, SIGTERM), 0);
+  std::this_thread::sleep_for(std::chrono::milliseconds(2));
+  ASSERT_EQ(::kill(pid, SIGTERM), 0);
+  const ProgramRun run = wait_program(dir_.path(), pid, "run");
+  ASSERT_EQ(run.status, 0) << "killed by the second SIGTERM? " << run.err;
+  EXPECT_NE(run.out.find("stopped     by SIGTERM"), std::string::npos) << run.out;
+  const auto metrics = read_metrics(dir_ / "run/metrics.jsonl");
+  ASSERT_FALSE(metrics.empty());
+  EXPECT_EQ(read_text(dir_ / "run/checkpoints/latest"),
+            checkpoint_name(metrics.back().step) + "\n");
+}
+
+// A background save whose copy cannot fit the staging budget is refused before the first step,
+// not at the first save thousands of steps later.
+TEST_F(Cluster, AStagingBudgetTooSmallIsRefusedBeforeTheFirstStep) {
+  // A model whose training state needs well over 1 MiB of staging.
+  const ProgramRun run = run_program(
+      dir_.path(),
+      args({"--d-model", "128", "--steps", "3", "--async-save", "--staging-budget-mb", "1"}));
+  EXPECT_EQ(run.status, 2) << run.err;
+  EXPECT_EQ(lines_in(run.err), 1u) << run.err;
+  EXPECT_NE(run.err.find("--async-save needs "), std::string::npos) << run.err;
+  EXPECT_NE(run.err.find("--staging-budget-mb is 1 "), std::string::npos) << run.err;
+  EXPECT_EQ(count_lines(dir_ / "run/metrics.jsonl"), 0u) << "no step ran";
+}
+
+}  // namespace MIXPREC_UNITY_ID
+}  // namespace train
