@@ -5,6 +5,8 @@
 #      still names "a", which loads on 2 ranks and on 1;
 #   2. rank 0 of 2 (the committing rank) dies the same way: its staging directory stays
 #      behind; "a" loads on 3 ranks, whose next save cleans the staging and commits "c".
+#   3. as 1, rank 1 of 2, but "b" is saved in the background (save_checkpoint_async) while
+#      training goes on: the same guarantees; "a" loads on 1 rank and on 3, which save "c".
 #   crash_save.sh TORCHRUN DIST_MP_TESTS
 set -uo pipefail
 torchrun=$1 binary=$2
@@ -39,4 +41,10 @@ export MIXPREC_TEST_ROOT=$base/two
 expect_killed 2 0
 ls -a "$MIXPREC_TEST_ROOT"
 check 3 MIXPREC_TEST_EXPECT_STALE=1 MIXPREC_TEST_SAVE_AFTER=1
+
+export MIXPREC_TEST_ROOT=$base/async
+MIXPREC_TEST_ASYNC=1 expect_killed 2 1
+ls -a "$MIXPREC_TEST_ROOT"
+check 1 X=1
+check 3 MIXPREC_TEST_SAVE_AFTER=1
 echo "PASS"

@@ -1,5 +1,6 @@
 // Checkpoints that cross launches: saved by N ranks, resumed by M (tests/distributed/resume.sh),
-// and a save during which a rank is SIGKILLed (tests/distributed/crash_save.sh). These cases run
+// and a save (blocking or in the background) during which a rank is SIGKILLed
+// (tests/distributed/crash_save.sh). These cases run
 // only from those scripts, which set MIXPREC_TEST_ROOT (skipped otherwise).
 //
 // "Continues as it would from the same checkpoint in one process": every rank feeds the same
@@ -11,6 +12,7 @@
 #include "mixprec/checkpoint/format/root_writer.h"
 #include "mixprec/checkpoint/training_state.h"
 #include "mixprec/distributed/collective_checkpoint.h"
+#include "mixprec/distributed/init.h"
 
 #include <gtest/gtest.h>
 
@@ -133,7 +135,21 @@ TEST(CollectiveCrash, SaveThenDie) {
     ::setenv("MIXPREC_CRASH_POINT", std::to_string(kill_at).c_str(), 1);
     checkpoint::detail::reset_crash_points();
   }
-  distributed::save_checkpoint(world(), test_root(), "b", state);
+  if (env_or_empty("MIXPREC_TEST_ASYNC").empty()) {
+    distributed::save_checkpoint(world(), test_root(), "b", state);
+  } else {
+    // In the background, on a group of its own, while training goes on (mixprec-train
+    // --async-save): the rank dies on the save's thread.
+    distributed::InitOptions group;
+    group.group_name = "checkpoint";
+    group.timeout = std::chrono::seconds(60);
+    checkpoint::AsyncCheckpointSaver saver;
+    distributed::save_checkpoint_async(saver, distributed::init_from_env(group), test_root(), "b",
+                                       state);
+    saver.wait_until_staged();
+    run.step(kSavedAt + 1);
+    saver.wait();
+  }
   ADD_FAILURE() << "rank " << rank << ": the save of 'b' should not have succeeded";
 }
 
