@@ -6,6 +6,7 @@
 #include "detail/name_match.h"
 
 #include <ATen/ATen.h>
+#include <ATen/core/grad_mode.h>
 #include <c10/util/Exception.h>
 #include <torch/nn/module.h>
 

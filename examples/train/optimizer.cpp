@@ -64,8 +64,7 @@ std::size_t checkpoint_bytes_when_stepped(const mixprec::ShardedStateDict& now,
   const int64_t growth = optimizer.state_bytes_when_stepped() - held;
   // Every state tensor yet to come starts at a 64-byte boundary of the staging arena.
   const std::size_t alignment = 64 * 4 * optimizer.params_info().size();
-  return mixprec::checkpoint::staging_bytes_for(now) + static_cast<std::size_t>(growth) +
-         alignment;
+  return mixprec::checkpoint::staging_bytes_for(now) + static_cast<std::size_t>(growth) + alignment;
 }
 
 std::vector<torch::optim::OptimizerParamGroup> adamw_groups(torch::nn::Module& model,

@@ -63,6 +63,7 @@
 #include "mixprec/checkpoint/format/newest_checkpoint.h"
 #include "mixprec/checkpoint/format/retention.h"
 #include "mixprec/checkpoint/format/root_layout.h"
+#include "mixprec/checkpoint/format/root_lock.h"
 #include "mixprec/checkpoint/format/root_writer.h"
 #include "mixprec/checkpoint/format/safetensors_header.h"
 #include "mixprec/checkpoint/format/safetensors_reader.h"

@@ -4,6 +4,7 @@
 #include "detail/name_match.h"
 
 #include <ATen/ATen.h>
+#include <ATen/core/grad_mode.h>
 #include <c10/util/Exception.h>
 
 #include <chrono>
@@ -16,7 +17,9 @@ namespace {
 constexpr const char* kWho = "mixprec::checkpoint::AsyncCheckpointSaver";
 constexpr std::size_t kAlignment = 64;
 
-std::size_t aligned(std::size_t bytes) { return (bytes + kAlignment - 1) / kAlignment * kAlignment; }
+std::size_t aligned(std::size_t bytes) {
+  return (bytes + kAlignment - 1) / kAlignment * kAlignment;
+}
 
 std::size_t shard_bytes(const ShardedTensor& shard) {
   return static_cast<std::size_t>(shard.local.numel()) *
@@ -53,9 +56,8 @@ AsyncCheckpointSaver::~AsyncCheckpointSaver() {
 
 void AsyncCheckpointSaver::reserve(std::size_t bytes) {
   wait();
-  TORCH_CHECK(bytes <= options_.staging_budget_bytes(), "[", kWho,
-              "] the checkpoint needs ", bytes, " bytes of host staging memory, the budget is ",
-              options_.staging_budget_bytes(),
+  TORCH_CHECK(bytes <= options_.staging_budget_bytes(), "[", kWho, "] the checkpoint needs ", bytes,
+              " bytes of host staging memory, the budget is ", options_.staging_budget_bytes(),
               " bytes (AsyncSaveOptions::staging_budget_bytes); raise it or save synchronously");
   if (bytes <= arena_bytes_) return;
   // Zero-filled: every page is touched here, once, not inside a save's blocked window.

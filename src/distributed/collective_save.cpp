@@ -131,10 +131,10 @@ void save_checkpoint_async(checkpoint::AsyncCheckpointSaver& saver,
                            ShardedStateDict mine, const checkpoint::SaveOptions& options) {
   TORCH_CHECK(checkpoint_comm, "[mixprec::distributed::save_checkpoint_async] the group is null");
   checkpoint_comm->check_usable("mixprec::distributed::save_checkpoint_async");
-  saver.save(std::move(mine),
-             [comm = std::move(checkpoint_comm), root, name, options](const ShardedStateDict& staged) {
-               return save_checkpoint(*comm, root, name, staged, options);
-             });
+  saver.save(std::move(mine), [comm = std::move(checkpoint_comm), root, name,
+                               options](const ShardedStateDict& staged) {
+    return save_checkpoint(*comm, root, name, staged, options);
+  });
 }
 
 }  // namespace mixprec::distributed

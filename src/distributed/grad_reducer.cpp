@@ -6,6 +6,7 @@
 #include "mixprec/distributed/model_check.h"
 
 #include <ATen/ATen.h>
+#include <ATen/core/grad_mode.h>
 #include <c10/util/Exception.h>
 #include <torch/csrc/autograd/variable.h>
 #include <torch/nn/module.h>

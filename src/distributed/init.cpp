@@ -134,9 +134,8 @@ std::shared_ptr<Communicator> init_from_env(const InitOptions& options) {
   }
   // torch.distributed's prefix under torchrun's agent store, so keys of an earlier attempt
   // (an elastic restart) never meet this one's.
-  std::string prefix = env.use_agent_store
-                           ? "/worker/attempt_" + std::to_string(env.restart_count)
-                           : std::string("mixprec");
+  std::string prefix = env.use_agent_store ? "/worker/attempt_" + std::to_string(env.restart_count)
+                                           : std::string("mixprec");
   if (!options.group_name.empty()) prefix += "/mixprec-group/" + options.group_name;
   return make_group(c10::make_intrusive<c10d::PrefixStore>(prefix, store), env.rank, env.world_size,
                     options, where);

@@ -6,6 +6,7 @@
 #include "optim/optimizer_slot.h"
 
 #include <ATen/ATen.h>
+#include <ATen/core/grad_mode.h>
 #include <c10/util/Exception.h>
 #include <c10/util/TypeIndex.h>
 #include <torch/nn/module.h>

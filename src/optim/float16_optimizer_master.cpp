@@ -9,6 +9,7 @@
 #include "optim/optimizer_slot.h"
 
 #include <ATen/ATen.h>
+#include <ATen/core/grad_mode.h>
 #include <c10/util/Exception.h>
 
 namespace mixprec::optim {

@@ -3,6 +3,7 @@
 #include "precision/keep_record.h"
 
 #include <ATen/ATen.h>
+#include <ATen/core/grad_mode.h>
 #include <c10/util/Exception.h>
 #include <torch/nn/module.h>
 

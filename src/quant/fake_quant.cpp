@@ -3,6 +3,7 @@
 #include "quant/kernels/fake_quant_fused.h"
 
 #include <ATen/ATen.h>
+#include <ATen/core/grad_mode.h>
 #include <c10/util/Exception.h>
 #include <torch/csrc/autograd/custom_function.h>
 

@@ -39,8 +39,8 @@
 #include <condition_variable>
 #include <exception>
 #include <functional>
-#include <mutex>
 #include <memory>
+#include <mutex>
 #include <optional>
 #include <thread>
 

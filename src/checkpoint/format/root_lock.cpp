@@ -38,10 +38,11 @@ RootFileLock::RootFileLock(const Directory& root, std::string_view name,
     if (errno != EWOULDBLOCK) detail::fail_errno(path, "flock");
     if (std::chrono::steady_clock::now() >= deadline) {
       const std::string who = holder(fd.get());
-      detail::fail(path.string(), ": held by ", who.empty() ? std::string("an unknown holder") : who,
-                   " (", what, ")",
-                   timeout.count() > 0 ? detail::concat("; waited ", timeout.count(), " ms")
-                                       : std::string("; wait for it, or set a lock timeout to wait"));
+      detail::fail(path.string(), ": held by ",
+                   who.empty() ? std::string("an unknown holder") : who, " (", what, ")",
+                   timeout.count() > 0
+                       ? detail::concat("; waited ", timeout.count(), " ms")
+                       : std::string("; wait for it, or set a lock timeout to wait"));
     }
     std::this_thread::sleep_for(kLockPoll);
   }

@@ -7,8 +7,8 @@
 #include "mixprec/checkpoint/format/manifest.h"
 #include "mixprec/checkpoint/format/newest_checkpoint.h"
 #include "mixprec/checkpoint/format/retention.h"
-#include "mixprec/checkpoint/format/root_lock.h"
 #include "mixprec/checkpoint/format/root_layout.h"
+#include "mixprec/checkpoint/format/root_lock.h"
 #include "posix_file.h"
 #include "staging_dirs.h"
 
