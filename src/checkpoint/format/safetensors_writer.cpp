@@ -8,6 +8,7 @@
 #include <unistd.h>
 
 #include <algorithm>
+#include <thread>
 #include <utility>
 
 namespace mixprec::checkpoint {
@@ -22,6 +23,13 @@ constexpr std::size_t kBufferSize = 1 << 20;
 // Hashing runs over slices of this size, so that with block checksums both hashers read each
 // slice while it is in cache: one trip through memory for both.
 constexpr std::size_t kHashSlice = 256 << 10;
+// A piece at least this large is hashed on a second thread while this one writes it: the
+// hash and the copy into the page cache overlap instead of adding up.
+constexpr std::size_t kOverlapHashBytes = 4 << 20;
+// Every this many bytes written, the kernel is asked to start writing them to disk
+// (sync_file_range, Linux): the disk works while later bytes are written, and close()'s
+// fsync waits only for the tail instead of the whole file.
+constexpr std::uint64_t kWritebackBytes = 32 << 20;
 
 }  // namespace
 
@@ -114,15 +122,44 @@ void SafetensorsWriter::write(std::string_view name, std::span<const std::byte> 
   }
   if (piece.empty()) return;
   any_written_ = true;
+  if (piece.size() >= kOverlapHashBytes) {
+    // The hashers are this tensor's alone and the bytes stay put until write() returns.
+    std::thread hashing([this, piece] { hash(piece); });
+    try {
+      write_out(piece);
+    } catch (...) {
+      hashing.join();
+      throw;
+    }
+    hashing.join();
+  } else {
+    hash(piece);
+    write_out(piece);
+  }
+  current_written_ += piece.size();
+  crash_point("safetensors: after tensor piece");
+  advance_past_complete();
+}
+
+void SafetensorsWriter::hash(std::span<const std::byte> piece) {
   for (std::size_t at = 0; at < piece.size(); at += kHashSlice) {
     const auto slice = piece.subspan(at, std::min(kHashSlice, piece.size() - at));
     hasher_.update(slice);
     if (block_hasher_) block_hasher_->update(slice);
   }
-  write_out(piece);
-  current_written_ += piece.size();
-  crash_point("safetensors: after tensor piece");
-  advance_past_complete();
+}
+
+void SafetensorsWriter::write_through(std::span<const std::byte> bytes) {
+  detail::write_all(fd_, bytes, path_);
+  file_bytes_ += bytes.size();
+#ifdef __linux__
+  if (file_bytes_ - writeback_from_ >= kWritebackBytes) {
+    // A hint: where the filesystem cannot (or need not) do it, close()'s fsync does it all.
+    ::sync_file_range(fd_, static_cast<off64_t>(writeback_from_),
+                      static_cast<off64_t>(file_bytes_ - writeback_from_), SYNC_FILE_RANGE_WRITE);
+    writeback_from_ = file_bytes_;
+  }
+#endif
 }
 
 void SafetensorsWriter::write_out(std::span<const std::byte> bytes) {
@@ -132,7 +169,7 @@ void SafetensorsWriter::write_out(std::span<const std::byte> bytes) {
   }
   flush_buffer();
   if (bytes.size() >= kBufferSize) {
-    detail::write_all(fd_, bytes, path_);
+    write_through(bytes);
   } else {
     buffer_.assign(bytes.begin(), bytes.end());
   }
@@ -140,7 +177,7 @@ void SafetensorsWriter::write_out(std::span<const std::byte> bytes) {
 
 void SafetensorsWriter::flush_buffer() {
   if (buffer_.empty()) return;
-  detail::write_all(fd_, buffer_, path_);
+  write_through(buffer_);
   buffer_.clear();
 }
 

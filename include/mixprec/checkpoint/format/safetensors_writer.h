@@ -84,7 +84,9 @@ class SafetensorsWriter {
  private:
   void advance_past_complete();
   void flush_buffer();
+  void hash(std::span<const std::byte> piece);
   void write_out(std::span<const std::byte> bytes);
+  void write_through(std::span<const std::byte> bytes);  // write(2), then start its writeback
 
   void remove_partial_file();
 
@@ -100,6 +102,8 @@ class SafetensorsWriter {
   std::optional<BlockHasher> block_hasher_;
   bool any_written_ = false;
   int fd_ = -1;
+  std::uint64_t file_bytes_ = 0;      // written to the file so far
+  std::uint64_t writeback_from_ = 0;  // where the writeback not yet started begins
   bool closed_ = false;
 };
 
