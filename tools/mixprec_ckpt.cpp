@@ -1,9 +1,10 @@
-// mixprec-ckpt: inspect, verify and compare mixprec checkpoints (SPEC §4, "A command-line
-// tool"). This file only parses the command line and maps every failure to the tool's
+// mixprec-ckpt: inspect, verify, compare and export mixprec checkpoints (SPEC §4, "A
+// command-line tool"). This file only parses the command line and maps every failure to the tool's
 // contract (ckpt/cli.h): one line "mixprec-ckpt: …" on stderr and exit status 1 or 2. No
 // exception escapes main, whatever the input.
 #include "ckpt/cli.h"
 #include "ckpt/diff.h"
+#include "ckpt/export.h"
 #include "ckpt/inspect.h"
 #include "ckpt/verify.h"
 
@@ -22,7 +23,7 @@ using namespace mixprec::tools;
 
 constexpr const char* kUsage = R"(usage: mixprec-ckpt <command> [arguments]
 
-Inspect, verify and compare mixprec checkpoints.
+Inspect, verify, compare and export mixprec checkpoints.
 
 commands:
   inspect DIR   format, sequence, step, loss scaler; every key with dtype, shape, bytes and
@@ -32,25 +33,38 @@ commands:
   verify DIR    reads every byte and checks all checksums against the manifest.
   diff A B      per-key max |A - B| for keys in both, keys only in A or B, dtype/shape
                 mismatches, and common-state (step, hyper-parameters...) differences.
+  export CKPT OUT [--dtype bf16|fp16|fp32|keep] [--max-shard-size SIZE] [--force]
+                the model alone (no optimizer or RNG state) as safetensors in OUT, a new
+                directory: model.safetensors, or shards model-00001-of-0000K.safetensors...
+                with model.safetensors.index.json when larger than --max-shard-size
+                (default 5GB; also MB, GiB..., or bytes). --dtype converts floating tensors
+                (default keep: as stored, FP32-kept tensors stay FP32). The run's
+                configuration and step go into each file's metadata. Written beside OUT,
+                then renamed: a failed export leaves OUT as it was. --force replaces an
+                existing export.
   help          this text (also -h, --help)
 
-DIR, A and B are checkpoint directories (holding manifest.json) or checkpoint roots, in
-which case the checkpoint named by their 'latest' file is used.
+DIR, A, B and CKPT are checkpoint directories (holding manifest.json) or checkpoint roots,
+in which case the checkpoint named by their 'latest' file is used.
 
 exit status:
   0  success; diff: the checkpoints are identical
   1  verify: the checkpoint is corrupt or malformed; diff: the checkpoints differ
-  2  bad arguments, a path that is not a checkpoint, or a file that cannot be read
+  2  bad arguments, a path that is not a checkpoint, a file that cannot be read, or an
+     export that failed
 )";
 
 struct Command {
   const char* name;
   std::size_t arguments;
   const char* synopsis;
+  bool options = false;  // parses its own options and arguments
 };
 
-constexpr Command kCommands[] = {
-    {"inspect", 1, "inspect DIR"}, {"verify", 1, "verify DIR"}, {"diff", 2, "diff A B"}};
+constexpr Command kCommands[] = {{"inspect", 1, "inspect DIR"},
+                                 {"verify", 1, "verify DIR"},
+                                 {"diff", 2, "diff A B"},
+                                 {"export", 2, kExportSynopsis.data(), true}};
 
 bool is_help(const std::string& arg) { return arg == "-h" || arg == "--help" || arg == "help"; }
 
@@ -66,17 +80,21 @@ int run(const std::vector<std::string>& args) {
   }
   if (command == nullptr) {
     throw ToolError(kExitUsage,
-                    "unknown command '" + args[0] + "' (commands: inspect, verify, diff)");
+                    "unknown command '" + args[0] + "' (commands: inspect, verify, diff, export)");
   }
   for (std::size_t i = 1; i < args.size(); ++i) {
     if (is_help(args[i])) {
       std::cout << "usage: mixprec-ckpt " << command->synopsis << "\n\n" << kUsage;
       return kExitOk;
     }
-    if (args[i].size() > 1 && args[i][0] == '-') {
+    if (!command->options && args[i].size() > 1 && args[i][0] == '-') {
       throw ToolError(kExitUsage,
                       std::string(command->name) + ": unknown option '" + args[i] + "'");
     }
+  }
+  const std::string name = command->name;
+  if (name == "export") {
+    return run_export(parse_export_args({args.begin() + 1, args.end()}), std::cout);
   }
   if (args.size() - 1 != command->arguments) {
     throw ToolError(kExitUsage, std::string(command->name) + ": expected " +
@@ -85,7 +103,6 @@ int run(const std::vector<std::string>& args) {
                                     std::to_string(args.size() - 1) + " (usage: mixprec-ckpt " +
                                     command->synopsis + ")");
   }
-  const std::string name = command->name;
   if (name == "diff") {
     return run_diff(checkpoint_dir_from_arg(args[1]), checkpoint_dir_from_arg(args[2]), std::cout);
   }

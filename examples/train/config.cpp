@@ -90,6 +90,9 @@ const std::vector<Flag>& flags() {
        "runs/)"},
       {"checkpoints", "stop-at", &C::stop_at, "N",
        "stop after step N with a checkpoint, as if interrupted (0: never); --resume continues"},
+      {"checkpoints", "init-from", &C::init_from, "PATH",
+       "start from exported weights (a mixprec-ckpt export directory or a .safetensors file) "
+       "instead of random ones; a new run, not with --resume"},
       {"sample", "prompt", &C::prompt, "TEXT", "text the final sample starts from"},
       {"sample", "sample-tokens", &C::sample_tokens, "N", "bytes to generate (0: no sample)"},
       {"sample", "temperature", &C::temperature, "F", "sampling temperature; 0 is greedy"},
@@ -262,6 +265,9 @@ void validate(const TrainConfig& c) {
   check(c.val_fraction > 0 && c.val_fraction < 1, "--val-fraction must lie in (0, 1)");
   check(c.seed >= 0, "--seed must not be negative");
   check(c.stop_at >= 0, "--stop-at must not be negative");
+  check(c.init_from.empty() || !c.resume,
+        "--init-from starts a new run from exported weights; --resume continues a run from its "
+        "checkpoint: give one of them");
   check(c.threads >= 0, "--threads must not be negative");
   check(c.sample_tokens >= 0, "--sample-tokens must not be negative");
   check(c.temperature >= 0, "--temperature must not be negative");

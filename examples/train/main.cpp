@@ -15,6 +15,7 @@
 #include "data.h"
 #include "data_parallel.h"
 #include "gpt.h"
+#include "init_from.h"
 #include "loop.h"
 #include "optimizer.h"
 #include "plan.h"
@@ -87,6 +88,10 @@ int run(int argc, char** argv) {
   // 4. Precision plan: BF16 (or FP16) everywhere except the router weights (marked), the
   //    expert biases (by name) and the norms (by pattern), which stay FP32.
   MixedModel model = apply_precision(gpt, precision);
+  // --init-from: exported weights replace the random ones, before the optimizer takes its FP32
+  // masters from them.
+  std::optional<InitFromResult> initial;
+  if (!config.init_from.empty()) initial = init_from(*model.module, config.init_from);
 
   // 5. Optimizer: AdamW with FP32 masters for the half parameters only; with several ranks,
   //    ZeRO-1 (each rank holds and steps 1/N of masters and moments).
@@ -115,6 +120,8 @@ int run(int argc, char** argv) {
         static_cast<long long>(config.steps), static_cast<long long>(config.batch),
         static_cast<long long>(config.seq_len), static_cast<long long>(config.ckpt_every),
         paths.ckpt_root.string().c_str());
+    if (initial)
+      std::printf("weights      %zu tensors from %s\n", initial->tensors, initial->source.c_str());
     if (paths.resume_from) {
       std::printf("resumed      from %s at step %lld\n", paths.resume_from->string().c_str(),
                   static_cast<long long>(state.step));
