@@ -6,6 +6,8 @@
 
 #include <gtest/gtest.h>
 
+#include <regex>
+
 #include <unistd.h>
 
 namespace train {
@@ -73,7 +75,13 @@ TEST_F(Cluster, OneRunPerCheckpointDirectoryAndARequeuedResumeWaits) {
   ASSERT_EQ(::kill(second, SIGTERM), 0);
   const ProgramRun stopped = wait_program(dir_.path(), second, "second");
   ASSERT_EQ(stopped.status, 0) << stopped.err;
-  const std::string saved = checkpoint_name(read_metrics(dir_ / "run/metrics.jsonl").back().step);
+  // The checkpoint its summary names (not metrics.jsonl's last step: the waiting run may have
+  // taken over and logged steps of its own by now).
+  std::smatch named;
+  ASSERT_TRUE(std::regex_search(stopped.out, named,
+                                std::regex("checkpoint  run/checkpoints/(step-[0-9]+):")))
+      << stopped.out;
+  const std::string saved = named[1].str();
 
   // The waiting run takes over from the checkpoint the stopped one just wrote.
   const auto deadline = std::chrono::steady_clock::now() + std::chrono::seconds(120);
