@@ -1,6 +1,7 @@
 // The main job's training step against its peers: tokens/s and peak memory.
 //
-//   bench_train [--steps N] [--warmup N] [--repeats N] [--threads N] [mixprec-train model flags]
+//   bench_train [--steps N] [--warmup N] [--repeats N] [--threads N] [--omp-wait active|passive]
+//               [mixprec-train model flags]
 //
 // Model flags (--layers, --d-model, --heads, --experts, --top-k, --seq-len, --batch) change the
 // model of every configuration, the Python peer's included; without them it is mixprec-train's
@@ -20,8 +21,11 @@
 // optimizer state created on the first step, kernel caches). The model is mixprec-train's default
 // (2 layers, d_model 128, 4 experts top-2, batch 16 x 128 bytes of Python's pydoc topics).
 //
-// Every child runs with OMP_WAIT_POLICY=PASSIVE (as mixprec-train does): on a shared machine
-// spinning OpenMP workers make step times meaningless.
+// Every child runs with the same OMP_WAIT_POLICY: --omp-wait, default active — what
+// mixprec-train's --omp-wait auto picks on a machine with a core per thread, and close to what
+// a PyTorch user gets by default (libgomp spins a while before it sleeps). Measured on the
+// 2-core development machine, passive costs mixprec-train about a third of its speed; on a
+// busy machine use passive, or spinning workers make every step time meaningless.
 #include "config.h"
 #include "data.h"
 #include "gpt.h"
@@ -38,6 +42,7 @@
 #include <nlohmann/json.hpp>
 
 #include <algorithm>
+#include <cctype>
 #include <chrono>
 #include <cstdio>
 #include <filesystem>
@@ -56,10 +61,11 @@ struct Options {
   int64_t steps = 30;
   int64_t warmup = 5;
   int64_t threads = 0;
-  int64_t repeats = 3;             // runs of each configuration; the fastest counts
-  std::string child;               // the configuration this process measures; empty: the parent
-  std::vector<std::string> model;  // mixprec-train flags for the model (--batch 64, …)
-  TrainConfig config;              // the default configuration with those flags applied
+  int64_t repeats = 3;              // runs of each configuration; the fastest counts
+  std::string omp_wait = "active";  // OMP_WAIT_POLICY of every child
+  std::string child;                // the configuration this process measures; empty: the parent
+  std::vector<std::string> model;   // mixprec-train flags for the model (--batch 64, …)
+  TrainConfig config;               // the default configuration with those flags applied
 };
 
 // A field of /proc/self/status in MiB: VmHWM (peak resident set) or VmRSS (current).
@@ -219,7 +225,9 @@ int parent(const Options& o, const char* self) {
   std::string common = " --steps " + std::to_string(o.steps) + " --warmup " +
                        std::to_string(o.warmup) + " --threads " + std::to_string(o.threads);
   for (const std::string& flag : o.model) common += " " + shell_quote(flag);
-  const std::string env = "OMP_WAIT_POLICY=PASSIVE ";
+  std::string policy = o.omp_wait;
+  for (char& c : policy) c = static_cast<char>(std::toupper(static_cast<unsigned char>(c)));
+  const std::string env = "OMP_WAIT_POLICY=" + policy + " ";
   std::vector<std::pair<std::string, std::string>> children = {
       {"mixprec bf16 + fp8 hybrid", env + shell_quote(self) + " --child mixprec-fp8" + common},
       {"mixprec bf16", env + shell_quote(self) + " --child mixprec" + common},
@@ -236,10 +244,10 @@ int parent(const Options& o, const char* self) {
   std::printf(
       "training step of mixprec-train's model: %s, batch %lld x %lld tokens; "
       "median of %lld steps after %lld warm-up, fastest of %lld runs; each run in its own "
-      "process\n\n",
+      "process, OMP_WAIT_POLICY=%s\n\n",
       train::describe(defaults).c_str(), static_cast<long long>(defaults.batch),
       static_cast<long long>(defaults.seq_len), static_cast<long long>(o.steps),
-      static_cast<long long>(o.warmup), static_cast<long long>(o.repeats));
+      static_cast<long long>(o.warmup), static_cast<long long>(o.repeats), policy.c_str());
   std::printf("%-38s %9s %8s %7s %7s %8s %10s %10s %10s\n", "configuration", "tokens/s", "step ms",
               "fwd ms", "bwd ms", "optim ms", "setup RSS", "peak RSS", "training");
   // Round-robin repetitions: each configuration keeps its fastest run, the one least disturbed
@@ -310,6 +318,8 @@ int main(int argc, char** argv) {
       o.repeats = std::stoll(value());
     else if (arg == "--threads")
       o.threads = std::stoll(value());
+    else if (arg == "--omp-wait")
+      o.omp_wait = value();
     else if (arg == "--child")
       o.child = value();
     else

@@ -37,7 +37,11 @@ const std::vector<Flag>& flags() {
       {"model", "seq-len", &C::seq_len, "N", "tokens per sequence (context length)", kFixed},
       {"precision", "precision", &C::precision, "bf16|fp16",
        "dtype of everything not kept FP32; fp16 adds dynamic loss scaling", kFixed},
-      {"precision", "fp8", &C::fp8, "off|e4m3|hybrid", "FP8 recipe for the expert GEMMs", kFixed},
+      {"precision", "fp8", &C::fp8, "off|e4m3|hybrid",
+       "FP8 recipe for the expert GEMMs; simulated (fake quantization): operands are rounded to "
+       "FP8 values and the GEMM runs in the model's dtype, which shows FP8's effect on the loss "
+       "but costs time and saves nothing on a CPU",
+       kFixed},
       {"precision", "loss-scale", &C::loss_scale, "F",
        "fp16: initial dynamic loss scale (halved after overflows, doubled after 1000 clean steps)"},
       {"data", "data", &C::data, "FILE",
@@ -61,6 +65,14 @@ const std::vector<Flag>& flags() {
       {"training", "seed", &C::seed, "N", "seeds the weights, the data order and the sample",
        kFixed},
       {"training", "threads", &C::threads, "N", "intra-op threads (0: LibTorch's default)"},
+      {"evaluation and output", "profile-steps", &C::profile_steps, "A:B",
+       "write a trace of steps A to B (LibTorch's profiler: every ATen op, and mixprec's own "
+       "ranges) to trace-rank<R>.json beside metrics.jsonl, for Perfetto or chrome://tracing"},
+      {"training", "omp-wait", &C::omp_wait, "auto|active|passive",
+       "how idle OpenMP threads wait: active spins (1.5x faster on a quiet machine), passive "
+       "sleeps (spinning where threads outnumber cores makes steps up to 10x slower); auto is "
+       "active when local ranks x threads fit the usable CPUs; an OMP_WAIT_POLICY in the "
+       "environment wins over auto"},
       {"evaluation and output", "eval-every", &C::eval_every, "N", "validation loss every N steps"},
       {"evaluation and output", "eval-batches", &C::eval_batches, "N",
        "batches of the validation split per evaluation"},
@@ -269,12 +281,36 @@ void validate(const TrainConfig& c) {
         "--init-from starts a new run from exported weights; --resume continues a run from its "
         "checkpoint: give one of them");
   check(c.threads >= 0, "--threads must not be negative");
+  if (!c.profile_steps.empty()) {
+    const ProfileSteps p = parse_profile_steps(c.profile_steps);  // throws UsageError
+    check(p.last <= c.steps,
+          "--profile-steps " + c.profile_steps + " ends after --steps " + std::to_string(c.steps));
+  }
+  check(c.omp_wait == "auto" || c.omp_wait == "passive" || c.omp_wait == "active",
+        "--omp-wait must be auto, active or passive, not '" + c.omp_wait + "'");
   check(c.sample_tokens >= 0, "--sample-tokens must not be negative");
   check(c.temperature >= 0, "--temperature must not be negative");
   check(c.batch % c.world_size == 0 && (c.batch / c.world_size) % c.grad_accum == 0,
         "--batch " + std::to_string(c.batch) + " does not split into " +
             std::to_string(c.world_size) + " ranks x --grad-accum " + std::to_string(c.grad_accum) +
             " micro-batches");
+}
+
+ProfileSteps parse_profile_steps(const std::string& text) {
+  const std::string what = "--profile-steps '" + text + "': expected A:B, steps 1 <= A <= B";
+  const size_t colon = text.find(':');
+  if (colon == std::string::npos) throw UsageError(what);
+  ProfileSteps p;
+  const char* begin = text.data();
+  const char* mid = begin + colon;
+  const char* end = begin + text.size();
+  const auto a = std::from_chars(begin, mid, p.first);
+  const auto b = std::from_chars(mid + 1, end, p.last);
+  if (a.ec != std::errc() || a.ptr != mid || b.ec != std::errc() || b.ptr != end || p.first < 1 ||
+      p.last < p.first) {
+    throw UsageError(what);
+  }
+  return p;
 }
 
 std::string usage() {
@@ -301,8 +337,16 @@ std::string usage() {
     const nlohmann::json value = get_field(defaults, f);
     const bool has_default =
         !f.metavar.empty() && !(value.is_string() && value.get<std::string>().empty());
-    if (has_default)
-      s << " [" << (value.is_string() ? value.get<std::string>() : value.dump()) << "]";
+    if (has_default) {
+      // A whole number stored as a double prints as one ("65536", not "65536.0").
+      const bool whole = value.is_number_float() && std::abs(value.get<double>()) < 1e15 &&
+                         value.get<double>() == std::floor(value.get<double>());
+      s << " ["
+        << (value.is_string() ? value.get<std::string>()
+            : whole           ? std::to_string(static_cast<long long>(value.get<double>()))
+                              : value.dump())
+        << "]";
+    }
     if (f.fixed_on_resume) s << " (fixed on resume)";
     s << "\n";
   }

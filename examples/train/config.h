@@ -81,7 +81,9 @@ struct TrainConfig {
   int64_t sample_tokens = 200;
   double temperature = 0.8;  // 0: greedy
 
-  int64_t threads = 0;  // intra-op threads; 0: LibTorch's default
+  int64_t threads = 0;            // intra-op threads; 0: LibTorch's default
+  std::string omp_wait = "auto";  // OMP_WAIT_POLICY, set before OpenMP starts (main.cpp)
+  std::string profile_steps;      // "A:B": trace steps A..B (profile.h); "": no trace
 
   // Data parallelism: this process's rank and the number of ranks (1 without a launcher).
   int64_t rank = 0;
@@ -107,6 +109,13 @@ void validate(const TrainConfig& config);
 
 // The --help text.
 std::string usage();
+
+// --profile-steps "A:B" (1 ≤ A ≤ B): the steps a trace covers. Throws UsageError otherwise.
+struct ProfileSteps {
+  int64_t first = 0;
+  int64_t last = 0;
+};
+ProfileSteps parse_profile_steps(const std::string& text);
 
 // The flags fixed on resume, as JSON {"layers": 2, …}: stored in every checkpoint.
 nlohmann::json run_shape(const TrainConfig& config);

@@ -41,6 +41,7 @@ class DataParallelOptimizer final : public TrainingOptimizer {
     for (auto& group : optimizer_.param_groups()) group.options().set_lr(lr);
   }
   mixprec::optim::StepResult step() override { return optimizer_.update(); }
+  void finish_reduction() override { reducer_.finish(); }
 
   mixprec::ShardedStateDict training_state(const nlohmann::json& user) const override {
     return mixprec::distributed::training_state_dict(model_, optimizer_, user);

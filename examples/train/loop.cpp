@@ -1,10 +1,13 @@
 #include "loop.h"
 
+#include "memory.h"
 #include "schedule.h"
 
 #include <ATen/ATen.h>
+#include <ATen/record_function.h>
 #include <torch/types.h>
 
+#include <algorithm>
 #include <chrono>
 
 namespace train {
@@ -65,6 +68,7 @@ StepOutcome train_step(const TrainConfig& config, MixedModel& model, TrainingOpt
                        const BatchSampler& batches, int64_t index, double lr,
                        mixprec::distributed::Communicator* ranks, bool stop_requested,
                        const std::function<void()>& before_update) {
+  const auto start = Clock::now();
   const int64_t rank_rows = config.batch / config.world_size;
   const int64_t micro_rows = rank_rows / config.grad_accum;
   optimizer.set_lr(lr);
@@ -77,17 +81,43 @@ StepOutcome train_step(const TrainConfig& config, MixedModel& model, TrainingOpt
     // Gradients are reduced across ranks once per step, in the last micro-batch's backward.
     const std::shared_ptr<void> accumulating =
         m + 1 < config.grad_accum ? optimizer.accumulate_only() : nullptr;
-    auto [logits, aux] = model.forward(b.inputs);
-    const at::Tensor loss = cross_entropy(logits, b.targets);
-    const at::Tensor objective =
-        (loss + config.aux_loss_coef * aux) / static_cast<double>(config.grad_accum);
-    (objective * scale).backward();
+    auto phase = Clock::now();
+    at::Tensor loss, objective;
+    {
+      RECORD_USER_SCOPE("mixprec::forward");
+      auto [logits, aux] = model.forward(b.inputs);
+      loss = cross_entropy(logits, b.targets);
+      objective = (loss + config.aux_loss_coef * aux) / static_cast<double>(config.grad_accum);
+      out.aux_loss += aux.item<double>() / static_cast<double>(config.grad_accum);
+    }
+    out.phases.forward_s += seconds_since(phase);
+    phase = Clock::now();
+    {
+      RECORD_USER_SCOPE("mixprec::backward");
+      (objective * scale).backward();
+    }
+    out.phases.backward_s += seconds_since(phase);
     out.loss += loss.item<double>() / static_cast<double>(config.grad_accum);
-    out.aux_loss += aux.item<double>() / static_cast<double>(config.grad_accum);
   }
+  auto phase = Clock::now();
+  {
+    RECORD_USER_SCOPE("mixprec::reduction_wait");
+    optimizer.finish_reduction();
+  }
+  out.phases.reduce_s = seconds_since(phase);
   // Forward and backward only read the state; an async save's copy overlapped them.
-  if (before_update) before_update();
-  out.result = optimizer.step();
+  phase = Clock::now();
+  if (before_update) {
+    RECORD_USER_SCOPE("mixprec::checkpoint_wait");
+    before_update();
+  }
+  out.phases.checkpoint_s = seconds_since(phase);
+  phase = Clock::now();
+  {
+    RECORD_USER_SCOPE("mixprec::optimizer");
+    out.result = optimizer.step();
+  }
+  out.phases.optimizer_s = seconds_since(phase);
   // Aux-loss-free balancing uses the load of this step's tokens, whether or not it was skipped:
   // every rank's tokens, so the biases stay identical on every rank. A signal may reach the
   // ranks between different steps; they agree here, so all stop after the same one.
@@ -97,6 +127,9 @@ StepOutcome train_step(const TrainConfig& config, MixedModel& model, TrainingOpt
   out.aux_loss = agreed.aux_loss;
   out.stop = agreed.stop;
   model.gpt->update_expert_biases(config.bias_update_rate);
+  const StepPhases& p = out.phases;
+  out.phases.other_s = std::max(0.0, seconds_since(start) - p.forward_s - p.backward_s -
+                                         p.reduce_s - p.checkpoint_s - p.optimizer_s);
   return out;
 }
 
@@ -107,9 +140,18 @@ LoopOutcome Loop::run(RunState& state) {
     const auto start = Clock::now();
     const double lr =
         learning_rate(state.step, config.steps, config.lr, config.warmup, config.min_lr_ratio);
+    if (profiler != nullptr) profiler->before_step(state.step + 1);
+    LiveBytesAllocator* counted = LiveBytesAllocator::installed();
+    const int64_t live_at_start = counted != nullptr ? counted->live_bytes() : 0;
+    if (counted != nullptr) counted->reset_peak();
     const StepOutcome done =
         train_step(config, model, optimizer, train_batches, state.step, lr, ranks, stop.requested(),
                    [this] { checkpointer.before_state_changes(); });
+    if (profiler != nullptr) profiler->after_step(state.step + 1);
+    if (counted != nullptr && outcome.records.size() >= 2) {
+      outcome.step_extra_peak_bytes =
+          std::max(outcome.step_extra_peak_bytes, counted->peak_bytes() - live_at_start);
+    }
     const mixprec::optim::StepResult& result = done.result;
     const double step_s = seconds_since(start);
     outcome.train_s += step_s;
@@ -130,6 +172,7 @@ LoopOutcome Loop::run(RunState& state) {
     r.tokens_per_s = static_cast<double>(config.tokens_per_step()) / step_s;
     r.step_s = step_s;
     r.elapsed_s = state.elapsed_s;
+    r.phases = done.phases;
     if (state.step % config.eval_every == 0 || state.step == config.steps) {
       r.val_loss = validation_loss();
     }

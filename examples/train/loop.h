@@ -20,6 +20,7 @@
 #include "metrics.h"
 #include "optimizer.h"
 #include "plan.h"
+#include "profile.h"
 #include "progress.h"
 #include "signals.h"
 
@@ -46,6 +47,10 @@ struct LoopOutcome {
   int stop_signal = 0;              // SIGINT/SIGTERM that ended the run early, 0 if none
   bool stopped_early = false;       // by a signal or --stop-at, before --steps
   double train_s = 0;               // wall time of this process's steps (without saves/evals)
+  // The most a step added to the tensor memory alive when it started (activations kept for
+  // backward, temporaries, workspaces), over this process's steps after its first two (which
+  // also create the optimizer's state); 0 without a LiveBytesAllocator (memory.h).
+  int64_t step_extra_peak_bytes = 0;
 };
 
 // One optimizer step on global batch `index`: this rank's rows, in config.grad_accum
@@ -58,6 +63,7 @@ struct StepOutcome {
   double aux_loss = 0;  // mean load-balancing loss
   bool stop = false;    // some rank was asked to stop (`stop_requested` there)
   mixprec::optim::StepResult result;
+  StepPhases phases;  // where the step's time went
 };
 // `before_update`, if set, runs between backward and the optimizer step: the last moment
 // before the step writes the model and optimizer state (an async save's copy must be done).
@@ -79,7 +85,8 @@ struct Loop {
   Progress& progress;
   const StopRequest& stop;
   mixprec::distributed::Communicator* ranks =
-      nullptr;  // data parallel: the ranks (data_parallel.h)
+      nullptr;                       // data parallel: the ranks (data_parallel.h)
+  StepProfiler* profiler = nullptr;  // --profile-steps (profile.h)
 
   // Trains from `state` to config.steps (or until a stop request), updating `state`.
   LoopOutcome run(RunState& state);

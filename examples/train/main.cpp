@@ -14,9 +14,11 @@
 #include "config.h"
 #include "data.h"
 #include "data_parallel.h"
+#include "flops.h"
 #include "gpt.h"
 #include "init_from.h"
 #include "loop.h"
+#include "memory.h"
 #include "optimizer.h"
 #include "plan.h"
 #include "progress.h"
@@ -31,10 +33,16 @@
 #include <ATen/Parallel.h>
 #include <c10/util/Exception.h>
 
+#include <sched.h>
 #include <unistd.h>
 
+#include <algorithm>
 #include <cstdio>
 #include <cstdlib>
+#include <fstream>
+#include <set>
+#include <string>
+#include <string_view>
 
 namespace {
 
@@ -48,7 +56,30 @@ void adopt_ranks(TrainConfig& config, const mixprec::distributed::Communicator* 
   validate(config);
 }
 
+// Rank 0's memory for the summary: the tensors of the model, its gradients and the optimizer,
+// and what a step added on top of them (loop.h).
+RunReport::Memory memory_report(const torch::nn::Module& model, const OptimizerMemory& optimizer,
+                                const LoopOutcome& outcome) {
+  RunReport::Memory m;
+  std::set<const void*> seen;  // tied tensors once
+  for (const at::Tensor& p : model.parameters()) {
+    if (!seen.insert(p.data_ptr()).second) continue;
+    m.parameters += static_cast<int64_t>(p.nbytes());
+    if (p.grad().defined()) m.gradients += static_cast<int64_t>(p.grad().nbytes());
+  }
+  for (const at::Tensor& b : model.buffers()) m.parameters += static_cast<int64_t>(b.nbytes());
+  m.optimizer_state = optimizer.state_bytes;
+  m.step_extra = outcome.step_extra_peak_bytes;
+  std::ifstream status("/proc/self/status");
+  for (std::string line; std::getline(status, line);) {
+    if (line.rfind("VmHWM:", 0) == 0) m.peak_rss = std::stoll(line.substr(6)) * 1024;
+  }
+  return m;
+}
+
 int run(int argc, char** argv) {
+  // Every tensor allocated from here on is counted, for the summary's memory line (memory.h).
+  LiveBytesAllocator::install();
   // 1. Configuration: flags, the launcher's rank, and where the run lives. With --resume the
   //    checkpoint's saved configuration is read (and checked) before anything else happens.
   ParsedArgs args = parse_args(argc, argv);
@@ -67,6 +98,9 @@ int run(int argc, char** argv) {
   find_resume_point(config, paths);  // before anything is written: a bad --resume changes nothing
   if (config.threads > 0) at::set_num_threads(static_cast<int>(config.threads));
   const bool rank0 = config.rank == 0;
+  // MFU's denominator: what a BF16 GEMM reaches here with these threads (every rank at once,
+  // as they will train), about 0.1 s.
+  const double gemm_peak_flops = measure_bf16_gemm_flops();
 
   // 2. Data: bytes of text, split into training and validation; batches drawn by index.
   const Corpus corpus = load_corpus(config.data, config.val_fraction, config.seq_len);
@@ -120,6 +154,10 @@ int run(int argc, char** argv) {
         static_cast<long long>(config.steps), static_cast<long long>(config.batch),
         static_cast<long long>(config.seq_len), static_cast<long long>(config.ckpt_every),
         paths.ckpt_root.string().c_str());
+    const char* wait_policy = std::getenv("OMP_WAIT_POLICY");
+    std::printf("threads      %d intra-op per rank, OpenMP waits %s (--omp-wait %s)\n",
+                at::get_num_threads(), wait_policy != nullptr ? wait_policy : "(libgomp default)",
+                config.omp_wait.c_str());
     if (initial)
       std::printf("weights      %zu tensors from %s\n", initial->tensors, initial->source.c_str());
     if (paths.resume_from) {
@@ -150,6 +188,8 @@ int run(int argc, char** argv) {
             progress,
             stop,
             ranks.get()};
+  StepProfiler profiler(config, paths.metrics.parent_path());
+  loop.profiler = &profiler;
   const LoopOutcome outcome = loop.run(state);
 
   // 8. Checkpoint: the last save may still be writing in the background.
@@ -178,8 +218,14 @@ int run(int argc, char** argv) {
                          paths.metrics,
                          corpus.source,
                          outcome.stopped_early,
-                         outcome.stop_signal};
+                         outcome.stop_signal,
+                         gemm_peak_flops,
+                         memory_report(*model.module, optimizer->memory(), outcome)};
   std::printf("%s", summary(report).c_str());
+  if (!profiler.written().empty()) {
+    std::printf("trace       %s, one per rank (open in ui.perfetto.dev or chrome://tracing)\n",
+                profiler.written().string().c_str());
+  }
   return 0;
 }
 
@@ -188,18 +234,64 @@ std::string first_line(const std::string& message) { return message.substr(0, me
 
 }  // namespace
 
-// LibTorch's OpenMP threads spin while they wait for work. On a machine shared with other jobs
-// a spinning thread holds a core another thread needs, and a step becomes 10x slower (measured
-// on the 2-core development machine under load); waiting passively costs little. libgomp reads
-// OMP_WAIT_POLICY once, when it is loaded, so the program sets it and starts itself again.
-void prefer_passive_openmp_waits(char** argv) {
-  if (std::getenv("OMP_WAIT_POLICY") != nullptr) return;
-  ::setenv("OMP_WAIT_POLICY", "PASSIVE", 1);
+// A flag's value in argv ("--flag X" or "--flag=X"); nullptr if not given. Read before the
+// flags are parsed, because OpenMP's wait policy must be set before OpenMP starts; parse_args
+// checks the values later.
+const char* flag_value(int argc, char** argv, std::string_view flag) {
+  for (int i = 1; i < argc; ++i) {
+    const std::string_view arg = argv[i];
+    if (arg == flag) return i + 1 < argc ? argv[i + 1] : nullptr;
+    if (arg.starts_with(flag) && arg.size() > flag.size() && arg[flag.size()] == '=')
+      return argv[i] + flag.size() + 1;
+  }
+  return nullptr;
+}
+
+// The CPUs this process may run on.
+long usable_cpus() {
+  cpu_set_t set;
+  if (::sched_getaffinity(0, sizeof set, &set) == 0) return CPU_COUNT(&set);
+  return std::max(1L, ::sysconf(_SC_NPROCESSORS_ONLN));
+}
+
+// LibTorch's OpenMP threads either spin while they wait for work (ACTIVE) or sleep (PASSIVE).
+// Measured on the 2-core development machine, default model, 200 steps: active 29–33k
+// tokens/s, passive 19–21k — but where threads outnumber cores (several ranks on one machine,
+// other jobs), a spinning thread holds a core another one needs and a step becomes up to 10x
+// slower. So --omp-wait auto (the default) spins only when every thread has a core of its own:
+// local ranks x threads <= usable CPUs. An OMP_WAIT_POLICY in the environment wins unless the
+// flag is given. libgomp reads the variable once, when it is loaded: the program sets it and
+// starts itself again.
+void set_openmp_wait_policy(int argc, char** argv) {
+  const char* flag = flag_value(argc, argv, "--omp-wait");
+  const std::string_view choice = flag != nullptr ? flag : "auto";
+  const char* current = std::getenv("OMP_WAIT_POLICY");
+  std::string wanted;
+  if (choice == "active") {
+    wanted = "ACTIVE";
+  } else if (choice == "passive") {
+    wanted = "PASSIVE";
+  } else if (choice == "auto") {
+    if (flag == nullptr && current != nullptr) return;    // the environment's choice stands
+    const char* local = std::getenv("LOCAL_WORLD_SIZE");  // torchrun's ranks on this machine
+    const char* threads_flag = flag_value(argc, argv, "--threads");
+    const long cpus = usable_cpus();
+    const long ranks = local != nullptr ? std::max(1L, std::atol(local)) : 1;
+    const char* omp_threads = std::getenv("OMP_NUM_THREADS");  // torchrun sets 1 per rank
+    long threads = cpus;                                       // LibTorch's default: one per CPU
+    if (omp_threads != nullptr && std::atol(omp_threads) > 0) threads = std::atol(omp_threads);
+    if (threads_flag != nullptr && std::atol(threads_flag) > 0) threads = std::atol(threads_flag);
+    wanted = ranks * threads <= cpus ? "ACTIVE" : "PASSIVE";
+  } else {
+    return;  // not a valid value: parse_args says so
+  }
+  if (current != nullptr && wanted == current) return;
+  ::setenv("OMP_WAIT_POLICY", wanted.c_str(), 1);
   ::execv("/proc/self/exe", argv);  // only returns on failure: then run as we are
 }
 
 int main(int argc, char** argv) {
-  prefer_passive_openmp_waits(argv);
+  set_openmp_wait_policy(argc, argv);
   try {
     return run(argc, argv);
   } catch (const UsageError& e) {

@@ -28,7 +28,13 @@ nlohmann::json StepRecord::to_json() const {
           {"tokens", tokens},
           {"tokens_per_s", finite_or_null(tokens_per_s)},
           {"step_s", step_s},
-          {"elapsed_s", elapsed_s}};
+          {"elapsed_s", elapsed_s},
+          {"forward_s", phases.forward_s},
+          {"backward_s", phases.backward_s},
+          {"reduce_s", phases.reduce_s},
+          {"optimizer_s", phases.optimizer_s},
+          {"checkpoint_s", phases.checkpoint_s},
+          {"other_s", phases.other_s}};
 }
 
 StepRecord StepRecord::from_json(const nlohmann::json& j) {
@@ -46,6 +52,10 @@ StepRecord StepRecord::from_json(const nlohmann::json& j) {
   r.tokens_per_s = number_or_nan(j.at("tokens_per_s"));
   r.step_s = j.at("step_s").get<double>();
   r.elapsed_s = j.at("elapsed_s").get<double>();
+  // The phases were added later: an older run's records have none.
+  const auto phase = [&](const char* name) { return j.value(name, 0.0); };
+  r.phases = {phase("forward_s"),   phase("backward_s"),   phase("reduce_s"),
+              phase("optimizer_s"), phase("checkpoint_s"), phase("other_s")};
   return r;
 }
 

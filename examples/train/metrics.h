@@ -29,6 +29,21 @@
 
 namespace train {
 
+// Where one step's wall time went, in seconds. forward and backward are summed over the
+// micro-batches (backward includes the gradient reduction it overlaps); reduce is the
+// reduction's exposed part (waiting for it after backward, several ranks only); optimizer the
+// update (unscale, clip, AdamW, and with several ranks the parameters' all-gather that is not
+// overlapped); checkpoint the wait for an async save's copy before the update; other the rest
+// (batches, the ranks' agreement on the loss, expert-bias updates).
+struct StepPhases {
+  double forward_s = 0;
+  double backward_s = 0;
+  double reduce_s = 0;
+  double optimizer_s = 0;
+  double checkpoint_s = 0;
+  double other_s = 0;
+};
+
 struct StepRecord {
   int64_t step = 0;
   double loss = 0;
@@ -43,6 +58,7 @@ struct StepRecord {
   double tokens_per_s = 0;
   double step_s = 0;
   double elapsed_s = 0;
+  StepPhases phases;
 
   nlohmann::json to_json() const;
   // Throws nlohmann::json::exception if a field is missing or has the wrong type.

@@ -54,6 +54,9 @@ class TrainingOptimizer {
   virtual void set_lr(double lr) = 0;
   // One step over the accumulated gradients: unscale, skip on Inf/NaN (FP16), clip, AdamW.
   virtual mixprec::optim::StepResult step() = 0;
+  // Waits for the gradient reduction still in flight after backward (several ranks; step()
+  // would wait for it otherwise): timed apart, it is the reduction's exposed part.
+  virtual void finish_reduction() {}
 
   // This rank's part of the training state: model, optimizer, RNG and `user` metadata.
   virtual mixprec::ShardedStateDict training_state(const nlohmann::json& user) const = 0;

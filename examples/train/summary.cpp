@@ -1,5 +1,6 @@
 #include "summary.h"
 
+#include "flops.h"
 #include "progress.h"
 
 #include "mixprec/quant/quant_linear.h"
@@ -61,6 +62,54 @@ struct Tally {
 // "SIGTERM" for the summary's stop line.
 const char* signal_name(int s) {
   return s == SIGINT ? "SIGINT" : s == SIGTERM ? "SIGTERM" : "a signal";
+}
+
+// "step        51.2 ms: forward 15.0 (29%) · backward …": the mean step of the steady steps and
+// where its time went (metrics.h, StepPhases).
+std::string step_breakdown(const StepPhases& sum, double total_s, int64_t steps, int64_t from,
+                           int64_t to) {
+  const double n = static_cast<double>(steps);
+  std::string out;
+  char part[160];
+  std::snprintf(part, sizeof part, "step        %.1f ms:", 1e3 * total_s / n);
+  out += part;
+  const std::pair<const char*, double> phases[] = {{"forward", sum.forward_s},
+                                                   {"backward", sum.backward_s},
+                                                   {"reduction exposed", sum.reduce_s},
+                                                   {"optimizer", sum.optimizer_s},
+                                                   {"checkpoint wait", sum.checkpoint_s},
+                                                   {"other", sum.other_s}};
+  bool first = true;
+  for (const auto& [name, seconds] : phases) {
+    std::snprintf(part, sizeof part, "%s %s %.1f (%.0f%%)", first ? "" : " ·", name,
+                  1e3 * seconds / n, 100 * seconds / total_s);
+    out += part;
+    first = false;
+  }
+  std::snprintf(part, sizeof part,
+                "\n            (mean over steps %lld–%lld; backward includes "
+                "the reduction it overlaps)\n",
+                static_cast<long long>(from), static_cast<long long>(to));
+  return out + part;
+}
+
+// "compute     4.52 MFLOP per token …": model FLOPs utilisation (flops.h).
+std::string compute_line(const RunReport& r, double tokens_per_s) {
+  const double per_token = training_flops_per_token(r.config);
+  const double achieved = per_token * tokens_per_s;
+  char line[320];
+  int n = std::snprintf(line, sizeof line,
+                        "compute     %.2f MFLOP per token (6 x %.2fM active matmul parameters + "
+                        "attention): %.1f GFLOP/s",
+                        per_token / 1e6, active_matmul_params(r.config) / 1e6, achieved / 1e9);
+  if (r.gemm_peak_flops > 0) {
+    const double peak = r.gemm_peak_flops * static_cast<double>(r.config.world_size);
+    std::snprintf(line + n, sizeof line - n,
+                  ", MFU %.1f%% of the BF16 GEMM peak measured at start (%.1f GFLOP/s%s)",
+                  100 * achieved / peak, peak / 1e9,
+                  r.config.world_size > 1 ? " over all ranks" : "");
+  }
+  return std::string(line) + "\n";
 }
 
 }  // namespace
@@ -143,7 +192,8 @@ std::string summary(const RunReport& r) {
   if (fp8_linears > 0) {
     s << "            fp8: " << fp8_linears << " expert GEMMs ran with FP8 operands (" << fp8_how
       << "); weights stay " << dtype_name(r.model.module->options().dtype())
-      << ", FP8 is per step\n";
+      << ", FP8 is per step; simulated (fake-quantized operands, "
+      << dtype_name(r.model.module->options().dtype()) << " GEMMs): --fp8 off is faster\n";
   } else {
     s << "            fp8: off (" << plain_linears << " expert GEMMs in "
       << dtype_name(r.model.module->options().dtype()) << ")\n";
@@ -190,9 +240,14 @@ std::string summary(const RunReport& r) {
       last_val_step = rec.step;
     }
   }
-  if (!r.history.empty()) {
-    std::snprintf(line, sizeof line, "loss        %.4f → %.4f over %lld steps  %s\n",
+  if (r.history.size() == 1) {
+    std::snprintf(line, sizeof line, "loss        %.4f at step %lld\n", r.history.front().loss,
+                  static_cast<long long>(r.history.front().step));
+    s << line;
+  } else if (!r.history.empty()) {
+    std::snprintf(line, sizeof line, "loss        %.4f → %.4f over steps %lld–%lld  %s\n",
                   r.history.front().loss, r.history.back().loss,
+                  static_cast<long long>(r.history.front().step),
                   static_cast<long long>(r.history.back().step), sparkline(losses).c_str());
     s << line;
   }
@@ -203,14 +258,58 @@ std::string summary(const RunReport& r) {
   }
   if (r.steps_this_process > 0 && r.train_s > 0) {
     const double tokens = static_cast<double>(r.steps_this_process * r.config.tokens_per_step());
-    std::snprintf(
-        line, sizeof line, "speed       %s tokens/s (%s tokens in %s of training steps)\n",
-        human(tokens / r.train_s).c_str(), human(tokens).c_str(), human_seconds(r.train_s).c_str());
+    // The steady speed leaves out this process's first steps (a tenth, at most 10): they pay
+    // for first-touch allocations and the thread pool's start, as a benchmark's warm-up does.
+    const int64_t last = r.history.empty() ? 0 : r.history.back().step;
+    const int64_t first = last - r.steps_this_process + 1;
+    const int64_t warm_up = std::min<int64_t>(10, r.steps_this_process / 10);
+    double steady_s = 0;
+    int64_t steady_steps = 0;
+    StepPhases phases;  // summed over the steady steps
+    for (const StepRecord& rec : r.history) {
+      if (rec.step < first + warm_up) continue;
+      steady_s += rec.step_s;
+      ++steady_steps;
+      phases.forward_s += rec.phases.forward_s;
+      phases.backward_s += rec.phases.backward_s;
+      phases.reduce_s += rec.phases.reduce_s;
+      phases.optimizer_s += rec.phases.optimizer_s;
+      phases.checkpoint_s += rec.phases.checkpoint_s;
+      phases.other_s += rec.phases.other_s;
+    }
+    if (warm_up > 0 && steady_steps > 0 && steady_s > 0) {
+      const double steady_tokens = static_cast<double>(steady_steps * r.config.tokens_per_step());
+      std::snprintf(line, sizeof line,
+                    "speed       %s tokens/s over steps %lld–%lld (after %lld warm-up steps; "
+                    "%s tokens in %s of training steps in all)\n",
+                    human(steady_tokens / steady_s).c_str(),
+                    static_cast<long long>(first + warm_up), static_cast<long long>(last),
+                    static_cast<long long>(warm_up), human(tokens).c_str(),
+                    human_seconds(r.train_s).c_str());
+    } else {
+      std::snprintf(line, sizeof line,
+                    "speed       %s tokens/s (%s tokens in %s of training steps)\n",
+                    human(tokens / r.train_s).c_str(), human(tokens).c_str(),
+                    human_seconds(r.train_s).c_str());
+    }
     s << line;
+    if (steady_steps > 0 && steady_s > 0) {
+      s << step_breakdown(phases, steady_s, steady_steps, first + warm_up, last);
+      s << compute_line(r,
+                        static_cast<double>(steady_steps * r.config.tokens_per_step()) / steady_s);
+    }
     if (!r.history.empty() && r.history.back().skipped_total > 0) {
       s << "            " << r.history.back().skipped_total
         << " steps skipped on FP16 overflow (the loss scaler backed off)\n";
     }
+  }
+  if (r.memory.peak_rss > 0) {
+    const RunReport::Memory& m = r.memory;
+    const auto mib = [](int64_t bytes) { return bytes_text(static_cast<double>(bytes)); };
+    s << "memory      peak RSS " << mib(m.peak_rss) << "; tensors: parameters " << mib(m.parameters)
+      << " · gradients " << mib(m.gradients) << " · optimizer state " << mib(m.optimizer_state)
+      << " · activations and workspaces " << mib(m.step_extra)
+      << " (a step's peak over what lives between steps)\n";
   }
   if (r.saves.saves > 0) {
     std::snprintf(line, sizeof line,

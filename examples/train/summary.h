@@ -25,6 +25,15 @@ struct RunReport {
   std::string corpus;
   bool stopped_early = false;  // by a signal (stop_signal) or --stop-at
   int stop_signal = 0;
+  double gemm_peak_flops = 0;  // this rank's BF16 GEMM rate, measured at start (flops.h); 0: none
+  // Rank 0's memory at the end, in bytes: counted from the tensors (memory.h).
+  struct Memory {
+    int64_t parameters = 0;       // the model's parameters and buffers
+    int64_t gradients = 0;        // their .grad tensors
+    int64_t optimizer_state = 0;  // masters and moments (this rank's shard)
+    int64_t step_extra = 0;       // the most a step added on top (LoopOutcome)
+    int64_t peak_rss = 0;         // the process's peak resident set (VmHWM)
+  } memory;
 };
 
 // A line of block characters (▁▂▃▄▅▆▇█) tracing `values`, averaged into at most `width` bins.

@@ -7,6 +7,7 @@
 
 #include <ATen/ATen.h>
 #include <ATen/core/grad_mode.h>
+#include <ATen/record_function.h>
 #include <c10/util/Exception.h>
 #include <torch/csrc/autograd/variable.h>
 #include <torch/nn/module.h>
@@ -90,6 +91,7 @@ void GradReducer::State::accumulate_fp32(size_t i) {
 }
 
 void GradReducer::State::start(size_t position) {
+  RECORD_USER_SCOPE("mixprec::bucket_start");  // a named range in profiler traces
   Bucket& bucket = buckets[order[position]];
   at::NoGradGuard no_grad;
   if (bucket.copy_in) bucket.send.copy_(bucket.grads);
@@ -340,6 +342,7 @@ void GradReducer::finish() {
   s.comm->check_usable("mixprec::distributed::GradReducer::finish");
   TORCH_CHECK(s.sync, "[mixprec::distributed::GradReducer::finish] called inside a NoSyncGuard");
   if (s.finished) return;  // already reduced: averaging again would change the gradients
+  RECORD_USER_SCOPE("mixprec::bucket_finish");
   const auto t0 = std::chrono::steady_clock::now();
   s.wait_all_gathers();
   if (!s.counted) s.count_waiting();

@@ -7,6 +7,7 @@
 
 #include <ATen/ATen.h>
 #include <ATen/core/grad_mode.h>
+#include <ATen/record_function.h>
 #include <c10/util/Exception.h>
 #include <c10/util/TypeIndex.h>
 #include <torch/nn/module.h>
@@ -280,6 +281,7 @@ at::Tensor Float16Optimizer::piece_gradient(size_t index, bool& arrived) const {
 }
 
 StepResult Float16Optimizer::update() {
+  RECORD_USER_SCOPE("mixprec::optimizer_update");  // a named range in profiler traces
   before_update();
   // Everything is checked before anything changes: the model's parameters (the roles they ask
   // for), every group's hyper-parameters (a scheduler may have driven lr negative), every

@@ -4,6 +4,7 @@
 
 #include <ATen/ATen.h>
 #include <ATen/core/grad_mode.h>
+#include <ATen/record_function.h>
 #include <c10/util/Exception.h>
 #include <torch/nn/module.h>
 
@@ -94,6 +95,7 @@ std::string ConversionReport::to_string() const {
 ConversionReport convert_module_to_dtype_except_fp32_marked(torch::nn::Module& module,
                                                             c10::ScalarType dtype,
                                                             const PrecisionPlan& plan) {
+  RECORD_USER_SCOPE("mixprec::convert");  // a named range in profiler traces
   TORCH_CHECK(dtype == at::kHalf || dtype == at::kBFloat16,
               "[mixprec::convert_module_to_dtype_except_fp32_marked] target dtype must be Half "
               "or BFloat16, got ",

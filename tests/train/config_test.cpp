@@ -72,6 +72,10 @@ TEST(TrainConfig, HelpListsEveryFlagWithItsDefault) {
   }
   EXPECT_NE(text.find("--steps N"), std::string::npos);
   EXPECT_NE(text.find("[600]"), std::string::npos) << "defaults are shown";
+  // Whole numbers held as doubles print as whole numbers; fractions as they are.
+  EXPECT_NE(text.find("[65536]"), std::string::npos) << "--loss-scale's default";
+  EXPECT_EQ(text.find("65536.0"), std::string::npos);
+  EXPECT_NE(text.find("[0.006]"), std::string::npos) << "--lr's default";
 }
 
 TEST(TrainConfig, ResumeAdoptsTheSavedShapeAndRefusesAGivenDifferentOne) {

@@ -5,6 +5,7 @@
 #include <gtest/gtest.h>
 
 #include <cmath>
+#include <map>
 #include <regex>
 
 namespace train {
@@ -33,11 +34,25 @@ TEST(TrainRun, LossFallsAndMetricsHaveTheDocumentedFields) {
     const nlohmann::json j = nlohmann::json::parse(line);
     for (const char* field :
          {"step", "loss", "aux_loss", "val_loss", "lr", "grad_norm", "loss_scale", "skipped",
-          "skipped_total", "tokens", "tokens_per_s", "step_s", "elapsed_s"}) {
+          "skipped_total", "tokens", "tokens_per_s", "step_s", "elapsed_s", "forward_s",
+          "backward_s", "reduce_s", "optimizer_s", "checkpoint_s", "other_s"}) {
       EXPECT_TRUE(j.contains(field)) << field << " missing in " << line;
     }
-    EXPECT_EQ(j.size(), 13u) << "undocumented fields in " << line;
+    EXPECT_EQ(j.size(), 19u) << "undocumented fields in " << line;
     const StepRecord r = StepRecord::from_json(j);
+    // The phases are parts of the step: none negative, together no more than the step.
+    const StepPhases& p = r.phases;
+    for (double part :
+         {p.forward_s, p.backward_s, p.reduce_s, p.optimizer_s, p.checkpoint_s, p.other_s}) {
+      EXPECT_GE(part, 0.0) << line;
+    }
+    EXPECT_GT(p.forward_s, 0.0) << line;
+    EXPECT_GT(p.backward_s, 0.0) << line;
+    EXPECT_GT(p.optimizer_s, 0.0) << line;
+    EXPECT_LT(p.reduce_s, 1e-3) << "one process reduces nothing: " << line;
+    EXPECT_LE(p.forward_s + p.backward_s + p.reduce_s + p.optimizer_s + p.checkpoint_s + p.other_s,
+              r.step_s * 1.0001)
+        << line;
     EXPECT_EQ(r.step, ++expected_step);
     EXPECT_EQ(r.tokens, r.step * 8 * 32);
     EXPECT_EQ(r.loss_scale, 1.0) << "BF16 needs no loss scaling";
@@ -69,8 +84,68 @@ TEST(TrainRun, LossFallsAndMetricsHaveTheDocumentedFields) {
     EXPECT_NE(run.out.find(expected), std::string::npos) << expected << "\n" << run.out;
   }
   EXPECT_TRUE(std::regex_search(
-      run.out, std::regex("loss +5\\.[0-9]+ → [0-9.]+ over 40 steps +[▁▂▃▄▅▆▇█]+")))
+      run.out, std::regex("loss +5\\.[0-9]+ → [0-9.]+ over steps 1–40 +[▁▂▃▄▅▆▇█]+")))
       << run.out;
+  // The test environment asks for passive waits (ctest runs tests side by side); no flag.
+  EXPECT_NE(run.out.find("OpenMP waits PASSIVE (--omp-wait auto)"), std::string::npos) << run.out;
+  // Memory: the tensors that live between steps and what a step adds, counted.
+  EXPECT_TRUE(std::regex_search(
+      run.out, std::regex("memory +peak RSS [0-9.]+ MiB; tensors: parameters [0-9.]+ KiB · "
+                          "gradients [0-9.]+ KiB · optimizer state [0-9.]+ KiB · activations "
+                          "and workspaces [0-9.]+ [KM]iB")))
+      << run.out;
+  // The step's breakdown and its model FLOPs utilisation.
+  EXPECT_TRUE(
+      std::regex_search(run.out, std::regex("step +[0-9.]+ ms: forward [0-9.]+ \\([0-9]+%\\) · "
+                                            "backward [0-9.]+ \\([0-9]+%\\)")))
+      << run.out;
+  EXPECT_TRUE(std::regex_search(run.out, std::regex("MFU [0-9.]+% of the BF16 GEMM peak")))
+      << run.out;
+  // The steady speed leaves out this process's first 4 of 40 steps.
+  EXPECT_TRUE(std::regex_search(
+      run.out, std::regex("speed +[0-9.]+k? tokens/s over steps 5–40 \\(after 4 warm-up steps")))
+      << run.out;
+}
+
+// --profile-steps A:B writes a Chrome-trace JSON of those steps with LibTorch's profiler: ATen
+// operators and mixprec's own named ranges, once per traced step.
+TEST(TrainRun, ProfileStepsWritesATraceOfThoseSteps) {
+  Scratch dir;
+  write_corpus(dir / "corpus.txt");
+  const auto train = [&](const std::string& steps) {
+    return run_program(dir.path(), tiny_model() + std::vector<std::string>{
+                                                      "--data", (dir / "corpus.txt").string(),
+                                                      "--steps", "4", "--ckpt-every", "4", "--out",
+                                                      "run", "--profile-steps", steps});
+  };
+  const ProgramRun run = train("2:3");
+  ASSERT_EQ(run.status, 0) << run.err << run.out;
+  const fs::path trace = dir / "run/trace-rank0.json";
+  EXPECT_NE(run.out.find("trace       run/trace-rank0.json"), std::string::npos) << run.out;
+  const nlohmann::json json = nlohmann::json::parse(read_text(trace));
+  std::map<std::string, int> ranges;
+  size_t aten = 0;
+  for (const auto& event : json.at("traceEvents")) {
+    const std::string name = event.value("name", "");
+    if (name.rfind("mixprec::", 0) == 0) ++ranges[name];
+    if (name.rfind("aten::", 0) == 0) ++aten;
+  }
+  EXPECT_GT(aten, 100u);
+  for (const char* phase : {"mixprec::forward", "mixprec::backward", "mixprec::optimizer",
+                            "mixprec::optimizer_update"}) {
+    EXPECT_EQ(ranges[phase], 2) << phase << ": one per traced step";
+  }
+  EXPECT_GT(ranges["mixprec::fake_quant"], 0);
+
+  const ProgramRun bad = train("3:2");
+  EXPECT_EQ(bad.status, 2);
+  EXPECT_NE(bad.err.find("--profile-steps '3:2': expected A:B, steps 1 <= A <= B"),
+            std::string::npos)
+      << bad.err;
+  const ProgramRun late = train("2:9");
+  EXPECT_EQ(late.status, 2);
+  EXPECT_NE(late.err.find("--profile-steps 2:9 ends after --steps 4"), std::string::npos)
+      << late.err;
 }
 
 TEST(TrainRun, WithoutDataItTrainsOnThePythonDocs) {
