@@ -8,8 +8,7 @@
 //   torchrun ... bench_dist_checkpoint --save ROOT | --load ROOT     one launch's work
 //
 // Async save on N: the time training is blocked (the call; in the worst case until its copy is
-// staged) and the
-// whole background save's time, each against the sync save of the same state.
+// staged) and the whole background save's time, each against the sync save of the same state.
 // Save on N: the bytes each rank writes (its data file) and the wall time of a save (max over
 // ranks, median of kRepeats) against the same ranks writing (write + fsync) as many bytes to
 // plain files at the same moment. Load on M (resharded when M != N): the bytes each rank
