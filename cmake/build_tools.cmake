@@ -52,4 +52,5 @@ function(mixprec_reuse_pch target owner)
   target_precompile_headers(${target} REUSE_FROM ${owner})
   target_compile_definitions(${target} PRIVATE $<TARGET_PROPERTY:${owner},COMPILE_DEFINITIONS>)
   target_compile_options(${target} PRIVATE $<TARGET_PROPERTY:${owner},COMPILE_OPTIONS>)
+  target_include_directories(${target} PRIVATE ${PROJECT_SOURCE_DIR})  # <src/detail/pch.h>
 endfunction()
