@@ -11,6 +11,9 @@
 #include <ATen/ATen.h>
 #include <c10/util/Exception.h>
 
+#include <sys/mman.h>
+
+#include <cstdint>
 #include <memory>
 
 namespace mixprec::checkpoint {
@@ -157,6 +160,20 @@ void check_bool_bytes(const at::Tensor& local, const Box& want, const PartToRead
                     "; a bool must be 0 or 1");
 }
 
+// A large destination asks for transparent huge pages before it is read into: the read touches
+// each page once, and every fresh 4 KiB page costs a fault (zeroing included). A hint only: the
+// kernel may ignore it, and the parts of the tensor outside whole 2 MiB pages keep small pages.
+void advise_huge_pages(const at::Tensor& t) {
+#ifdef MADV_HUGEPAGE
+  constexpr std::uintptr_t kHuge = std::uintptr_t{2} << 20;
+  if (t.nbytes() < 4 * kHuge) return;
+  const auto begin = reinterpret_cast<std::uintptr_t>(t.data_ptr());
+  const std::uintptr_t first = (begin + kHuge - 1) & ~(kHuge - 1);
+  const std::uintptr_t last = (begin + t.nbytes()) & ~(kHuge - 1);
+  if (last > first) ::madvise(reinterpret_cast<void*>(first), last - first, MADV_HUGEPAGE);
+#endif
+}
+
 }  // namespace
 
 ShardedStateDict read_checkpoint(const std::filesystem::path& dir, const ReadOptions& options) {
@@ -242,6 +259,7 @@ ShardedStateDict read_checkpoint(const std::filesystem::path& dir, const ReadOpt
     const auto options_of = at::TensorOptions().dtype(to_scalar_type(k.entry->dtype));
     at::Tensor local = k.flat ? at::empty({k.flat->numel()}, options_of)
                               : at::empty(k.regions.at(0).want.shape, options_of);
+    advise_huge_pages(local);
     for (const Region& region : k.regions) {
       at::Tensor target =
           k.flat ? local.narrow(0, region.flat_offset, static_cast<int64_t>(region.want.volume()))
