@@ -127,9 +127,7 @@ StepOutcome train_step(const TrainConfig& config, MixedModel& model, TrainingOpt
   out.aux_loss = agreed.aux_loss;
   out.stop = agreed.stop;
   model.gpt->update_expert_biases(config.bias_update_rate);
-  const StepPhases& p = out.phases;
-  out.phases.other_s = std::max(0.0, seconds_since(start) - p.forward_s - p.backward_s -
-                                         p.reduce_s - p.checkpoint_s - p.optimizer_s);
+  out.phases.other_s = std::max(0.0, seconds_since(start) - out.phases.timed_s());
   return out;
 }
 

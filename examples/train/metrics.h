@@ -42,6 +42,18 @@ struct StepPhases {
   double optimizer_s = 0;
   double checkpoint_s = 0;
   double other_s = 0;
+
+  // The phases timed apart from "other".
+  double timed_s() const { return forward_s + backward_s + reduce_s + optimizer_s + checkpoint_s; }
+  StepPhases& operator+=(const StepPhases& o) {
+    forward_s += o.forward_s;
+    backward_s += o.backward_s;
+    reduce_s += o.reduce_s;
+    optimizer_s += o.optimizer_s;
+    checkpoint_s += o.checkpoint_s;
+    other_s += o.other_s;
+    return *this;
+  }
 };
 
 struct StepRecord {

@@ -270,12 +270,7 @@ std::string summary(const RunReport& r) {
       if (rec.step < first + warm_up) continue;
       steady_s += rec.step_s;
       ++steady_steps;
-      phases.forward_s += rec.phases.forward_s;
-      phases.backward_s += rec.phases.backward_s;
-      phases.reduce_s += rec.phases.reduce_s;
-      phases.optimizer_s += rec.phases.optimizer_s;
-      phases.checkpoint_s += rec.phases.checkpoint_s;
-      phases.other_s += rec.phases.other_s;
+      phases += rec.phases;
     }
     if (warm_up > 0 && steady_steps > 0 && steady_s > 0) {
       const double steady_tokens = static_cast<double>(steady_steps * r.config.tokens_per_step());
