@@ -81,11 +81,7 @@ class PythonClient : public ::testing::TestWithParam<Case> {
  protected:
   void SetUp() override {
     python_ = mixprec::test::python();
-    if (python_.empty() || !fs::exists(python_))
-      GTEST_SKIP() << "MIXPREC_PYTHON is not set to an existing python";
-    if (run(quote(python_) + " -c 'import torch, safetensors.torch'", 120).first != 0) {
-      GTEST_SKIP() << python_ << " cannot import torch and safetensors (pip install safetensors)";
-    }
+    if (python_.empty()) GTEST_SKIP() << "no Python with torch and safetensors (MIXPREC_PYTHON)";
   }
   std::string python_;
 };

@@ -2,9 +2,13 @@
 # single-process distributed_tests with every other area).
 #
 #   distributed_mp_tests  cases every rank runs together: ctest starts it through torchrun with
-#                  N = 1..4 processes, one ctest entry per (suite, N). `--standalone` makes
-#                  torchrun pick a free port, so these entries can run in parallel. This
-#                  machine has 2 cores: the tests check results, never timings.
+#                  N = 1..4 processes, one ctest entry per N that runs every suite meant for N
+#                  ranks. `--standalone` makes torchrun pick a free port, so these entries can
+#                  run in parallel. This machine has 2 cores: the tests check results, never
+#                  timings. One entry per (suite, N) cost a torchrun start (about 2 s of Python
+#                  importing torch) for every 1-3 s of testing; a suite is still one filter away:
+#                  `torchrun --standalone --nproc-per-node 2 --no-python
+#                  build/tests/distributed_mp_tests --gtest_filter='GradReducer.*'`.
 file(GLOB distributed_mp_sources CONFIGURE_DEPENDS ${CMAKE_CURRENT_LIST_DIR}/mp/*.cpp)
 mixprec_test_objects(distributed_mp_test_objects ${distributed_mp_sources})
 add_executable(distributed_mp_tests $<TARGET_OBJECTS:distributed_mp_test_objects>)
@@ -14,21 +18,25 @@ if(NOT _mixprec_torchrun_for_tests)
   message(WARNING "mixprec: no torchrun at ${MIXPREC_TORCHRUN}; multi-process tests not added")
   return()
 endif()
-function(mixprec_mp_suite suite)
-  foreach(n IN LISTS ARGN)
-    add_test(NAME distributed.mp.${suite}.np${n}
-             COMMAND "${MIXPREC_TORCHRUN}" --standalone --nproc-per-node ${n} --no-python
-                     $<TARGET_FILE:distributed_mp_tests> --gtest_filter=${suite}.*:${suite}/*)
-    set_tests_properties(distributed.mp.${suite}.np${n} PROPERTIES TIMEOUT 300 LABELS distributed
-                         ENVIRONMENT "OMP_NUM_THREADS=1;${MIXPREC_TEST_ENVIRONMENT}")
+# distributed.mp.np<n>: the given suites (and their parameterized instances) on n ranks.
+function(mixprec_mp_world n)
+  set(filter "")
+  foreach(suite IN LISTS ARGN)
+    string(APPEND filter "${suite}.*:${suite}/*:")
   endforeach()
+  add_test(NAME distributed.mp.np${n}
+           COMMAND "${MIXPREC_TORCHRUN}" --standalone --nproc-per-node ${n} --no-python
+                   $<TARGET_FILE:distributed_mp_tests> --gtest_filter=${filter})
+  set_tests_properties(distributed.mp.np${n} PROPERTIES TIMEOUT 600 LABELS distributed
+                       ENVIRONMENT "OMP_NUM_THREADS=1;${MIXPREC_TEST_ENVIRONMENT}")
 endfunction()
-foreach(suite Collectives GradReducer ModelCheck DistributedOptimizer ZeroStateDict
-              CollectiveCheckpoint)
-  mixprec_mp_suite(${suite} 1 2 3 4)
-endforeach()
+set(_mixprec_mp_suites Collectives GradReducer ModelCheck DistributedOptimizer ZeroStateDict
+                       CollectiveCheckpoint)
+mixprec_mp_world(1 ${_mixprec_mp_suites})
 # Following the model, broadcasts, failures and allocations: an even and an odd world.
-mixprec_mp_suite(ZeroFollowsModel 2 3)
+mixprec_mp_world(2 ${_mixprec_mp_suites} ZeroFollowsModel)
+mixprec_mp_world(3 ${_mixprec_mp_suites} ZeroFollowsModel)
+mixprec_mp_world(4 ${_mixprec_mp_suites})
 
 # Checkpoints across launches: saved by N ranks and resumed by M (one entry: each torchrun
 # start costs seconds here), and a rank SIGKILLed in the middle of a collective save.

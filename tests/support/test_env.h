@@ -35,7 +35,8 @@ inline std::string required_env(const char* name) {
 inline std::string source_dir() { return required_env("MIXPREC_SOURCE_DIR"); }
 // The build directory.
 inline std::string binary_dir() { return required_env("MIXPREC_BINARY_DIR"); }
-// A Python with torch and safetensors (the oracles); empty when the build found none.
+// A Python that imports torch and safetensors (the oracles); empty when the build found none.
+// CMake probed it when it configured (tests/CMakeLists.txt): tests need not import torch to ask.
 inline std::string python() { return env_or_empty("MIXPREC_PYTHON"); }
 // torchrun beside that Python; empty when there is none.
 inline std::string torchrun() { return env_or_empty("MIXPREC_TORCHRUN"); }

@@ -19,6 +19,7 @@
 #include <fstream>
 #include <set>
 #include <span>
+#include <sstream>
 
 namespace train {
 namespace MIXPREC_UNITY_ID {  // anonymous outside unity builds (tests/CMakeLists.txt)
@@ -87,8 +88,10 @@ std::vector<std::string> run_args(const Scratch& dir, const std::string& out, in
                                                  "--out",        out};
 }
 
-// Checks an export against the checkpoint with Python's safetensors and mixprec_reader; prints
-// "OK <tensors> <files> <FP32 tensors>". Exits 1 naming the first difference.
+// Checks exports against their checkpoints with Python's safetensors and mixprec_reader: its
+// arguments are (checkpoint, export folder, dtype) triples, checked in one Python start (each
+// start imports torch: about 2 s). Prints one line per triple, "OK <tensors> <files> <FP32
+// tensors>" or "FAIL" and the first difference.
 constexpr const char* kPythonCheck = R"(
 import json, os, sys
 import torch
@@ -96,66 +99,74 @@ from safetensors import safe_open
 from safetensors.torch import load_file
 import mixprec_reader as mr
 
-ckpt_path, out_dir, dtype = sys.argv[1:4]
-ckpt = mr.Checkpoint(ckpt_path)
-source = ckpt.tensors(ckpt.model_keys())
-index_path = os.path.join(out_dir, "model.safetensors.index.json")
-index = json.load(open(index_path)) if os.path.exists(index_path) else None
-files = sorted(set(index["weight_map"].values())) if index else ["model.safetensors"]
-assert sorted(os.listdir(out_dir)) == sorted(files + (["model.safetensors.index.json"] if index else []))
-got = {}
-for name in files:
-    part = load_file(os.path.join(out_dir, name))
-    assert not set(part) & set(got), name
+def check(ckpt_path, out_dir, dtype):
+    ckpt = mr.Checkpoint(ckpt_path)
+    source = ckpt.tensors(ckpt.model_keys())
+    index_path = os.path.join(out_dir, "model.safetensors.index.json")
+    index = json.load(open(index_path)) if os.path.exists(index_path) else None
+    files = sorted(set(index["weight_map"].values())) if index else ["model.safetensors"]
+    assert sorted(os.listdir(out_dir)) == sorted(files + (["model.safetensors.index.json"] if index else []))
+    got = {}
+    for name in files:
+        part = load_file(os.path.join(out_dir, name))
+        assert not set(part) & set(got), name
+        if index:
+            assert all(index["weight_map"][k] == name for k in part), name
+        got.update(part)
+        with safe_open(os.path.join(out_dir, name), framework="pt") as f:
+            meta = f.metadata()
+        assert meta["format"] == "pt", meta
+        assert json.loads(meta["mixprec.config"]) == ckpt.user()["config"], meta
+        assert meta["mixprec.step"] == str(ckpt.user()["step"]), meta
+        assert meta["mixprec.dtype"] == dtype, meta
+        assert json.loads(meta["mixprec.kept_fp32"]) == ckpt.precision(), meta
+    assert sorted(got) == sorted(source), (sorted(got), sorted(source))
     if index:
-        assert all(index["weight_map"][k] == name for k in part), name
-    got.update(part)
-    with safe_open(os.path.join(out_dir, name), framework="pt") as f:
-        meta = f.metadata()
-    assert meta["format"] == "pt", meta
-    assert json.loads(meta["mixprec.config"]) == ckpt.user()["config"], meta
-    assert meta["mixprec.step"] == str(ckpt.user()["step"]), meta
-    assert meta["mixprec.dtype"] == dtype, meta
-    assert json.loads(meta["mixprec.kept_fp32"]) == ckpt.precision(), meta
-assert sorted(got) == sorted(source), (sorted(got), sorted(source))
-if index:
-    assert sorted(index["weight_map"]) == sorted(source)
-    size = sum(t.numel() * t.element_size() for t in got.values())
-    assert index["metadata"]["total_size"] == size, (index["metadata"], size)
-wanted = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}
-for key, value in source.items():
-    expected = value
-    if dtype != "keep" and value.is_floating_point():
-        expected = value.to(wanted[dtype])
-    assert got[key].dtype == expected.dtype, (key, got[key].dtype, expected.dtype)
-    assert got[key].shape == expected.shape, (key, got[key].shape, expected.shape)
-    assert torch.equal(got[key], expected), key
-fp32 = sum(1 for t in got.values() if t.dtype == torch.float32)
-print("OK", len(got), len(files), fp32)
+        assert sorted(index["weight_map"]) == sorted(source)
+        size = sum(t.numel() * t.element_size() for t in got.values())
+        assert index["metadata"]["total_size"] == size, (index["metadata"], size)
+    wanted = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}
+    for key, value in source.items():
+        expected = value
+        if dtype != "keep" and value.is_floating_point():
+            expected = value.to(wanted[dtype])
+        assert got[key].dtype == expected.dtype, (key, got[key].dtype, expected.dtype)
+        assert got[key].shape == expected.shape, (key, got[key].shape, expected.shape)
+        assert torch.equal(got[key], expected), key
+    fp32 = sum(1 for t in got.values() if t.dtype == torch.float32)
+    return "OK %d %d %d" % (len(got), len(files), fp32)
+
+args = sys.argv[1:]
+for i in range(0, len(args), 3):
+    try:
+        print(check(*args[i:i + 3]))
+    except AssertionError as e:
+        print("FAIL", repr(e)[:2000].replace("\n", " "))
 )";
 
-// The Python with torch and safetensors; empty if there is none.
-std::string oracle_python(const fs::path& scratch) {
-  const std::string python = mixprec::test::python();
-  if (python.empty()) return "";
-  const ProgramRun probe =
-      run_command(scratch, {python, "-c", "import safetensors, torch"}, "probe");
-  return probe.status == 0 ? python : "";
-}
+// One export to check: the checkpoint it came from, its folder, the dtype asked for.
+struct ExportCheck {
+  fs::path checkpoint;
+  fs::path out;
+  std::string dtype;
+};
 
-// "OK <tensors> <files> <fp32>" from kPythonCheck, or the failure.
-std::string python_check(const fs::path& scratch, const std::string& python,
-                         const fs::path& checkpoint, const fs::path& out,
-                         const std::string& dtype) {
+// kPythonCheck's line for each check, in order; or one line saying why Python failed.
+std::vector<std::string> python_check(const fs::path& scratch,
+                                      const std::vector<ExportCheck>& checks) {
   const fs::path script = scratch / "check_export.py";
   if (!fs::exists(script)) std::ofstream(script) << kPythonCheck;
-  const std::string pythonpath = "PYTHONPATH=" + mixprec::test::source_dir() + "/python";
-  const ProgramRun run = run_command(
-      scratch,
-      {"env", pythonpath, python, script.string(), checkpoint.string(), out.string(), dtype},
-      "python");
-  if (run.status != 0) return "python failed (" + std::to_string(run.status) + "): " + run.err;
-  return run.out.substr(0, run.out.find('\n'));
+  std::vector<std::string> argv = {"env", "PYTHONPATH=" + mixprec::test::source_dir() + "/python",
+                                   mixprec::test::python(), script.string()};
+  for (const ExportCheck& c : checks) {
+    argv.insert(argv.end(), {c.checkpoint.string(), c.out.string(), c.dtype});
+  }
+  const ProgramRun run = run_command(scratch, argv, "python");
+  if (run.status != 0) return {"python failed (" + std::to_string(run.status) + "): " + run.err};
+  std::vector<std::string> lines;
+  std::istringstream out(run.out);
+  for (std::string line; std::getline(out, line);) lines.push_back(line);
+  return lines;
 }
 
 // name → (dtype, shape, bytes) of every tensor in an export's files.
@@ -197,16 +208,17 @@ class Export : public ::testing::Test {
 Scratch* Export::dir_ = nullptr;
 
 TEST_F(Export, KeepAndEveryDtypeMatchTheCheckpointInPython) {
-  const std::string python = oracle_python(scratch());
-  if (python.empty()) GTEST_SKIP() << "no Python with torch and safetensors (MIXPREC_PYTHON)";
+  if (mixprec::test::python().empty())
+    GTEST_SKIP() << "no Python with torch and safetensors (MIXPREC_PYTHON)";
   // Keep, from the root (its latest, step 4): the FP32-kept tensors stay FP32.
   const ProgramRun keep = export_tool(scratch(), {root().string(), (scratch() / "keep").string()});
   ASSERT_EQ(keep.status, 0) << keep.err;
   EXPECT_TRUE(keep.err.empty()) << keep.err;
   EXPECT_NE(keep.out.find(std::to_string(kModelTensors) + " model tensors"), std::string::npos)
       << keep.out;
-  EXPECT_EQ(python_check(scratch(), python, root() / "step-000004", scratch() / "keep", "keep"),
-            "OK " + std::to_string(kModelTensors) + " 1 " + std::to_string(kKeptFp32));
+  std::vector<ExportCheck> checks = {{root() / "step-000004", scratch() / "keep", "keep"}};
+  std::vector<std::string> expected = {"OK " + std::to_string(kModelTensors) + " 1 " +
+                                       std::to_string(kKeptFp32)};
   // Converted, from a checkpoint directory: every floating tensor in the dtype asked for.
   const std::map<std::string, size_t> fp32_expected = {{"bf16", 0}, {"fp16", 0}, {"fp32", 20}};
   for (const auto& [dtype, fp32] : fp32_expected) {
@@ -215,9 +227,10 @@ TEST_F(Export, KeepAndEveryDtypeMatchTheCheckpointInPython) {
     const ProgramRun run =
         export_tool(scratch(), {(root() / "step-000002").string(), out.string(), "--dtype", dtype});
     ASSERT_EQ(run.status, 0) << run.err;
-    EXPECT_EQ(python_check(scratch(), python, root() / "step-000002", out, dtype),
-              "OK " + std::to_string(kModelTensors) + " 1 " + std::to_string(fp32));
+    checks.push_back({root() / "step-000002", out, dtype});
+    expected.push_back("OK " + std::to_string(kModelTensors) + " 1 " + std::to_string(fp32));
   }
+  EXPECT_EQ(python_check(scratch(), checks), expected);  // keep, bf16, fp16, fp32
   EXPECT_EQ(leftovers(scratch()), std::vector<std::string>{});
 }
 
@@ -257,11 +270,12 @@ TEST_F(Export, ShardsHaveAHuggingFaceIndexCoveringEveryTensor) {
   // The same tensors as the single-file export.
   ASSERT_EQ(export_tool(scratch(), {root().string(), (scratch() / "whole").string()}).status, 0);
   EXPECT_EQ(exported_tensors(out), exported_tensors(scratch() / "whole"));
-  const std::string python = oracle_python(scratch());
-  if (python.empty()) GTEST_SKIP() << "no Python with torch and safetensors (MIXPREC_PYTHON)";
-  EXPECT_EQ(python_check(scratch(), python, root() / "step-000004", out, "keep"),
-            "OK " + std::to_string(kModelTensors) + " " + std::to_string(files.size()) + " " +
-                std::to_string(kKeptFp32));
+  if (mixprec::test::python().empty())
+    GTEST_SKIP() << "no Python with torch and safetensors (MIXPREC_PYTHON)";
+  EXPECT_EQ(
+      python_check(scratch(), {{root() / "step-000004", out, "keep"}}),
+      std::vector<std::string>{"OK " + std::to_string(kModelTensors) + " " +
+                               std::to_string(files.size()) + " " + std::to_string(kKeptFp32)});
 }
 
 TEST_F(Export, BadArgumentsAreOneLineAndLeaveOutAsItWas) {
@@ -419,10 +433,11 @@ TEST_F(Export, TwoRankCheckpointExportsWholeTensors) {
     return layout;
   };
   EXPECT_EQ(header(out / "model.safetensors"), header(scratch() / "one-export/model.safetensors"));
-  const std::string python = oracle_python(scratch());
-  if (python.empty()) GTEST_SKIP() << "no Python with torch and safetensors (MIXPREC_PYTHON)";
-  EXPECT_EQ(python_check(scratch(), python, ckpt, out, "keep"),
-            "OK " + std::to_string(kModelTensors) + " 1 " + std::to_string(kKeptFp32));
+  if (mixprec::test::python().empty())
+    GTEST_SKIP() << "no Python with torch and safetensors (MIXPREC_PYTHON)";
+  EXPECT_EQ(python_check(scratch(), {{ckpt, out, "keep"}}),
+            std::vector<std::string>{"OK " + std::to_string(kModelTensors) + " 1 " +
+                                     std::to_string(kKeptFp32)});
 }
 
 }  // namespace MIXPREC_UNITY_ID

@@ -39,12 +39,7 @@ class PythonInterop : public ::testing::Test {
  protected:
   void SetUp() override {
     python_ = mixprec::test::python();
-    if (python_.empty() || !std::filesystem::exists(python_)) {
-      GTEST_SKIP() << "MIXPREC_PYTHON is not set to an existing python";
-    }
-    if (!run(quote(python_) + " -c 'import safetensors.torch' 2>/dev/null")) {
-      GTEST_SKIP() << python_ << " cannot import safetensors.torch (pip install safetensors)";
-    }
+    if (python_.empty()) GTEST_SKIP() << "no Python with torch and safetensors (MIXPREC_PYTHON)";
   }
 
   json oracle(const std::string& mode, const std::filesystem::path& path) {

@@ -90,10 +90,7 @@ TEST(StateKeys, HeaderParseSeesTheCompiledConstants) {
 
 TEST(StateKeys, PythonReaderUsesTheSameNames) {
   const std::string python = mixprec::test::python();
-  if (python.empty() || !fs::exists(python)) GTEST_SKIP() << "MIXPREC_PYTHON is not set";
-  if (!run(quote(python) + " -c 'import torch, safetensors' 2>/dev/null")) {
-    GTEST_SKIP() << python << " cannot import torch and safetensors";
-  }
+  if (python.empty()) GTEST_SKIP() << "no Python with torch and safetensors (MIXPREC_PYTHON)";
   const std::string script =
       "import sys, json; sys.path.insert(0, sys.argv[1]); import mixprec_reader as m; "
       "print(json.dumps({\"names\": m.names(), "
