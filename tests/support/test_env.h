@@ -40,5 +40,8 @@ inline std::string binary_dir() { return required_env("MIXPREC_BINARY_DIR"); }
 inline std::string python() { return env_or_empty("MIXPREC_PYTHON"); }
 // torchrun beside that Python; empty when there is none.
 inline std::string torchrun() { return env_or_empty("MIXPREC_TORCHRUN"); }
+// Whether this is the sanitized pass (ASan + UBSan; tests/CMakeLists.txt sets the variable for
+// its entries), where instrumented code runs several times slower.
+inline bool sanitized_pass() { return env_or_empty("MIXPREC_SANITIZED_PASS") == "1"; }
 
 }  // namespace mixprec::test
