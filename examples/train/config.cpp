@@ -64,6 +64,9 @@ const std::vector<Flag>& flags() {
        "aux-loss-free balancing: expert-bias step per optimizer step"},
       {"training", "seed", &C::seed, "N", "seeds the weights, the data order and the sample",
        kFixed},
+      {"training", "recompute", &C::recompute, "",
+       "keep only each block's input for backward and run the block again there: less "
+       "activation memory for one more forward per block, the same losses bit for bit"},
       {"training", "threads", &C::threads, "N", "intra-op threads (0: LibTorch's default)"},
       {"evaluation and output", "profile-steps", &C::profile_steps, "A:B",
        "write a trace of steps A to B (LibTorch's profiler: every ATen op, and mixprec's own "
@@ -391,7 +394,7 @@ std::string describe(const TrainConfig& c) {
   std::ostringstream s;
   s << c.layers << (c.layers == 1 ? " layer" : " layers") << ", d_model " << c.d_model << ", "
     << c.heads << " heads, " << c.experts << " experts (top-" << c.top_k << "), seq " << c.seq_len
-    << " | " << c.precision << ", fp8 " << c.fp8;
+    << " | " << c.precision << ", fp8 " << c.fp8 << (c.recompute ? ", recompute" : "");
   if (c.world_size > 1) s << " | " << c.world_size << " ranks, ZeRO-1";
   return s.str();
 }

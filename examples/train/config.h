@@ -38,6 +38,9 @@ struct TrainConfig {
   std::string precision = "bf16";
   std::string fp8 = "hybrid";
   double loss_scale = 65536;  // FP16: the dynamic loss scale to start from
+  // Activation recomputation: keep each block's input only and run the block again in backward
+  // (recompute.h). Changes memory and time, not one bit of the results.
+  bool recompute = false;
 
   // Data: a text file, or "" for the built-in corpus (Python's pydoc topics).
   std::string data;

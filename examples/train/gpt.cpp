@@ -1,5 +1,7 @@
 #include "gpt.h"
 
+#include "recompute.h"
+
 #include "mixprec/quant/quant_state.h"
 
 #include <ATen/ATen.h>
@@ -89,7 +91,9 @@ std::tuple<at::Tensor, at::Tensor> GptImpl::forward(const at::Tensor& tokens) {
   at::Tensor aux = at::zeros({}, at::kFloat);
   for (const auto& block : *blocks) {
     if (before_use) before_use(*block);
-    auto [next, block_aux] = block->as<BlockImpl>()->forward(x);
+    BlockImpl& b = *block->as<BlockImpl>();
+    auto [next, block_aux] =
+        config.recompute && is_training() ? forward_recomputed_in_backward(b, x) : b.forward(x);
     x = next;
     aux = aux + block_aux;
   }

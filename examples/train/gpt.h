@@ -41,6 +41,8 @@ struct GptConfig {
   int64_t experts = 4;
   int64_t top_k = 2;
   mixprec::quant::QuantConfig quant;  // the FP8 recipe of the expert GEMMs
+  // Keep only each block's input for backward and run the block again there (recompute.h).
+  bool recompute = false;
 };
 
 // Multi-head causal self-attention: every position mixes the values of the positions up to it,

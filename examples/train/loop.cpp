@@ -75,6 +75,11 @@ StepOutcome train_step(const TrainConfig& config, MixedModel& model, TrainingOpt
   optimizer.zero_grad();
   const double scale = optimizer.loss_scale();
   StepOutcome out;
+  // Memory is counted from here, once the gradients are cleared: what lives now is the
+  // parameters and the optimizer state; the step adds activations, gradients and temporaries.
+  LiveBytesAllocator* counted = LiveBytesAllocator::installed();
+  const int64_t live_at_start = counted != nullptr ? counted->live_bytes() : 0;
+  if (counted != nullptr) counted->reset_peak();
   for (int64_t m = 0; m < config.grad_accum; ++m) {
     const int64_t first_row = config.rank * rank_rows + m * micro_rows;
     const Batch b = batches.batch(index, config.batch, first_row, micro_rows);
@@ -89,6 +94,10 @@ StepOutcome train_step(const TrainConfig& config, MixedModel& model, TrainingOpt
       loss = cross_entropy(logits, b.targets);
       objective = (loss + config.aux_loss_coef * aux) / static_cast<double>(config.grad_accum);
       out.aux_loss += aux.item<double>() / static_cast<double>(config.grad_accum);
+      if (counted != nullptr) {
+        out.activation_bytes =
+            std::max(out.activation_bytes, counted->live_bytes() - live_at_start);
+      }
     }
     out.phases.forward_s += seconds_since(phase);
     phase = Clock::now();
@@ -128,6 +137,7 @@ StepOutcome train_step(const TrainConfig& config, MixedModel& model, TrainingOpt
   out.stop = agreed.stop;
   model.gpt->update_expert_biases(config.bias_update_rate);
   out.phases.other_s = std::max(0.0, seconds_since(start) - out.phases.timed_s());
+  if (counted != nullptr) out.peak_bytes = counted->peak_bytes() - live_at_start;
   return out;
 }
 
@@ -139,16 +149,14 @@ LoopOutcome Loop::run(RunState& state) {
     const double lr =
         learning_rate(state.step, config.steps, config.lr, config.warmup, config.min_lr_ratio);
     if (profiler != nullptr) profiler->before_step(state.step + 1);
-    LiveBytesAllocator* counted = LiveBytesAllocator::installed();
-    const int64_t live_at_start = counted != nullptr ? counted->live_bytes() : 0;
-    if (counted != nullptr) counted->reset_peak();
     const StepOutcome done =
         train_step(config, model, optimizer, train_batches, state.step, lr, ranks, stop.requested(),
                    [this] { checkpointer.before_state_changes(); });
     if (profiler != nullptr) profiler->after_step(state.step + 1);
-    if (counted != nullptr && outcome.records.size() >= 2) {
-      outcome.step_extra_peak_bytes =
-          std::max(outcome.step_extra_peak_bytes, counted->peak_bytes() - live_at_start);
+    if (outcome.records.size() >= 2) {
+      outcome.step_extra_peak_bytes = std::max(outcome.step_extra_peak_bytes, done.peak_bytes);
+      outcome.activation_peak_bytes =
+          std::max(outcome.activation_peak_bytes, done.activation_bytes);
     }
     const mixprec::optim::StepResult& result = done.result;
     const double step_s = seconds_since(start);

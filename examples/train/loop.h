@@ -47,10 +47,12 @@ struct LoopOutcome {
   int stop_signal = 0;              // SIGINT/SIGTERM that ended the run early, 0 if none
   bool stopped_early = false;       // by a signal or --stop-at, before --steps
   double train_s = 0;               // wall time of this process's steps (without saves/evals)
-  // The most a step added to the tensor memory alive when it started (activations kept for
-  // backward, temporaries, workspaces), over this process's steps after its first two (which
-  // also create the optimizer's state); 0 without a LiveBytesAllocator (memory.h).
+  // The most a step added to the parameters and optimizer state (activations kept for backward,
+  // gradients, temporaries, workspaces: StepOutcome::peak_bytes), and the most of it that was
+  // activations, over this process's steps after its first two (which also create the
+  // optimizer's state); 0 without a LiveBytesAllocator (memory.h).
   int64_t step_extra_peak_bytes = 0;
+  int64_t activation_peak_bytes = 0;
 };
 
 // One optimizer step on global batch `index`: this rank's rows, in config.grad_accum
@@ -64,6 +66,12 @@ struct StepOutcome {
   bool stop = false;    // some rank was asked to stop (`stop_requested` there)
   mixprec::optim::StepResult result;
   StepPhases phases;  // where the step's time went
+  // Tensor memory over the level once the gradients are cleared (parameters and optimizer
+  // state), counted by the LiveBytesAllocator (memory.h; 0 without one): at the step's peak,
+  // and what a forward left alive for its backward (the activations autograd keeps, logits and
+  // loss; the most over micro-batches).
+  int64_t peak_bytes = 0;
+  int64_t activation_bytes = 0;
 };
 // `before_update`, if set, runs between backward and the optimizer step: the last moment
 // before the step writes the model and optimizer state (an async save's copy must be done).

@@ -70,6 +70,7 @@ RunReport::Memory memory_report(const torch::nn::Module& model, const OptimizerM
   for (const at::Tensor& b : model.buffers()) m.parameters += static_cast<int64_t>(b.nbytes());
   m.optimizer_state = optimizer.state_bytes;
   m.step_extra = outcome.step_extra_peak_bytes;
+  m.activations = outcome.activation_peak_bytes;
   std::ifstream status("/proc/self/status");
   for (std::string line; std::getline(status, line);) {
     if (line.rfind("VmHWM:", 0) == 0) m.peak_rss = std::stoll(line.substr(6)) * 1024;

@@ -82,7 +82,7 @@ MoEOutput MoEImpl::forward(const at::Tensor& x) {
   const at::Tensor counts = at::bincount(flat_choice, {}, n_experts);
   const at::Tensor slot_share = counts.to(at::kFloat) / static_cast<double>(flat_choice.numel());
   const at::Tensor aux = (slot_share * probs.mean(0)).sum() * static_cast<double>(n_experts);
-  if (is_training()) load_ += counts;
+  if (is_training() && counts_load) load_ += counts;
   return {y, aux};
 }
 

@@ -64,6 +64,9 @@ struct MoEImpl : torch::nn::Module {
   mixprec::quant::QuantLinear router{nullptr};  // d_model → experts, no bias, FP32 by mark
   torch::nn::ModuleList experts{nullptr};
   at::Tensor expert_bias;  // FP32 buffer [experts]
+  // Whether forward in training mode adds to the load counter; off while --recompute runs a
+  // block's forward a second time (recompute.cpp), so that no token is counted twice.
+  bool counts_load = true;
 
  private:
   at::Tensor load_;  // not a buffer: zero at every step boundary, so checkpoints need not hold it

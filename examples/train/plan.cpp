@@ -25,7 +25,7 @@ Precision precision_from(const TrainConfig& config) {
 }
 
 GptConfig gpt_config(const TrainConfig& c, const mixprec::quant::QuantConfig& quant) {
-  return {c.vocab, c.seq_len, c.layers, c.d_model, c.heads, c.experts, c.top_k, quant};
+  return {c.vocab, c.seq_len, c.layers, c.d_model, c.heads, c.experts, c.top_k, quant, c.recompute};
 }
 
 mixprec::PrecisionPlan precision_plan(const GptImpl& model) {

@@ -301,10 +301,13 @@ std::string summary(const RunReport& r) {
   if (r.memory.peak_rss > 0) {
     const RunReport::Memory& m = r.memory;
     const auto mib = [](int64_t bytes) { return bytes_text(static_cast<double>(bytes)); };
-    s << "memory      peak RSS " << mib(m.peak_rss) << "; tensors: parameters " << mib(m.parameters)
-      << " · gradients " << mib(m.gradients) << " · optimizer state " << mib(m.optimizer_state)
-      << " · activations and workspaces " << mib(m.step_extra)
-      << " (a step's peak over what lives between steps)\n";
+    s << "memory      peak RSS " << mib(m.peak_rss) << "; tensors between steps: parameters "
+      << mib(m.parameters) << " · gradients " << mib(m.gradients) << " · optimizer state "
+      << mib(m.optimizer_state)
+      << "\n            a step's peak over parameters and optimizer state " << mib(m.step_extra)
+      << ": activations kept for backward " << mib(m.activations)
+      << " + gradients, temporaries and workspaces "
+      << mib(std::max<int64_t>(0, m.step_extra - m.activations)) << "\n";
   }
   if (r.saves.saves > 0) {
     std::snprintf(line, sizeof line,

@@ -31,7 +31,8 @@ struct RunReport {
     int64_t parameters = 0;       // the model's parameters and buffers
     int64_t gradients = 0;        // their .grad tensors
     int64_t optimizer_state = 0;  // masters and moments (this rank's shard)
-    int64_t step_extra = 0;       // the most a step added on top (LoopOutcome)
+    int64_t step_extra = 0;       // the most a step added to parameters and optimizer state
+    int64_t activations = 0;      // of which activations kept for backward (LoopOutcome)
     int64_t peak_rss = 0;         // the process's peak resident set (VmHWM)
   } memory;
 };

@@ -7,7 +7,11 @@
 
 #include <ATen/ATen.h>
 #include <gtest/gtest.h>
+#include <torch/csrc/autograd/function.h>
 #include <torch/types.h>
+
+#include <map>
+#include <set>
 
 namespace train {
 namespace MIXPREC_UNITY_ID {  // anonymous outside unity builds (tests/CMakeLists.txt)
@@ -141,6 +145,69 @@ TEST(MoE, ExpertBiasMovesTowardsEvenLoadAndTheCounterRestarts) {
   moe->eval();
   moe->forward(at::randn({12, 8}));
   EXPECT_EQ(moe->load().sum().item<int64_t>(), 0) << "evaluation does not count as load";
+}
+
+// --recompute (recompute.h): each block runs again in backward. The loss, every parameter's
+// gradient and the experts' load counts are bitwise those of the plain run, with and without
+// FP8, and the recomputing autograd node is really in the graph.
+TEST(MixedModel, RecomputedBlocksGiveTheSameLossGradientsAndLoadBitForBit) {
+  using mixprec::quant::Fp8Recipe;
+  for (const Fp8Recipe fp8 : {Fp8Recipe::kHybrid, Fp8Recipe::kOff}) {
+    SCOPED_TRACE(fp8 == Fp8Recipe::kHybrid ? "fp8 hybrid" : "fp8 off");
+    struct Result {
+      at::Tensor loss;
+      std::map<std::string, at::Tensor> grads;
+      std::vector<at::Tensor> loads;
+      int recompute_nodes = 0;
+    };
+    std::vector<Result> results;
+    for (const bool recompute : {false, true}) {
+      at::manual_seed(3);
+      GptConfig c = tiny(fp8);
+      c.recompute = recompute;
+      Precision p;
+      p.dtype = at::kBFloat16;
+      p.quant.fp8(fp8);
+      MixedModel m = apply_precision(Gpt(c), p);
+      m.module->train();
+      const at::Tensor tokens = at::randint(0, 256, {4, 16}, at::kLong);
+      const at::Tensor targets = at::randint(0, 256, {4 * 16}, at::kLong);
+      auto [logits, aux] = m.forward(tokens);
+      Result r;
+      r.loss = at::cross_entropy_loss(logits.flatten(0, 1), targets) + 0.01 * aux;
+      // Every node reachable from the loss: one recomputing node per block, or none.
+      std::vector<torch::autograd::Node*> pending = {r.loss.grad_fn().get()};
+      std::set<torch::autograd::Node*> seen;
+      while (!pending.empty()) {
+        torch::autograd::Node* node = pending.back();
+        pending.pop_back();
+        if (node == nullptr || !seen.insert(node).second) continue;
+        r.recompute_nodes += node->name().find("RecomputedBlock") != std::string::npos ? 1 : 0;
+        for (const auto& edge : node->next_edges()) pending.push_back(edge.function.get());
+      }
+      r.loss.backward();
+      for (const auto& item : m.module->named_parameters()) {
+        if (item.value().grad().defined()) r.grads[item.key()] = item.value().grad().clone();
+      }
+      for (const at::Tensor& load : m.gpt->expert_loads()) r.loads.push_back(load.clone());
+      results.push_back(std::move(r));
+    }
+    const Result &plain = results[0], &recomputed = results[1];
+    EXPECT_EQ(plain.recompute_nodes, 0);
+    EXPECT_EQ(recomputed.recompute_nodes, 2) << "one per block";
+    EXPECT_TRUE(at::equal(plain.loss, recomputed.loss));
+    ASSERT_EQ(plain.grads.size(), recomputed.grads.size());
+    EXPECT_GE(plain.grads.size(), 20u);
+    for (const auto& [name, grad] : plain.grads) {
+      ASSERT_TRUE(recomputed.grads.count(name)) << name << " got no gradient when recomputed";
+      EXPECT_TRUE(at::equal(grad, recomputed.grads.at(name))) << name;
+    }
+    ASSERT_EQ(plain.loads.size(), recomputed.loads.size());
+    for (size_t i = 0; i < plain.loads.size(); ++i) {
+      EXPECT_TRUE(at::equal(plain.loads[i], recomputed.loads[i]))
+          << "block " << i << ": the recomputation must not count the tokens again";
+    }
+  }
 }
 
 TEST(MixedModel, Fp16KeepsTheSameTensorsFp32) {

@@ -90,9 +90,11 @@ TEST(TrainRun, LossFallsAndMetricsHaveTheDocumentedFields) {
   EXPECT_NE(run.out.find("OpenMP waits PASSIVE (--omp-wait auto)"), std::string::npos) << run.out;
   // Memory: the tensors that live between steps and what a step adds, counted.
   EXPECT_TRUE(std::regex_search(
-      run.out, std::regex("memory +peak RSS [0-9.]+ MiB; tensors: parameters [0-9.]+ KiB · "
-                          "gradients [0-9.]+ KiB · optimizer state [0-9.]+ KiB · activations "
-                          "and workspaces [0-9.]+ [KM]iB")))
+      run.out, std::regex("memory +peak RSS [0-9.]+ MiB; tensors between steps: parameters "
+                          "[0-9.]+ KiB · gradients [0-9.]+ KiB · optimizer state [0-9.]+ KiB\n"
+                          " +a step's peak over parameters and optimizer state [0-9.]+ [KM]iB: "
+                          "activations kept for backward [0-9.]+ [KM]iB \\+ gradients, "
+                          "temporaries and workspaces [0-9.]+ [KM]iB")))
       << run.out;
   // The step's breakdown and its model FLOPs utilisation.
   EXPECT_TRUE(
@@ -197,6 +199,47 @@ TEST(TrainRun, GradientAccumulationAndAsyncSaveTrainTheSameSteps) {
   for (size_t i = 0; i < 6; ++i) EXPECT_NEAR(one[i].loss, acc[i].loss, 0.05) << "step " << i + 1;
   EXPECT_TRUE(fs::exists(dir / "acc/checkpoints/step-000003/manifest.json"));
   EXPECT_TRUE(fs::exists(dir / "acc/checkpoints/step-000006/manifest.json"));
+}
+
+// --recompute runs each block again in backward: the same steps bit for bit (losses, gradient
+// norms, validation), and fewer activations kept for backward, as the summary counts them.
+TEST(TrainRun, RecomputeTrainsTheSameStepsWithFewerActivationsKept) {
+  Scratch dir;
+  write_corpus(dir / "corpus.txt");
+  const auto common =
+      tiny_model() + std::vector<std::string>{"--data",       (dir / "corpus.txt").string(),
+                                              "--layers",     "2",
+                                              "--steps",      "5",
+                                              "--eval-every", "5",
+                                              "--ckpt-every", "5"};
+  const ProgramRun plain =
+      run_program(dir.path(), common + std::vector<std::string>{"--out", "plain"}, "plain");
+  ASSERT_EQ(plain.status, 0) << plain.err;
+  const ProgramRun recomputed = run_program(
+      dir.path(), common + std::vector<std::string>{"--out", "again", "--recompute"}, "again");
+  ASSERT_EQ(recomputed.status, 0) << recomputed.err;
+  const auto a = read_metrics(dir / "plain/metrics.jsonl");
+  const auto b = read_metrics(dir / "again/metrics.jsonl");
+  ASSERT_EQ(a.size(), 5u);
+  ASSERT_EQ(b.size(), 5u);
+  for (size_t i = 0; i < a.size(); ++i) {
+    EXPECT_EQ(a[i].loss, b[i].loss) << "step " << i + 1;
+    EXPECT_EQ(a[i].aux_loss, b[i].aux_loss) << "step " << i + 1;
+    EXPECT_EQ(a[i].grad_norm, b[i].grad_norm) << "step " << i + 1;
+    EXPECT_EQ(a[i].val_loss, b[i].val_loss) << "step " << i + 1;
+  }
+  // "activations kept for backward 1.23 MiB" (or KiB) in each summary.
+  const auto activations = [](const std::string& out) {
+    std::smatch m;
+    const std::regex line(R"(activations kept for backward ([0-9.]+) (KiB|MiB))");
+    if (!std::regex_search(out, m, line)) return -1.0;
+    return std::stod(m[1]) * (m[2] == "MiB" ? 1024.0 : 1.0);
+  };
+  const double kept = activations(plain.out), kept_recomputed = activations(recomputed.out);
+  ASSERT_GT(kept, 0) << plain.out;
+  ASSERT_GT(kept_recomputed, 0) << recomputed.out;
+  EXPECT_LT(kept_recomputed, kept) << plain.out << recomputed.out;
+  EXPECT_NE(recomputed.out.find(", recompute"), std::string::npos) << recomputed.out;
 }
 
 }  // namespace MIXPREC_UNITY_ID
