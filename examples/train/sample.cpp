@@ -5,6 +5,11 @@
 #include <torch/types.h>
 
 namespace train {
+namespace {
+
+constexpr int64_t kSampleShapeStep = 32;
+
+}  // namespace
 
 std::string generate(MixedModel& model, const std::string& prompt, int64_t n, double temperature,
                      uint64_t seed) {
@@ -19,10 +24,18 @@ std::string generate(MixedModel& model, const std::string& prompt, int64_t n, do
   std::string out;
   for (int64_t i = 0; i < n; ++i) {
     const int64_t begin = std::max<int64_t>(0, static_cast<int64_t>(tokens.size()) - context);
-    const at::Tensor input =
-        at::tensor(std::vector<int64_t>(tokens.begin() + begin, tokens.end()), at::kLong)
-            .unsqueeze(0);
-    const at::Tensor last = std::get<0>(model.forward(input)).select(1, -1).squeeze(0);  // [vocab]
+    std::vector<int64_t> window(tokens.begin() + begin, tokens.end());
+    const int64_t length = static_cast<int64_t>(window.size());
+    // The window goes in padded to a multiple of kSampleShapeStep: attention is causal, so the
+    // padding after the last token changes nothing before it, and the model sees 4 shapes
+    // instead of one per length. Each new shape costs oneDNN a compiled primitive it keeps:
+    // sampling 200 bytes at every length took 200 MiB, more than training's whole peak.
+    window.resize(
+        std::min(context, (length + kSampleShapeStep - 1) / kSampleShapeStep * kSampleShapeStep),
+        '\n');
+    const at::Tensor input = at::tensor(window, at::kLong).unsqueeze(0);
+    const at::Tensor last =
+        std::get<0>(model.forward(input)).select(1, length - 1).squeeze(0);  // [vocab]
     int64_t next = 0;
     if (temperature == 0) {
       next = last.argmax().item<int64_t>();
