@@ -1,7 +1,7 @@
 // The main job's training step against its peers: tokens/s and peak memory.
 //
 //   bench_train [--steps N] [--warmup N] [--repeats N] [--threads N] [--omp-wait active|passive]
-//               [mixprec-train model flags]
+//               [--ranks N] [mixprec-train model flags]
 //
 // Model flags (--layers, --d-model, --heads, --experts, --top-k, --seq-len, --batch) change the
 // model of every configuration, the Python peer's included; without them it is mixprec-train's
@@ -15,6 +15,13 @@
 //   libtorch fp32          the same model, FP32 parameters, torch::optim::AdamW
 //   pytorch autocast bf16  bench/train_bench.py: the same model in PyTorch, torch.autocast
 //                          (bfloat16) and AdamW(fused=True) — what a Python user would write
+// and, with --ranks N (N >= 2), data parallel on N ranks under torchrun, one thread each:
+//   mixprec ZeRO-1         mixprec-train's step on N ranks (make_data_parallel_optimizer: BF16
+//                          + FP8 as by default, gradients reduced in buckets during backward,
+//                          the FP32 masters and moments sharded)
+//   pytorch DDP + ZeRO     bench/train_bench.py on N ranks: DistributedDataParallel (gloo) and
+//                          ZeroRedundancyOptimizer over AdamW(fused=True), autocast BF16, the
+//                          same expert padding
 // and prints one table: tokens/s from the median step time, a forward/backward/optimizer
 // split, resident memory once everything is built ("setup": runtime, data, model, optimizer),
 // its peak over training (VmHWM), and the difference ("training": activations, gradients,
@@ -28,11 +35,14 @@
 // busy machine use passive, or spinning workers make every step time meaningless.
 #include "config.h"
 #include "data.h"
+#include "data_parallel.h"
 #include "gpt.h"
 #include "loop.h"
 #include "optimizer.h"
 #include "plan.h"
 #include "support/bench_paths.h"
+
+#include "mixprec/distributed/communicator.h"
 
 #include <ATen/ATen.h>
 #include <ATen/Parallel.h>
@@ -63,6 +73,7 @@ struct Options {
   int64_t threads = 0;
   int64_t repeats = 3;              // runs of each configuration; the fastest counts
   std::string omp_wait = "active";  // OMP_WAIT_POLICY of every child
+  int64_t ranks = 0;                // > 1: also the data-parallel comparison on this many ranks
   std::string child;                // the configuration this process measures; empty: the parent
   std::vector<std::string> model;   // mixprec-train flags for the model (--batch 64, …)
   TrainConfig config;               // the default configuration with those flags applied
@@ -93,6 +104,7 @@ struct PhaseTimes {
 // Runs warmup + steps of `step` and reports the medians as one JSON line on stdout.
 void measure(const Options& o, const std::string& name, const TrainConfig& config,
              const std::function<void(int64_t, PhaseTimes&)>& step) {
+  // Data parallel: every rank steps, rank 0 reports (its memory is one rank's).
   PhaseTimes warm, timed;
   const double before_mib = status_mib("VmRSS");  // runtime, data, model and optimizer built
   for (int64_t i = 0; i < o.warmup; ++i) step(i, warm);
@@ -108,7 +120,7 @@ void measure(const Options& o, const std::string& name, const TrainConfig& confi
       {"peak_rss_mib", status_mib("VmHWM")},
       {"setup_rss_mib", before_mib},
       {"threads", at::get_num_threads()}};
-  std::printf("%s\n", out.dump().c_str());
+  if (config.rank == 0) std::printf("%s\n", out.dump().c_str());
 }
 
 double since(Clock::time_point t) {
@@ -155,6 +167,33 @@ void run_mixprec(const Options& o, const std::string& fp8) {
             // Report the real step's total, split in the proportions just measured.
             const double scale = total / (f + bw + op);
             times.add(f * scale, bw * scale, op * scale);
+          });
+}
+
+// mixprec-train's step on the launcher's ranks, as `torchrun ... mixprec-train` runs it: each
+// rank its rows of every global batch, ZeRO-1 (the split is train_step's own phase timing).
+void run_mixprec_data_parallel(const Options& o) {
+  TrainConfig config = o.config;
+  const std::shared_ptr<mixprec::distributed::Communicator> ranks = train::join_ranks();
+  TORCH_CHECK(ranks != nullptr, "bench_train --child mixprec-dp runs under torchrun");
+  config.world_size = ranks->size();
+  config.rank = ranks->rank();
+  const train::Corpus corpus = train::load_corpus("", config.val_fraction, config.seq_len);
+  const train::BatchSampler batches(corpus.train, config.seq_len, config.seed, 0);
+  at::manual_seed(config.seed);
+  const train::Precision precision = train::precision_from(config);
+  train::MixedModel model =
+      train::apply_precision(train::Gpt(train::gpt_config(config, precision.quant)), precision);
+  auto optimizer = train::make_data_parallel_optimizer(model, config, precision, ranks);
+  model.module->train();
+  measure(o, "mixprec ZeRO-1, " + std::to_string(config.world_size) + " ranks", config,
+          [&](int64_t i, PhaseTimes& times) {
+            const train::StepOutcome out =
+                train::train_step(config, model, *optimizer, batches, i, config.lr, ranks.get());
+            const train::StepPhases& p = out.phases;
+            // Reduction, checkpoint (none) and bookkeeping count with the optimizer.
+            times.add(p.forward_s, p.backward_s,
+                      p.reduce_s + p.checkpoint_s + p.optimizer_s + p.other_s);
           });
 }
 
@@ -221,37 +260,13 @@ std::optional<nlohmann::json> run_child(const std::string& command) {
   return result;
 }
 
-int parent(const Options& o, const char* self) {
-  std::string common = " --steps " + std::to_string(o.steps) + " --warmup " +
-                       std::to_string(o.warmup) + " --threads " + std::to_string(o.threads);
-  for (const std::string& flag : o.model) common += " " + shell_quote(flag);
-  std::string policy = o.omp_wait;
-  for (char& c : policy) c = static_cast<char>(std::toupper(static_cast<unsigned char>(c)));
-  const std::string env = "OMP_WAIT_POLICY=" + policy + " ";
-  std::vector<std::pair<std::string, std::string>> children = {
-      {"mixprec bf16 + fp8 hybrid", env + shell_quote(self) + " --child mixprec-fp8" + common},
-      {"mixprec bf16", env + shell_quote(self) + " --child mixprec" + common},
-      {"libtorch fp32", env + shell_quote(self) + " --child fp32" + common},
-  };
-  if (std::string(mixprec::bench::kPython).size() > 0) {
-    children.emplace_back(
-        "pytorch autocast bf16",
-        env + shell_quote(mixprec::bench::kPython) + " " +
-            shell_quote(std::string(mixprec::bench::kSourceDir) + "/bench/train_bench.py") +
-            common);
-  }
-  const TrainConfig& defaults = o.config;
-  std::printf(
-      "training step of mixprec-train's model: %s, batch %lld x %lld tokens; "
-      "median of %lld steps after %lld warm-up, fastest of %lld runs; each run in its own "
-      "process, OMP_WAIT_POLICY=%s\n\n",
-      train::describe(defaults).c_str(), static_cast<long long>(defaults.batch),
-      static_cast<long long>(defaults.seq_len), static_cast<long long>(o.steps),
-      static_cast<long long>(o.warmup), static_cast<long long>(o.repeats), policy.c_str());
-  std::printf("%-38s %9s %8s %7s %7s %8s %10s %10s %10s\n", "configuration", "tokens/s", "step ms",
+// Runs each child `repeats` times, round robin, keeps each one's fastest run (the one least
+// disturbed by whatever else the machine was doing, as the other benchmarks here), and prints
+// their table; then the first `ours` rows' ratios to every later row.
+void compare(const Options& o, const std::vector<std::pair<std::string, std::string>>& children,
+             size_t ours) {
+  std::printf("%-48s %9s %8s %7s %7s %8s %10s %10s %10s\n", "configuration", "tokens/s", "step ms",
               "fwd ms", "bwd ms", "optim ms", "setup RSS", "peak RSS", "training");
-  // Round-robin repetitions: each configuration keeps its fastest run, the one least disturbed
-  // by whatever else the machine was doing (the same rule as the other benchmarks here).
   std::vector<std::optional<nlohmann::json>> best(children.size());
   for (int64_t rep = 0; rep < o.repeats; ++rep) {
     for (size_t c = 0; c < children.size(); ++c) {
@@ -265,38 +280,88 @@ int parent(const Options& o, const char* self) {
   std::vector<nlohmann::json> results;
   for (size_t c = 0; c < children.size(); ++c) {
     if (!best[c]) {
-      std::printf("%-38s failed: %s\n", children[c].first.c_str(), children[c].second.c_str());
+      std::printf("%-48s failed: %s\n", children[c].first.c_str(), children[c].second.c_str());
       continue;
     }
     const nlohmann::json& r = *best[c];
     const double setup = r.at("setup_rss_mib").get<double>(),
                  peak = r.at("peak_rss_mib").get<double>();
-    std::printf("%-38s %9.0f %8.1f %7.1f %7.1f %8.1f %6.0f MiB %6.0f MiB %6.0f MiB\n",
+    std::printf("%-48s %9.0f %8.1f %7.1f %7.1f %8.1f %6.0f MiB %6.0f MiB %6.0f MiB\n",
                 r.at("config").get<std::string>().c_str(), r.at("tokens_per_s").get<double>(),
                 r.at("step_ms").get<double>(), r.at("forward_ms").get<double>(),
                 r.at("backward_ms").get<double>(), r.at("optimizer_ms").get<double>(), setup, peak,
                 peak - setup);
     results.push_back(r);
   }
-  if (results.size() >= 2) {
-    std::printf("\n");
-    // Ratios of the first two (mixprec-train's step with and without FP8) to every peer.
-    for (size_t j = 0; j < std::min<size_t>(2, results.size()); ++j) {
-      const nlohmann::json& job = results[j];
-      for (size_t i = 2; i < results.size(); ++i) {
-        auto training = [](const nlohmann::json& j) {
-          return j.at("peak_rss_mib").get<double>() - j.at("setup_rss_mib").get<double>();
-        };
-        std::printf(
-            "%s vs %s: speed x%.2f, peak RSS x%.2f, training memory x%.2f\n",
-            job.at("config").get<std::string>().c_str(),
-            results[i].at("config").get<std::string>().c_str(),
-            job.at("tokens_per_s").get<double>() / results[i].at("tokens_per_s").get<double>(),
-            job.at("peak_rss_mib").get<double>() / results[i].at("peak_rss_mib").get<double>(),
-            training(job) / training(results[i]));
-      }
+  if (results.size() <= ours) return;
+  std::printf("\n");
+  const auto training = [](const nlohmann::json& j) {
+    return j.at("peak_rss_mib").get<double>() - j.at("setup_rss_mib").get<double>();
+  };
+  for (size_t j = 0; j < ours; ++j) {
+    for (size_t i = ours; i < results.size(); ++i) {
+      std::printf(
+          "%s vs %s: speed x%.2f, peak RSS x%.2f, training memory x%.2f\n",
+          results[j].at("config").get<std::string>().c_str(),
+          results[i].at("config").get<std::string>().c_str(),
+          results[j].at("tokens_per_s").get<double>() / results[i].at("tokens_per_s").get<double>(),
+          results[j].at("peak_rss_mib").get<double>() / results[i].at("peak_rss_mib").get<double>(),
+          training(results[j]) / training(results[i]));
     }
   }
+}
+
+int parent(const Options& o, const char* self) {
+  std::string common = " --steps " + std::to_string(o.steps) + " --warmup " +
+                       std::to_string(o.warmup) + " --threads " + std::to_string(o.threads);
+  for (const std::string& flag : o.model) common += " " + shell_quote(flag);
+  std::string policy = o.omp_wait;
+  for (char& c : policy) c = static_cast<char>(std::toupper(static_cast<unsigned char>(c)));
+  const std::string env = "OMP_WAIT_POLICY=" + policy + " ";
+  const std::string peer =
+      std::string(mixprec::bench::kPython).empty()
+          ? ""
+          : shell_quote(mixprec::bench::kPython) + " " +
+                shell_quote(std::string(mixprec::bench::kSourceDir) + "/bench/train_bench.py");
+  std::vector<std::pair<std::string, std::string>> children = {
+      {"mixprec bf16 + fp8 hybrid", env + shell_quote(self) + " --child mixprec-fp8" + common},
+      {"mixprec bf16", env + shell_quote(self) + " --child mixprec" + common},
+      {"libtorch fp32", env + shell_quote(self) + " --child fp32" + common},
+  };
+  if (!peer.empty()) children.emplace_back("pytorch autocast bf16", env + peer + common);
+  const TrainConfig& defaults = o.config;
+  std::printf(
+      "training step of mixprec-train's model: %s, batch %lld x %lld tokens; "
+      "median of %lld steps after %lld warm-up, fastest of %lld runs; each run in its own "
+      "process, OMP_WAIT_POLICY=%s\n\n",
+      train::describe(defaults).c_str(), static_cast<long long>(defaults.batch),
+      static_cast<long long>(defaults.seq_len), static_cast<long long>(o.steps),
+      static_cast<long long>(o.warmup), static_cast<long long>(o.repeats), policy.c_str());
+  compare(o, children, 2);
+
+  if (o.ranks < 2) return 0;
+  const std::string torchrun = mixprec::bench::kTorchrun;
+  if (torchrun.empty() || peer.empty()) {
+    std::printf("\n--ranks %lld: no torchrun or Python beside the build; skipped\n",
+                static_cast<long long>(o.ranks));
+    return 0;
+  }
+  // One thread per rank, as ranks x threads must fit the cores; memory is rank 0's.
+  const std::string launch = env + "OMP_NUM_THREADS=1 " + shell_quote(torchrun) +
+                             " --standalone --nproc-per-node " + std::to_string(o.ranks) + " ";
+  std::string dp_common = " --steps " + std::to_string(o.steps) + " --warmup " +
+                          std::to_string(o.warmup) + " --threads 1";
+  for (const std::string& flag : o.model) dp_common += " " + shell_quote(flag);
+  std::printf(
+      "\ndata parallel on %lld ranks, 1 thread each (the same global batch; memory: "
+      "rank 0's)\n\n",
+      static_cast<long long>(o.ranks));
+  compare(o,
+          {{"mixprec ZeRO-1",
+            launch + "--no-python " + shell_quote(self) + " --child mixprec-dp" + dp_common},
+           {"pytorch DDP + ZeroRedundancyOptimizer",
+            launch + peer.substr(peer.find(' ') + 1) + " --ddp" + dp_common}},
+          1);
   return 0;
 }
 
@@ -320,6 +385,8 @@ int main(int argc, char** argv) {
       o.threads = std::stoll(value());
     else if (arg == "--omp-wait")
       o.omp_wait = value();
+    else if (arg == "--ranks")
+      o.ranks = std::stoll(value());
     else if (arg == "--child")
       o.child = value();
     else
@@ -341,6 +408,8 @@ int main(int argc, char** argv) {
     run_mixprec(o, "off");
   else if (o.child == "fp32")
     run_fp32(o);
+  else if (o.child == "mixprec-dp")
+    run_mixprec_data_parallel(o);
   else
     return 2;
   return 0;

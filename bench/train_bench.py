@@ -9,6 +9,12 @@ global-norm clipping. Prints one JSON line like bench_train's children:
 
     python bench/train_bench.py [--steps N] [--warmup N] [--threads N] [--layers N --d-model N
         --heads N --experts N --top-k N --seq-len N --batch N]
+
+With --ddp, under torchrun (bench_train --ranks N): data parallel as a PyTorch user writes it —
+DistributedDataParallel over gloo (find_unused_parameters: an expert may get no tokens on a
+rank) and ZeroRedundancyOptimizer sharding AdamW(fused=True); each rank its share of the global
+batch, the experts' token counts summed over ranks before the bias update (as mixprec-train
+does); rank 0 prints.
 """
 import argparse
 import json
@@ -18,6 +24,7 @@ import time
 
 import pydoc_data.topics
 import torch
+import torch.distributed as dist
 import torch.nn as nn
 import torch.nn.functional as F
 
@@ -125,6 +132,7 @@ def main():
     parser.add_argument("--steps", type=int, default=30)
     parser.add_argument("--warmup", type=int, default=5)
     parser.add_argument("--threads", type=int, default=0)
+    parser.add_argument("--ddp", action="store_true")
     # The model flags bench_train passes on (mixprec-train's names).
     for flag, default in (("layers", LAYERS), ("d-model", D), ("heads", HEADS), ("experts", EXPERTS),
                           ("top-k", TOP_K), ("seq-len", SEQ), ("batch", BATCH)):
@@ -143,9 +151,21 @@ def main():
     model.train()
     decay = [p for n, p in model.named_parameters() if p.dim() >= 2 and "router" not in n]
     no_decay = [p for n, p in model.named_parameters() if not (p.dim() >= 2 and "router" not in n)]
-    optimizer = torch.optim.AdamW(
-        [{"params": decay, "weight_decay": WD}, {"params": no_decay, "weight_decay": 0.0}],
-        lr=LR, betas=(0.9, 0.95), eps=1e-8, fused=True)
+    groups = [{"params": decay, "weight_decay": WD}, {"params": no_decay, "weight_decay": 0.0}]
+    rank, world = 0, 1
+    net = model
+    if args.ddp:
+        dist.init_process_group("gloo")
+        rank, world = dist.get_rank(), dist.get_world_size()
+        net = torch.nn.parallel.DistributedDataParallel(model, find_unused_parameters=True)
+        from torch.distributed.optim import ZeroRedundancyOptimizer
+        optimizer = ZeroRedundancyOptimizer(groups[0]["params"], optimizer_class=torch.optim.AdamW,
+                                            lr=LR, betas=(0.9, 0.95), eps=1e-8, fused=True,
+                                            weight_decay=WD)
+        optimizer.add_param_group(groups[1])
+    else:
+        optimizer = torch.optim.AdamW(groups, lr=LR, betas=(0.9, 0.95), eps=1e-8, fused=True)
+    rows = BATCH // world
 
     def status_mib(field):
         with open("/proc/self/status") as status:
@@ -157,19 +177,24 @@ def main():
     setup_mib = status_mib("VmRSS")
     forward, backward, optim, total = [], [], [], []
     for step in range(args.warmup + args.steps):
-        starts = torch.randint(0, data.numel() - SEQ - 1, (BATCH,))
+        starts = torch.randint(0, data.numel() - SEQ - 1, (BATCH,))[rank * rows:(rank + 1) * rows]
         window = data[starts.unsqueeze(1) + torch.arange(SEQ + 1)].long()
         x, y = window[:, :-1], window[:, 1:]
         optimizer.zero_grad(set_to_none=True)
         t0 = time.perf_counter()
         with torch.autocast("cpu", dtype=torch.bfloat16):
-            logits, aux = model(x)
+            logits, aux = net(x)
         loss = F.cross_entropy(logits.float().reshape(-1, VOCAB), y.reshape(-1)) + AUX_COEF * aux
         t1 = time.perf_counter()
         loss.backward()
         t2 = time.perf_counter()
         torch.nn.utils.clip_grad_norm_(model.parameters(), CLIP)
         optimizer.step()
+        if args.ddp:  # every rank's tokens, so the biases stay equal
+            loads = torch.stack([block.moe.load for block in model.blocks])
+            dist.all_reduce(loads)
+            for block, load in zip(model.blocks, loads):
+                block.moe.load.copy_(load)
         for block in model.blocks:
             block.moe.update_expert_bias()
         t3 = time.perf_counter()
@@ -177,8 +202,11 @@ def main():
             forward.append(t1 - t0), backward.append(t2 - t1), optim.append(t3 - t2), total.append(t3 - t0)
 
     step_s = statistics.median(total)
+    if rank != 0:
+        return
     print(json.dumps({
-        "config": "pytorch autocast bf16 + AdamW(fused)",
+        "config": (f"pytorch DDP + ZeroRedundancyOptimizer, {world} ranks" if args.ddp
+                   else "pytorch autocast bf16 + AdamW(fused)"),
         "tokens_per_s": BATCH * SEQ / step_s,
         "step_ms": step_s * 1e3,
         "forward_ms": statistics.median(forward) * 1e3,
