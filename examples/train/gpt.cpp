@@ -1,5 +1,6 @@
 #include "gpt.h"
 
+#include "attention.h"
 #include "recompute.h"
 
 #include "mixprec/quant/quant_state.h"
@@ -36,11 +37,9 @@ at::Tensor CausalSelfAttentionImpl::forward(const at::Tensor& x) {
   // each row of weights sums to 1 and mixes the values. One fused kernel does it all without
   // materializing the [T, T] scores. Computed in FP32 like the norms: on CPU LibTorch's FP32
   // kernel is as fast as written-out BF16 math at T = 128 and 2x faster at T = 256, its BF16
-  // kernel ~3x slower (bench/train_bench.cpp), and the softmax is more accurate in FP32.
-  const at::Tensor y = at::scaled_dot_product_attention(q.to(at::kFloat), k.to(at::kFloat),
-                                                        v.to(at::kFloat), {}, 0.0,
-                                                        /*is_causal=*/true)
-                           .to(x.scalar_type());
+  // kernel ~3x slower (bench/train_bench.cpp), and the softmax is more accurate in FP32. What
+  // backward keeps is the BF16 q, k, v, not their FP32 copies (attention.h).
+  const at::Tensor y = causal_attention_in_fp32(q, k, v).to(x.scalar_type());
   return proj(y.transpose(1, 2).reshape({B, T, C}));
 }
 

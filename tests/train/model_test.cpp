@@ -1,5 +1,6 @@
 // The model and its precision: what stays FP32 and by which of the three mechanisms, the tied
 // head, the MoE's routing, losses and expert-bias balancing, and the FP8 scopes.
+#include "attention.h"
 #include "gpt.h"
 #include "plan.h"
 
@@ -208,6 +209,30 @@ TEST(MixedModel, RecomputedBlocksGiveTheSameLossGradientsAndLoadBitForBit) {
           << "block " << i << ": the recomputation must not count the tokens again";
     }
   }
+}
+
+// attention.h: the FP32 attention keeps BF16 q, k, v for backward, and gives bitwise what
+// autograd through the casts and at::scaled_dot_product_attention gives.
+TEST(CausalAttention, KeepsTheHalfInputsAndMatchesTheCastReferenceBitForBit) {
+  at::manual_seed(4);
+  const auto leaf = [] { return at::randn({2, 3, 16, 8}).to(at::kBFloat16).requires_grad_(); };
+  const at::Tensor q = leaf(), k = leaf(), v = leaf();
+  const at::Tensor grad = at::randn({2, 3, 16, 8});
+  const at::Tensor mine = causal_attention_in_fp32(q, k, v);
+  mine.backward(grad);
+  const std::vector<at::Tensor> my_grads = {q.grad().clone(), k.grad().clone(), v.grad().clone()};
+  for (const at::Tensor& t : {q, k, v}) t.mutable_grad().reset();
+  const at::Tensor reference = at::scaled_dot_product_attention(
+      q.to(at::kFloat), k.to(at::kFloat), v.to(at::kFloat), {}, 0.0, /*is_causal=*/true);
+  reference.backward(grad);
+  EXPECT_EQ(mine.scalar_type(), at::kFloat);
+  EXPECT_TRUE(at::equal(mine, reference));
+  const std::vector<at::Tensor> reference_grads = {q.grad(), k.grad(), v.grad()};
+  for (size_t i = 0; i < 3; ++i) {
+    EXPECT_EQ(my_grads[i].scalar_type(), at::kBFloat16) << "qkv"[i];
+    EXPECT_TRUE(at::equal(my_grads[i], reference_grads[i])) << "qkv"[i];
+  }
+  EXPECT_THROW(causal_attention_in_fp32(q, k, v.narrow(2, 0, 8)), c10::Error);
 }
 
 TEST(MixedModel, Fp16KeepsTheSameTensorsFp32) {
