@@ -318,11 +318,11 @@ int parent(const Options& o, const char* self) {
   std::string policy = o.omp_wait;
   for (char& c : policy) c = static_cast<char>(std::toupper(static_cast<unsigned char>(c)));
   const std::string env = "OMP_WAIT_POLICY=" + policy + " ";
-  const std::string peer =
-      std::string(mixprec::bench::kPython).empty()
-          ? ""
-          : shell_quote(mixprec::bench::kPython) + " " +
-                shell_quote(std::string(mixprec::bench::kSourceDir) + "/bench/train_bench.py");
+  const std::string peer_script =
+      shell_quote(std::string(mixprec::bench::kSourceDir) + "/bench/train_bench.py");
+  const std::string peer = std::string(mixprec::bench::kPython).empty()
+                               ? ""
+                               : shell_quote(mixprec::bench::kPython) + " " + peer_script;
   std::vector<std::pair<std::string, std::string>> children = {
       {"mixprec bf16 + fp8 hybrid", env + shell_quote(self) + " --child mixprec-fp8" + common},
       {"mixprec bf16", env + shell_quote(self) + " --child mixprec" + common},
@@ -340,6 +340,11 @@ int parent(const Options& o, const char* self) {
   compare(o, children, 2);
 
   if (o.ranks < 2) return 0;
+  if (defaults.batch % o.ranks != 0) {
+    std::printf("\n--ranks %lld: --batch %lld does not split evenly; skipped\n",
+                static_cast<long long>(o.ranks), static_cast<long long>(defaults.batch));
+    return 0;
+  }
   const std::string torchrun = mixprec::bench::kTorchrun;
   if (torchrun.empty() || peer.empty()) {
     std::printf("\n--ranks %lld: no torchrun or Python beside the build; skipped\n",
@@ -359,8 +364,7 @@ int parent(const Options& o, const char* self) {
   compare(o,
           {{"mixprec ZeRO-1",
             launch + "--no-python " + shell_quote(self) + " --child mixprec-dp" + dp_common},
-           {"pytorch DDP + ZeroRedundancyOptimizer",
-            launch + peer.substr(peer.find(' ') + 1) + " --ddp" + dp_common}},
+           {"pytorch DDP + ZeroRedundancyOptimizer", launch + peer_script + " --ddp" + dp_common}},
           1);
   return 0;
 }

@@ -157,7 +157,9 @@ def main():
     if args.ddp:
         dist.init_process_group("gloo")
         rank, world = dist.get_rank(), dist.get_world_size()
-        net = torch.nn.parallel.DistributedDataParallel(model, find_unused_parameters=True)
+        # The expert biases move identically on every rank (loads summed below): no broadcast.
+        net = torch.nn.parallel.DistributedDataParallel(model, find_unused_parameters=True,
+                                                        broadcast_buffers=False)
         from torch.distributed.optim import ZeroRedundancyOptimizer
         optimizer = ZeroRedundancyOptimizer(groups[0]["params"], optimizer_class=torch.optim.AdamW,
                                             lr=LR, betas=(0.9, 0.95), eps=1e-8, fused=True,
@@ -202,6 +204,8 @@ def main():
             forward.append(t1 - t0), backward.append(t2 - t1), optim.append(t3 - t2), total.append(t3 - t0)
 
     step_s = statistics.median(total)
+    if args.ddp:
+        dist.destroy_process_group()
     if rank != 0:
         return
     print(json.dumps({

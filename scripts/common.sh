@@ -6,6 +6,8 @@ MIXPREC_ROOT="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
 MIXPREC_VENV="${MIXPREC_VENV:-$MIXPREC_ROOT/.venv}"
 MIXPREC_BUILD="${MIXPREC_BUILD:-$MIXPREC_ROOT/build}"
 MIXPREC_TORCH_VERSION="2.13.0"
+# In the venv once its bytecode is compiled (compile_bytecode).
+MIXPREC_BYTECODE_MARKER=".mixprec-bytecode-compiled"
 
 log() { printf '[mixprec setup] %s\n' "$*" >&2; }
 
@@ -44,6 +46,8 @@ ensure_debian_packages() {
 }
 
 ensure_venv() {
+  # Whatever is installed below comes without bytecode; compile_bytecode does it afterwards.
+  local installing=0
   if [[ ! -x "$MIXPREC_VENV/bin/python" ]]; then
     log "creating virtual environment $MIXPREC_VENV"
     python3 -m venv "$MIXPREC_VENV"
@@ -51,17 +55,21 @@ ensure_venv() {
   if ! "$MIXPREC_VENV/bin/python" -c "import torch, sys; sys.exit(torch.__version__.split('+')[0] != '$MIXPREC_TORCH_VERSION')" 2>/dev/null; then
     log "installing torch==$MIXPREC_TORCH_VERSION (LibTorch comes from its wheel)"
     "$MIXPREC_VENV/bin/pip" install -q --no-compile "torch==$MIXPREC_TORCH_VERSION"
+    installing=1
   fi
   # The tests use numpy-free PyTorch and safetensors as reference readers.
   if ! "$MIXPREC_VENV/bin/python" -c "import safetensors, numpy" 2>/dev/null; then
     log "installing safetensors and numpy (test oracles)"
     "$MIXPREC_VENV/bin/pip" install -q --no-compile safetensors numpy
+    installing=1
   fi
   # scripts/plot_metrics.py draws mixprec-train's loss curves.
   if ! "$MIXPREC_VENV/bin/python" -c "import matplotlib" 2>/dev/null; then
     log "installing matplotlib (scripts/plot_metrics.py)"
     "$MIXPREC_VENV/bin/pip" install -q --no-compile matplotlib
+    installing=1
   fi
+  ((installing == 0)) || rm -f "$MIXPREC_VENV/$MIXPREC_BYTECODE_MARKER"
 }
 
 # pip installs with --no-compile: byte-compiling torch's ~7000 modules took 19 of set-up's 35 s,
@@ -69,14 +77,14 @@ ensure_venv() {
 # venv. It must happen before the tests: with PYTHONDONTWRITEBYTECODE set (as on CI machines)
 # nothing would ever write the bytecode, and every Python start would parse torch again (+2 s).
 compile_bytecode() {
-  local done="$MIXPREC_VENV/.mixprec-bytecode-$MIXPREC_TORCH_VERSION"
-  [[ -f "$done" ]] && return 0
+  local marker="$MIXPREC_VENV/$MIXPREC_BYTECODE_MARKER"
+  [[ -f "$marker" ]] && return 0
   local site
   site="$("$MIXPREC_VENV/bin/python" -c 'import sysconfig; print(sysconfig.get_paths()["purelib"])')"
   # Some packages ship sources for other Python versions (templates, tests): compileall reports
   # them and goes on, as pip does; only the marker depends on it having run.
   "$MIXPREC_VENV/bin/python" -m compileall -q -j1 "$site" >/dev/null 2>&1 || true
-  touch "$done"
+  touch "$marker"
 }
 
 # Configures the build folder once (a folder with a CMakeCache is reused; extra CMake arguments
@@ -88,7 +96,7 @@ configure_build() {
     log "configuring $MIXPREC_BUILD"
     cmake -S "$MIXPREC_ROOT" -B "$MIXPREC_BUILD" -G Ninja -DCMAKE_BUILD_TYPE=Release \
       -DCMAKE_PREFIX_PATH="${CMAKE_PREFIX_PATH:+$CMAKE_PREFIX_PATH;}$prefix" \
-      -DMIXPREC_PYTHON="$MIXPREC_VENV/bin/python" "$@" >/dev/null
+      -DMIXPREC_PYTHON="$MIXPREC_VENV/bin/python" -DMIXPREC_REQUIRE_ORACLE=ON "$@" >/dev/null
   fi
 }
 
@@ -99,9 +107,11 @@ build_target() {
 
 build_project() {
   compile_bytecode &
-  local bytecode=$!
-  build_target
-  wait "$bytecode"
+  local bytecode=$! status=0
+  # A failed build still waits for the bytecode: nothing is left writing into the venv.
+  build_target || status=$?
+  wait "$bytecode" || true
+  return $status
 }
 
 # The sanitized pass (cmake/build_tools.cmake): what handles untrusted bytes and raw memory,

@@ -32,9 +32,12 @@ struct CausalAttentionInFp32 : torch::autograd::Function<CausalAttentionInFp32> 
 at::Tensor causal_attention_in_fp32(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v) {
   TORCH_CHECK(q.dim() == 4 && q.sizes() == k.sizes() && q.sizes() == v.sizes() &&
                   q.scalar_type() == k.scalar_type() && q.scalar_type() == v.scalar_type() &&
-                  q.is_floating_point() && q.device().is_cpu(),
-              "[mixprec-train::causal_attention_in_fp32] q, k, v must be CPU floating tensors of "
-              "one shape [B, heads, T, head_dim] and dtype; got ",
+                  (q.scalar_type() == at::kBFloat16 || q.scalar_type() == at::kHalf ||
+                   q.scalar_type() == at::kFloat) &&
+                  q.device().is_cpu(),
+              "[mixprec-train::causal_attention_in_fp32] q, k, v must be CPU tensors of one shape "
+              "[B, heads, T, head_dim] and one dtype, BF16, FP16 or FP32 (cast to FP32 exactly); "
+              "got ",
               q.sizes(), " ", q.scalar_type(), ", ", k.sizes(), " ", k.scalar_type(), ", ",
               v.sizes(), " ", v.scalar_type());
   return CausalAttentionInFp32::apply(q, k, v);

@@ -14,8 +14,8 @@
 
 namespace train {
 
-// softmax(q kᵀ / √head_dim + causal mask) v for q, k, v [B, heads, T, head_dim] of one floating
-// dtype; returns the FP32 result. Backward returns gradients in q's dtype.
+// softmax(q kᵀ / √head_dim + causal mask) v for q, k, v [B, heads, T, head_dim] of one dtype,
+// BF16, FP16 or FP32; returns the FP32 result. Backward returns gradients in q's dtype.
 at::Tensor causal_attention_in_fp32(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v);
 
 }  // namespace train

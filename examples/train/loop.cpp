@@ -76,7 +76,8 @@ StepOutcome train_step(const TrainConfig& config, MixedModel& model, TrainingOpt
   const double scale = optimizer.loss_scale();
   StepOutcome out;
   // Memory is counted from here, once the gradients are cleared: what lives now is the
-  // parameters and the optimizer state; the step adds activations, gradients and temporaries.
+  // parameters and the optimizer state (and, on several ranks, the reducer's gradient buffers,
+  // which zero_grad keeps); the step adds activations, gradients and temporaries.
   LiveBytesAllocator* counted = LiveBytesAllocator::installed();
   const int64_t live_at_start = counted != nullptr ? counted->live_bytes() : 0;
   if (counted != nullptr) counted->reset_peak();
@@ -87,6 +88,8 @@ StepOutcome train_step(const TrainConfig& config, MixedModel& model, TrainingOpt
     const std::shared_ptr<void> accumulating =
         m + 1 < config.grad_accum ? optimizer.accumulate_only() : nullptr;
     auto phase = Clock::now();
+    // Activations: what this forward leaves alive (earlier micro-batches' gradients excluded).
+    const int64_t live_before_forward = counted != nullptr ? counted->live_bytes() : 0;
     at::Tensor loss, objective;
     {
       RECORD_USER_SCOPE("mixprec::forward");
@@ -96,7 +99,7 @@ StepOutcome train_step(const TrainConfig& config, MixedModel& model, TrainingOpt
       out.aux_loss += aux.item<double>() / static_cast<double>(config.grad_accum);
       if (counted != nullptr) {
         out.activation_bytes =
-            std::max(out.activation_bytes, counted->live_bytes() - live_at_start);
+            std::max(out.activation_bytes, counted->live_bytes() - live_before_forward);
       }
     }
     out.phases.forward_s += seconds_since(phase);

@@ -51,6 +51,10 @@ struct RecomputedBlock : torch::autograd::Function<RecomputedBlock> {
   static torch::autograd::variable_list backward(torch::autograd::AutogradContext* ctx,
                                                  torch::autograd::variable_list grads) {
     RECORD_USER_SCOPE("mixprec::recompute");
+    // Grad mode is on here only for a backward that builds a graph of its own (create_graph):
+    // the gradients below are computed without one, so a second derivative would be wrong.
+    TORCH_CHECK(!at::GradMode::is_enabled(),
+                "[mixprec-train] --recompute does not support double backward (create_graph)");
     const auto holder = ctx->saved_data["block"].toCapsule();
     BlockImpl& block = *static_cast<BlockHolder*>(holder.get())->block;
     const at::Tensor x = ctx->get_saved_variables()[0].detach().requires_grad_(true);

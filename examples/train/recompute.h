@@ -11,6 +11,9 @@
 // and no second count of the tokens each expert received. Every kernel is deterministic on
 // CPU, so the recomputed activations, and with them the gradients and the whole loss curve,
 // are bitwise those of a run without --recompute (tests/train/model_test.cpp, train_run_test).
+// The limits of this (reentrant) form: no double backward (create_graph), which it refuses;
+// autograd::grad over the loss still fills the block parameters' .grad (the inner backward
+// accumulates into them); and RNG state is not replayed (the model draws no random numbers).
 #pragma once
 
 #include <ATen/core/Tensor.h>

@@ -26,10 +26,12 @@ std::string generate(MixedModel& model, const std::string& prompt, int64_t n, do
     const int64_t begin = std::max<int64_t>(0, static_cast<int64_t>(tokens.size()) - context);
     std::vector<int64_t> window(tokens.begin() + begin, tokens.end());
     const int64_t length = static_cast<int64_t>(window.size());
-    // The window goes in padded to a multiple of kSampleShapeStep: attention is causal, so the
-    // padding after the last token changes nothing before it, and the model sees 4 shapes
-    // instead of one per length. Each new shape costs oneDNN a compiled primitive it keeps:
-    // sampling 200 bytes at every length took 200 MiB, more than training's whole peak.
+    // The window goes in padded to a multiple of kSampleShapeStep, so that the model sees 4
+    // shapes instead of one per length: each new shape costs oneDNN a compiled primitive it
+    // keeps, and sampling 200 bytes at every length took 200 MiB, more than training's whole
+    // peak. Attention is causal, so the padding reaches the last token's logits only through
+    // the per-tensor scales of FP8 (--fp8) and the rounding of GEMMs of another height, as a
+    // window of another length would: a sample, not a measurement.
     window.resize(
         std::min(context, (length + kSampleShapeStep - 1) / kSampleShapeStep * kSampleShapeStep),
         '\n');

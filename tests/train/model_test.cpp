@@ -211,28 +211,37 @@ TEST(MixedModel, RecomputedBlocksGiveTheSameLossGradientsAndLoadBitForBit) {
   }
 }
 
-// attention.h: the FP32 attention keeps BF16 q, k, v for backward, and gives bitwise what
-// autograd through the casts and at::scaled_dot_product_attention gives.
-TEST(CausalAttention, KeepsTheHalfInputsAndMatchesTheCastReferenceBitForBit) {
-  at::manual_seed(4);
-  const auto leaf = [] { return at::randn({2, 3, 16, 8}).to(at::kBFloat16).requires_grad_(); };
-  const at::Tensor q = leaf(), k = leaf(), v = leaf();
-  const at::Tensor grad = at::randn({2, 3, 16, 8});
-  const at::Tensor mine = causal_attention_in_fp32(q, k, v);
-  mine.backward(grad);
-  const std::vector<at::Tensor> my_grads = {q.grad().clone(), k.grad().clone(), v.grad().clone()};
-  for (const at::Tensor& t : {q, k, v}) t.mutable_grad().reset();
-  const at::Tensor reference = at::scaled_dot_product_attention(
-      q.to(at::kFloat), k.to(at::kFloat), v.to(at::kFloat), {}, 0.0, /*is_causal=*/true);
-  reference.backward(grad);
-  EXPECT_EQ(mine.scalar_type(), at::kFloat);
-  EXPECT_TRUE(at::equal(mine, reference));
-  const std::vector<at::Tensor> reference_grads = {q.grad(), k.grad(), v.grad()};
-  for (size_t i = 0; i < 3; ++i) {
-    EXPECT_EQ(my_grads[i].scalar_type(), at::kBFloat16) << "qkv"[i];
-    EXPECT_TRUE(at::equal(my_grads[i], reference_grads[i])) << "qkv"[i];
+// attention.h: the FP32 attention on half q, k, v gives bitwise what autograd through the
+// casts and at::scaled_dot_product_attention gives, on the permuted views the model passes.
+TEST(CausalAttention, MatchesTheCastReferenceBitForBit) {
+  for (const c10::ScalarType dtype : {at::kBFloat16, at::kHalf}) {
+    SCOPED_TRACE(c10::toString(dtype));
+    at::manual_seed(4);
+    // [B, T, 3, heads, head_dim] → three [B, heads, T, head_dim] views, as gpt.cpp makes them.
+    const at::Tensor qkv = at::randn({2, 16, 3, 3, 8}).to(dtype).requires_grad_();
+    const auto heads = [&] {
+      const at::Tensor v = qkv.permute({2, 0, 3, 1, 4});
+      return std::vector<at::Tensor>{v[0], v[1], v[2]};
+    };
+    const at::Tensor grad = at::randn({2, 3, 16, 8});
+    auto h = heads();
+    const at::Tensor mine = causal_attention_in_fp32(h[0], h[1], h[2]);
+    mine.backward(grad);
+    const at::Tensor my_grad = qkv.grad().clone();
+    qkv.mutable_grad().reset();
+    h = heads();
+    const at::Tensor reference = at::scaled_dot_product_attention(
+        h[0].to(at::kFloat), h[1].to(at::kFloat), h[2].to(at::kFloat), {}, 0.0, /*is_causal=*/true);
+    reference.backward(grad);
+    EXPECT_EQ(mine.scalar_type(), at::kFloat);
+    EXPECT_TRUE(at::equal(mine, reference));
+    EXPECT_EQ(my_grad.scalar_type(), dtype);
+    EXPECT_TRUE(at::equal(my_grad, qkv.grad()));
   }
-  EXPECT_THROW(causal_attention_in_fp32(q, k, v.narrow(2, 0, 8)), c10::Error);
+  const at::Tensor q = at::randn({1, 2, 4, 8});
+  EXPECT_THROW(causal_attention_in_fp32(q, q, q.narrow(2, 0, 2)), c10::Error);
+  EXPECT_THROW(causal_attention_in_fp32(q.to(at::kDouble), q.to(at::kDouble), q.to(at::kDouble)),
+               c10::Error);
 }
 
 TEST(MixedModel, Fp16KeepsTheSameTensorsFp32) {
