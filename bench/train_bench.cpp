@@ -131,20 +131,38 @@ at::Tensor cross_entropy(const at::Tensor& logits, const at::Tensor& targets) {
   return at::cross_entropy_loss(logits.reshape({-1, logits.size(-1)}), targets.reshape(-1));
 }
 
+// mixprec-train's data, precision and model for `config`, built as mixprec-train builds them
+// (the weights from config.seed), in training mode.
+struct MixprecSetup {
+  explicit MixprecSetup(const TrainConfig& config)
+      : corpus(train::load_corpus("", config.val_fraction, config.seq_len)),
+        batches(corpus.train, config.seq_len, config.seed, 0),
+        precision(train::precision_from(config)),
+        model(seeded_model(config, precision)) {
+    model.module->train();
+  }
+  static train::MixedModel seeded_model(const TrainConfig& config,
+                                        const train::Precision& precision) {
+    at::manual_seed(config.seed);
+    return train::apply_precision(train::Gpt(train::gpt_config(config, precision.quant)),
+                                  precision);
+  }
+
+  train::Corpus corpus;
+  train::BatchSampler batches;
+  train::Precision precision;
+  train::MixedModel model;
+};
+
 // mixprec-train's own step. The headline time is train_step itself; the phase split comes from
 // the same calls made one by one.
 void run_mixprec(const Options& o, const std::string& fp8) {
   TrainConfig config = o.config;
   config.fp8 = fp8;
-  const train::Corpus corpus = train::load_corpus("", config.val_fraction, config.seq_len);
-  const train::BatchSampler batches(corpus.train, config.seq_len, config.seed, 0);
-  at::manual_seed(config.seed);
-  const train::Precision precision = train::precision_from(config);
-  train::MixedModel model =
-      train::apply_precision(train::Gpt(train::gpt_config(config, precision.quant)), precision);
-  auto optimizer = train::make_single_process_optimizer(*model.module, config, precision);
-  model.module->train();
-  PhaseTimes split;
+  MixprecSetup setup(config);
+  const train::BatchSampler& batches = setup.batches;
+  train::MixedModel& model = setup.model;
+  auto optimizer = train::make_single_process_optimizer(*model.module, config, setup.precision);
   measure(o, fp8 == "off" ? "mixprec bf16" : "mixprec bf16 + fp8 " + fp8, config,
           [&](int64_t i, PhaseTimes& times) {
             const auto start = Clock::now();
@@ -178,14 +196,10 @@ void run_mixprec_data_parallel(const Options& o) {
   TORCH_CHECK(ranks != nullptr, "bench_train --child mixprec-dp runs under torchrun");
   config.world_size = ranks->size();
   config.rank = ranks->rank();
-  const train::Corpus corpus = train::load_corpus("", config.val_fraction, config.seq_len);
-  const train::BatchSampler batches(corpus.train, config.seq_len, config.seed, 0);
-  at::manual_seed(config.seed);
-  const train::Precision precision = train::precision_from(config);
-  train::MixedModel model =
-      train::apply_precision(train::Gpt(train::gpt_config(config, precision.quant)), precision);
-  auto optimizer = train::make_data_parallel_optimizer(model, config, precision, ranks);
-  model.module->train();
+  MixprecSetup setup(config);
+  const train::BatchSampler& batches = setup.batches;
+  train::MixedModel& model = setup.model;
+  auto optimizer = train::make_data_parallel_optimizer(model, config, setup.precision, ranks);
   measure(o, "mixprec ZeRO-1, " + std::to_string(config.world_size) + " ranks", config,
           [&](int64_t i, PhaseTimes& times) {
             const train::StepOutcome out =
