@@ -1,6 +1,7 @@
 #include "mixprec/checkpoint/format/safetensors_reader.h"
 
 #include "fail.h"
+#include "hash_lane.h"
 #include "mixprec/checkpoint/format/checksum.h"
 #include "posix_file.h"
 
@@ -16,10 +17,17 @@ namespace mixprec::checkpoint {
 namespace {
 
 using detail::fail;
+using detail::HashLane;
 
 // Streaming checksums read through a buffer of this size, so verifying a multi-GB tensor
 // needs no more memory than this.
 constexpr std::size_t kChecksumChunk = 4 << 20;
+// Reads of at least this many bytes, in slices of kChecksumChunk, hash each slice on a second
+// thread while the next one is read (hash_lane.h). Smaller ones would not repay the thread.
+constexpr std::uint64_t kOverlapReadBytes = 2 * kChecksumChunk;
+// Bytes read straight into the caller's memory are read in slices up to this size: the kernel
+// keeps more of the disk busy for one large pread(2) than for a series of small ones.
+constexpr std::size_t kInPlaceSlice = std::size_t{64} << 20;
 
 }  // namespace
 
@@ -170,25 +178,39 @@ std::uint64_t SafetensorsReader::read_verified(std::string_view name,
   };
   auto end_of = [](const ByteRun& run) { return run.offset + run.out.size(); };
 
-  std::vector<std::byte> scratch;  // for slices that are not wholly inside one run
+  // Slices that are not wholly inside one run are read into scratch: two buffers, so that the
+  // next slice is read into one while the lane hashes the other.
+  std::array<std::vector<std::byte>, 2> scratch;
+  std::size_t next_scratch = 0;
   Xxh3Hasher hasher;
+  std::string mismatch;  // the first block whose digest differs, found by the lane
   std::uint64_t bytes_read = 0;
   advance();
+  // Hashing overlaps reading where slices are large: a whole-chunk read, or blocks of at least
+  // a slice. (Small blocks would hand the lane one tiny job each.)
+  const bool overlap =
+      have && block >= kChecksumChunk && size - cur.offset / block * block >= kOverlapReadBytes;
+  HashLane lane(overlap);  // after everything its jobs touch: destroyed (joined) first
   for (std::uint64_t b = have ? cur.offset / block : 0; have;) {
     const std::uint64_t begin = b * block, end = std::min(size, begin + block);
-    hasher.reset();
+    lane.run([&hasher] { hasher.reset(); });
     for (std::uint64_t pos = begin; pos < end;) {
-      const std::size_t len =
+      std::size_t len =
           static_cast<std::size_t>(std::min<std::uint64_t>(kChecksumChunk, end - pos));
       std::span<std::byte> slice;
       if (have && cur.offset <= pos && pos + len <= end_of(cur)) {
-        // Entirely wanted: read straight into place.
+        // Entirely wanted: read straight into place, as much of the run at once as fits.
+        len = static_cast<std::size_t>(
+            std::min<std::uint64_t>({kInPlaceSlice, end - pos, end_of(cur) - pos}));
         slice = cur.out.subspan(static_cast<std::size_t>(pos - cur.offset), len);
         pread_exact(base + pos, slice, name);
         if (end_of(cur) == pos + len) advance();
       } else {
-        if (scratch.size() < len) scratch.resize(len);
-        slice = std::span(scratch).first(len);
+        // The lane is done with this buffer: run() waited for the job before the last one.
+        std::vector<std::byte>& buffer = scratch[next_scratch];
+        next_scratch ^= 1;
+        if (buffer.size() < len) buffer.resize(len);
+        slice = std::span(buffer).first(len);
         pread_exact(base + pos, slice, name);
         while (have && cur.offset < pos + len) {
           const std::uint64_t lo = std::max(pos, cur.offset);
@@ -199,24 +221,29 @@ std::uint64_t SafetensorsReader::read_verified(std::string_view name,
           advance();
         }
       }
-      hasher.update(slice);
+      lane.run([&hasher, slice] { hasher.update(slice); });
       bytes_read += len;
       pos += len;
     }
     const std::uint64_t expected = sums.block_bytes > 0 ? sums.blocks[b] : sums.whole;
-    const std::uint64_t actual = hasher.digest();
-    if (actual != expected) {
+    lane.run([&, b, begin, end, expected] {
+      const std::uint64_t actual = hasher.digest();
+      if (actual == expected || !mismatch.empty()) return;
       const std::string which =
           sums.block_bytes > 0
               ? detail::concat(" in block ", b, " (bytes [", begin, ", ", end, ") of ", size, ")")
               : std::string();
-      throw ChecksumError(detail::concat("[mixprec::checkpoint] ", path_.string(), ": tensor '",
-                                         name, "': checksum mismatch", which, ": expected xxh3 ",
-                                         checksum_to_hex(expected), ", got ",
-                                         checksum_to_hex(actual), " (data corrupt)"));
-    }
+      mismatch = detail::concat("[mixprec::checkpoint] ", path_.string(), ": tensor '", name,
+                                "': checksum mismatch", which, ": expected xxh3 ",
+                                checksum_to_hex(expected), ", got ", checksum_to_hex(actual),
+                                " (data corrupt)");
+    });
+    // Without the lane the check ran just now: stop at the first corrupt block.
+    if (!overlap && !mismatch.empty()) break;
     if (have) b = std::max(b + 1, cur.offset / block);
   }
+  lane.drain();
+  if (!mismatch.empty()) throw ChecksumError(mismatch);
   return bytes_read;
 }
 
@@ -238,15 +265,25 @@ TensorDigests SafetensorsReader::digests(std::string_view name, std::uint64_t bl
   Xxh3Hasher hasher;
   std::optional<BlockHasher> blocks;
   if (block_bytes > 0) blocks.emplace(block_bytes);
-  std::vector<std::byte> buffer(std::min<std::uint64_t>(t.byte_size(), kChecksumChunk));
+  const std::size_t slice =
+      static_cast<std::size_t>(std::min<std::uint64_t>(t.byte_size(), kChecksumChunk));
+  // Two buffers: the next slice is read into one while the lane hashes the other.
+  std::array<std::vector<std::byte>, 2> buffers{std::vector<std::byte>(slice),
+                                                std::vector<std::byte>(slice)};
+  HashLane lane(t.byte_size() >= kOverlapReadBytes);  // joined before the buffers go
+  std::size_t which = 0;
   for (std::uint64_t done = 0; done < t.byte_size();) {
-    std::span<std::byte> piece(buffer.data(),
-                               std::min<std::uint64_t>(buffer.size(), t.byte_size() - done));
+    std::span<std::byte> piece(buffers[which].data(),
+                               std::min<std::uint64_t>(slice, t.byte_size() - done));
+    which ^= 1;
     pread_exact(header_.data_offset() + t.begin + done, piece, name);
-    hasher.update(piece);
-    if (blocks) blocks->update(piece);
+    lane.run([&hasher, &blocks, piece] {
+      hasher.update(piece);
+      if (blocks) blocks->update(piece);
+    });
     done += piece.size();
   }
+  lane.drain();
   TensorDigests out;
   out.whole = hasher.digest();
   if (blocks) out.blocks = blocks->finish();

@@ -167,6 +167,70 @@ TEST(ReadVerified, RefusesBadRunsAndMissingBlockChecksums) {
   EXPECT_EQ(reader.read_verified("t", std::vector<ByteRun>{}, file.by_block()), 0u);
 }
 
+// Reads of several 4 MiB slices hash each slice on a second thread while the next is read
+// (hash_lane.h): the same bytes, digests and errors as the one-thread path above.
+TEST(ReadVerified, LargeReadsGiveTheSameBytesDigestsAndErrors) {
+  constexpr std::uint64_t kBig = std::uint64_t{4} << 20;
+  const std::size_t n = (std::size_t{13} << 20) + 123;  // four slices, the last one short
+  TempDir dir;
+  const auto path = dir.path() / "big.safetensors";
+  const auto good = pattern_bytes(n, 17);
+  WrittenTensor written;
+  {
+    SafetensorsWriter writer(path, {{"t", Dtype::U8, {static_cast<std::int64_t>(n)}}});
+    writer.checksum_blocks(kBig);
+    writer.write("t", good);
+    written = writer.close().at(0);
+  }
+  const TensorChecksums whole{written.checksum, 0, {}};
+  const TensorChecksums by_block{written.checksum, kBig, written.block_checksums};
+  {
+    SafetensorsReader reader(path);
+    const TensorDigests d = reader.digests("t", kBig);
+    EXPECT_EQ(d.whole, xxh3_64(good));
+    EXPECT_EQ(d.blocks, expected_blocks(good, kBig));
+
+    std::vector<std::byte> all(n);
+    EXPECT_EQ(reader.read_verified("t", std::vector<ByteRun>{{0, all}}, whole), n);
+    EXPECT_EQ(all, good);
+    // Runs that start and end inside slices go through the two scratch buffers.
+    std::vector<std::byte> a(kBig + 7), b(kBig), c(n - 2 * kBig - 40);
+    const std::vector<ByteRun> runs = {{1, a}, {kBig + 9, b}, {2 * kBig + 39, c}};
+    for (const TensorChecksums& sums : {whole, by_block}) {
+      EXPECT_EQ(reader.read_verified("t", runs, sums), n);
+      EXPECT_TRUE(std::equal(a.begin(), a.end(), good.begin() + 1));
+      EXPECT_TRUE(std::equal(b.begin(), b.end(), good.begin() + kBig + 9));
+      EXPECT_TRUE(std::equal(c.begin(), c.end(), good.begin() + 2 * kBig + 39));
+    }
+  }
+  // One byte flipped in block 2 (bytes [8, 12) MiB).
+  std::string bytes = testing::read_file(path);
+  const SafetensorsHeader h = SafetensorsReader(path).header();
+  bytes[h.data_offset() + h.find("t")->begin + 2 * kBig + 5] ^= 0x40;
+  testing::write_file(path, bytes);
+  SafetensorsReader reader(path);
+  std::vector<std::byte> all(n);
+  try {
+    reader.read_verified("t", std::vector<ByteRun>{{0, all}}, whole);
+    FAIL() << "expected ChecksumError";
+  } catch (const ChecksumError& e) {
+    const std::string msg = e.what();
+    EXPECT_NE(msg.find("tensor 't'"), std::string::npos) << msg;
+    EXPECT_NE(msg.find(checksum_to_hex(written.checksum)), std::string::npos) << msg;
+  }
+  std::vector<std::byte> tail(n - kBig);
+  try {
+    reader.read_verified("t", std::vector<ByteRun>{{kBig, tail}}, by_block);
+    FAIL() << "expected ChecksumError";
+  } catch (const ChecksumError& e) {
+    const std::string msg = e.what();
+    EXPECT_NE(msg.find("in block 2 (bytes [8388608, 12582912)"), std::string::npos) << msg;
+  }
+  std::vector<std::byte> head(2 * kBig);  // blocks 0 and 1 are intact
+  EXPECT_NO_THROW(reader.read_verified("t", std::vector<ByteRun>{{0, head}}, by_block));
+  EXPECT_NE(reader.digests("t", kBig).blocks.at(2), written.block_checksums.at(2));
+}
+
 // --- manifest version 2 --------------------------------------------------------------------
 
 Manifest v2_sample() {
