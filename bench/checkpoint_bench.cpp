@@ -37,10 +37,13 @@
 // and ≥ 1.0× torch::load; peak extra memory of a synchronous save ≤ 10% of the state; an
 // async save blocks training ≤ 10% of a synchronous save's time, and its background part
 // writes at ≥ 0.8 of the synchronous save's throughput. Each operation runs kRounds times, one
-// iteration each, and the summary takes the fastest round (shared machines are noisy; the
-// first write of a run also pays for flushing whatever else is dirty). A full run takes about
-// a minute. MIXPREC_BENCH_STATE_MB overrides the state size (default 1024); files go to a fresh
-// directory under $TMPDIR (or /tmp), removed at the end.
+// iteration each, the rounds of all operations in random order (Google Benchmark's random
+// interleaving, on unless the command line says otherwise), and the summary takes the fastest
+// round (shared machines are noisy; the first write of a run also pays for flushing whatever
+// else is dirty; on this machine, a virtual one, a cold read of 1 GB takes 0.4 s in one round
+// and 2 s of CPU time in the next, raw or ours alike). A full run takes about 90 s.
+// MIXPREC_BENCH_STATE_MB overrides the state size (default 1024); files go to a fresh directory
+// under $TMPDIR (or /tmp), removed at the end.
 #include "mixprec/checkpoint/async_save.h"
 #include "mixprec/checkpoint/format/verify.h"
 #include "mixprec/checkpoint/load.h"
@@ -58,6 +61,7 @@
 #include <fcntl.h>
 #include <sys/mman.h>
 #include <unistd.h>
+#include <algorithm>
 #include <chrono>
 #include <cstdint>
 #include <cstdio>
@@ -65,6 +69,8 @@
 #include <cstring>
 #include <fstream>
 #include <map>
+#include <string_view>
+#include <vector>
 
 namespace {
 
@@ -75,7 +81,7 @@ namespace ckpt = mixprec::checkpoint;
 constexpr int64_t kWidth = 2048;                           // each BF16 weight is [rows, kWidth]
 constexpr std::size_t kPiece = std::size_t{64} << 20;      // raw I/O in 64 MiB calls
 constexpr std::size_t kWriteback = std::size_t{32} << 20;  // raw writeback started every 32 MiB
-constexpr int kRounds = 3;
+constexpr int kRounds = 5;
 
 // Failures throw, so that main removes the scratch directory before exiting.
 [[noreturn]] void die(const std::string& what) {
@@ -199,30 +205,35 @@ void huge_pages_for(const at::Tensor& t) {
   if (last > first) ::madvise(reinterpret_cast<void*>(first), last - first, MADV_HUGEPAGE);
 }
 
+// The state's bytes into raw.bin, write(2) and fsync only.
+void write_raw(const State& s) {
+  const int fd = ::open((s.dir / "raw.bin").c_str(), O_WRONLY | O_CREAT | O_TRUNC, 0644);
+  if (fd < 0) die("open raw.bin");
+  std::size_t written = 0, writeback_from = 0;
+  for (const at::Tensor& t : s.tensors) {
+    const char* p = static_cast<const char*>(t.const_data_ptr());
+    for (std::size_t done = 0; done < t.nbytes();) {
+      const ssize_t n = ::write(fd, p + done, std::min(kPiece, t.nbytes() - done));
+      if (n <= 0) die("write raw.bin");
+      done += static_cast<std::size_t>(n);
+      written += static_cast<std::size_t>(n);
+      if (written - writeback_from >= kWriteback) {
+        ::sync_file_range(fd, static_cast<off64_t>(writeback_from),
+                          static_cast<off64_t>(written - writeback_from), SYNC_FILE_RANGE_WRITE);
+        writeback_from = written;
+      }
+    }
+  }
+  if (::fsync(fd) != 0 || ::close(fd) != 0) die("fsync raw.bin");
+}
+
 void BM_RawWrite(benchmark::State& bm) {
   State& s = state();
   for (auto _ : bm) {
     fs::remove(s.dir / "raw.bin");
     const std::int64_t baseline = reset_peak_rss();
     const auto t0 = Clock::now();
-    const int fd = ::open((s.dir / "raw.bin").c_str(), O_WRONLY | O_CREAT | O_TRUNC, 0644);
-    if (fd < 0) die("open raw.bin");
-    std::size_t written = 0, writeback_from = 0;
-    for (const at::Tensor& t : s.tensors) {
-      const char* p = static_cast<const char*>(t.const_data_ptr());
-      for (std::size_t done = 0; done < t.nbytes();) {
-        const ssize_t n = ::write(fd, p + done, std::min(kPiece, t.nbytes() - done));
-        if (n <= 0) die("write raw.bin");
-        done += static_cast<std::size_t>(n);
-        written += static_cast<std::size_t>(n);
-        if (written - writeback_from >= kWriteback) {
-          ::sync_file_range(fd, static_cast<off64_t>(writeback_from),
-                            static_cast<off64_t>(written - writeback_from), SYNC_FILE_RANGE_WRITE);
-          writeback_from = written;
-        }
-      }
-    }
-    if (::fsync(fd) != 0 || ::close(fd) != 0) die("fsync raw.bin");
+    write_raw(s);
     record_time(bm, __func__, seconds_since(t0));
     record_peak(bm, __func__, baseline);
   }
@@ -407,7 +418,19 @@ MIXPREC_IO_BENCH(BM_OursReshard3to2)->Arg(0)->Arg(64 << 10)->Arg(1 << 20)->Arg(4
 }  // namespace
 
 int main(int argc, char** argv) {
-  benchmark::Initialize(&argc, argv);
+  // Rounds of every benchmark in random order, not each benchmark's rounds in a row: a busy
+  // minute on a shared machine then slows one round of several operations, not every round of
+  // one, and the fastest rounds compare like with like. (Every read finds its file: main
+  // writes them all before the first round.)
+  std::vector<char*> args(argv, argv + argc);
+  std::string interleave = "--benchmark_enable_random_interleaving=true";
+  if (std::none_of(argv + 1, argv + argc, [](const char* a) {
+        return std::string_view(a).starts_with("--benchmark_enable_random_interleaving");
+      })) {
+    args.insert(args.begin() + 1, interleave.data());
+  }
+  int args_count = static_cast<int>(args.size());
+  benchmark::Initialize(&args_count, args.data());
   State& s = state();
   const char* tmp = std::getenv("TMPDIR");
   std::string templ = (fs::path(tmp && *tmp ? tmp : "/tmp") / "mixprec-ckpt-bench-XXXXXX").string();
@@ -422,6 +445,10 @@ int main(int argc, char** argv) {
   mixprec::bench::RatioReporter reporter;  // the probes' fastest repetitions
   int status = 0;
   try {
+    write_raw(s);
+    torch::save(s.tensors, (s.dir / "torch.pt").string());
+    fsync_file(s.dir / "torch.pt");
+    ckpt::save_checkpoint(s.dir / "ours", "step-1", s.dict);
     benchmark::RunSpecifiedBenchmarks(&reporter);
   } catch (const std::exception& e) {
     std::fprintf(stderr, "checkpoint_bench: %s\n", e.what());
