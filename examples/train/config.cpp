@@ -68,9 +68,6 @@ const std::vector<Flag>& flags() {
        "keep only each block's input for backward and run the block again there: less "
        "activation memory for one more forward per block, the same losses bit for bit"},
       {"training", "threads", &C::threads, "N", "intra-op threads (0: LibTorch's default)"},
-      {"evaluation and output", "profile-steps", &C::profile_steps, "A:B",
-       "write a trace of steps A to B (LibTorch's profiler: every ATen op, and mixprec's own "
-       "ranges) to trace-rank<R>.json beside metrics.jsonl, for Perfetto or chrome://tracing"},
       {"training", "omp-wait", &C::omp_wait, "auto|active|passive",
        "how idle OpenMP threads wait: active spins (1.5x faster on a quiet machine), passive "
        "sleeps (spinning where threads outnumber cores makes steps up to 10x slower); auto is "
@@ -87,6 +84,9 @@ const std::vector<Flag>& flags() {
        "run directory for checkpoints/ and metrics.jsonl (default: runs/<date>-<time>)"},
       {"evaluation and output", "metrics", &C::metrics, "FILE",
        "JSON-lines metrics, one object per step (default: <out>/metrics.jsonl)"},
+      {"evaluation and output", "profile-steps", &C::profile_steps, "A:B",
+       "write a trace of steps A to B (LibTorch's profiler: every ATen op, and mixprec's own "
+       "ranges) to trace-rank<R>.json beside metrics.jsonl, for Perfetto or chrome://tracing"},
       {"checkpoints", "ckpt-dir", &C::ckpt_dir, "DIR",
        "checkpoint root (default: <out>/checkpoints)"},
       {"checkpoints", "ckpt-every", &C::ckpt_every, "N", "save every N steps (and at the end)"},

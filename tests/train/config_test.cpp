@@ -76,6 +76,13 @@ TEST(TrainConfig, HelpListsEveryFlagWithItsDefault) {
   EXPECT_NE(text.find("[65536]"), std::string::npos) << "--loss-scale's default";
   EXPECT_EQ(text.find("65536.0"), std::string::npos);
   EXPECT_NE(text.find("[0.006]"), std::string::npos) << "--lr's default";
+  // Each section's heading once: its flags sit together.
+  for (const char* heading : {"\nmodel:\n", "\nprecision:\n", "\ndata:\n", "\ntraining:\n",
+                              "\nevaluation and output:\n", "\ncheckpoints:\n", "\nsample:\n"}) {
+    const std::size_t first = text.find(heading);
+    EXPECT_NE(first, std::string::npos) << heading;
+    EXPECT_EQ(text.find(heading, first + 1), std::string::npos) << heading << " appears twice";
+  }
 }
 
 TEST(TrainConfig, ResumeAdoptsTheSavedShapeAndRefusesAGivenDifferentOne) {
