@@ -35,8 +35,9 @@ int run_worker_with_crash_point(const fs::path& root, int point) {
 }
 
 TEST(CrashDuringSave, EveryKillPointLeavesALoadableLatest) {
-  char tmpl[] = "/tmp/mixprec-crash-XXXXXX";
-  const fs::path root = mkdtemp(tmpl);
+  std::string tmpl = (fs::temp_directory_path() / "mixprec-crash-XXXXXX").string();
+  ASSERT_NE(mkdtemp(tmpl.data()), nullptr) << tmpl;
+  const fs::path root = tmpl;
   ASSERT_EQ(std::system((mixprec::test::required_env("MIXPREC_RESUME_WORKER") + " first " +
                          root.string() + " bf16 5")
                             .c_str()),

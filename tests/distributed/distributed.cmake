@@ -43,11 +43,13 @@ mixprec_mp_world(4 ${_mixprec_mp_suites})
 add_test(NAME distributed.resume
          COMMAND bash ${CMAKE_CURRENT_LIST_DIR}/resume.sh "${MIXPREC_TORCHRUN}"
                  $<TARGET_FILE:distributed_mp_tests> 1:2 2:3 3:2 4:1 2:4)
-set_tests_properties(distributed.resume PROPERTIES TIMEOUT 300 LABELS distributed)
+set_tests_properties(distributed.resume PROPERTIES TIMEOUT 300 LABELS distributed
+  ENVIRONMENT "TMPDIR=${MIXPREC_TEST_TMPDIR}")
 add_test(NAME distributed.crash_save
          COMMAND bash ${CMAKE_CURRENT_LIST_DIR}/crash_save.sh "${MIXPREC_TORCHRUN}"
                  $<TARGET_FILE:distributed_mp_tests>)
-set_tests_properties(distributed.crash_save PROPERTIES TIMEOUT 300 LABELS distributed)
+set_tests_properties(distributed.crash_save PROPERTIES TIMEOUT 300 LABELS distributed
+  ENVIRONMENT "TMPDIR=${MIXPREC_TEST_TMPDIR}")
 
 # A launcher environment that contradicts itself fails at start-up with the variable named.
 add_test(NAME distributed.env.rank_not_below_world_size COMMAND distributed_mp_tests)
