@@ -157,9 +157,13 @@ LoopOutcome Loop::run(RunState& state) {
                    [this] { checkpointer.before_state_changes(); });
     if (profiler != nullptr) profiler->after_step(state.step + 1);
     if (outcome.records.size() >= 2) {
-      outcome.step_extra_peak_bytes = std::max(outcome.step_extra_peak_bytes, done.peak_bytes);
-      outcome.activation_peak_bytes =
-          std::max(outcome.activation_peak_bytes, done.activation_bytes);
+      // One step's pair, so that the split adds up: the activations of the step with the peak.
+      if (done.peak_bytes > outcome.step_extra_peak_bytes) {
+        TORCH_INTERNAL_ASSERT(done.activation_bytes <= done.peak_bytes,
+                              "a step's activations exceed its peak");
+        outcome.step_extra_peak_bytes = done.peak_bytes;
+        outcome.activation_peak_bytes = done.activation_bytes;
+      }
     }
     const mixprec::optim::StepResult& result = done.result;
     const double step_s = seconds_since(start);

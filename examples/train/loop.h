@@ -48,9 +48,9 @@ struct LoopOutcome {
   bool stopped_early = false;       // by a signal or --stop-at, before --steps
   double train_s = 0;               // wall time of this process's steps (without saves/evals)
   // The most a step added to the parameters and optimizer state (activations kept for backward,
-  // gradients, temporaries, workspaces: StepOutcome::peak_bytes), and the most of it that was
-  // activations, over this process's steps after its first two (which also create the
-  // optimizer's state); 0 without a LiveBytesAllocator (memory.h).
+  // gradients, temporaries, workspaces: StepOutcome::peak_bytes) over this process's steps
+  // after its first two (which also create the optimizer's state), and how much of that step's
+  // peak was activations; 0 without a LiveBytesAllocator (memory.h).
   int64_t step_extra_peak_bytes = 0;
   int64_t activation_peak_bytes = 0;
 };

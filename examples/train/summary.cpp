@@ -306,8 +306,7 @@ std::string summary(const RunReport& r) {
       << mib(m.optimizer_state)
       << "\n            a step's peak over parameters and optimizer state " << mib(m.step_extra)
       << ": activations kept for backward " << mib(m.activations)
-      << " + gradients, temporaries and workspaces "
-      << mib(std::max<int64_t>(0, m.step_extra - m.activations)) << "\n";
+      << " + gradients, temporaries and workspaces " << mib(m.step_extra - m.activations) << "\n";
   }
   if (r.saves.saves > 0) {
     std::snprintf(line, sizeof line,

@@ -96,6 +96,20 @@ TEST(TrainRun, LossFallsAndMetricsHaveTheDocumentedFields) {
                           "activations kept for backward [0-9.]+ [KM]iB \\+ gradients, "
                           "temporaries and workspaces [0-9.]+ [KM]iB")))
       << run.out;
+  {
+    // The split is of one step's peak: its two parts add up to it (to the printed rounding).
+    std::smatch m;
+    ASSERT_TRUE(std::regex_search(
+        run.out, m,
+        std::regex("optimizer state ([0-9.]+) ([KM])iB: activations kept for backward ([0-9.]+) "
+                   "([KM])iB \\+ gradients, temporaries and workspaces ([0-9.]+) ([KM])iB")));
+    const auto kib = [&](int value, int unit) {
+      return std::stod(m[value].str()) * (m[unit].str() == "M" ? 1024.0 : 1.0);
+    };
+    const double peak = kib(1, 2), activations = kib(3, 4), rest = kib(5, 6);
+    EXPECT_GT(activations, 0) << run.out;
+    EXPECT_NEAR(activations + rest, peak, 0.01 * peak + 1.0) << run.out;
+  }
   // The step's breakdown and its model FLOPs utilisation.
   EXPECT_TRUE(
       std::regex_search(run.out, std::regex("step +[0-9.]+ ms: forward [0-9.]+ \\([0-9]+%\\) · "
