@@ -1,10 +1,11 @@
-// A second thread for checksums, so that reading a file and hashing what was read overlap
+// A second thread for checksums, so that moving bytes through a file and hashing them overlap
 // instead of adding up.
 //
 // A read loop reads slice k, hands its hashing to the lane, and reads slice k + 1 while the
-// lane hashes slice k. The page-cache copy of pread(2) is the kernel's work on the reading
-// thread, the hash another core's: with a core to spare, a verified read runs at the speed of
-// the slower of the two rather than of their sum. One job runs at a time, in the order given.
+// lane hashes slice k; a write hands a large piece's hashing to the lane and writes it
+// meanwhile. The page-cache copy of pread(2) or write(2) is the kernel's work on the calling
+// thread, the hash another core's: with a core to spare, the two take as long as the slower
+// rather than their sum. One job runs at a time, in the order given.
 #pragma once
 
 #include <condition_variable>

@@ -1,6 +1,7 @@
 #include "mixprec/checkpoint/format/safetensors_writer.h"
 
 #include "fail.h"
+#include "hash_lane.h"
 #include "mixprec/checkpoint/format/crash_point.h"
 #include "posix_file.h"
 
@@ -8,7 +9,6 @@
 #include <unistd.h>
 
 #include <algorithm>
-#include <thread>
 #include <utility>
 
 namespace mixprec::checkpoint {
@@ -122,19 +122,13 @@ void SafetensorsWriter::write(std::string_view name, std::span<const std::byte> 
   }
   if (piece.empty()) return;
   any_written_ = true;
-  if (piece.size() >= kOverlapHashBytes) {
-    // The hashers are this tensor's alone and the bytes stay put until write() returns.
-    std::thread hashing([this, piece] { hash(piece); });
-    try {
-      write_out(piece);
-    } catch (...) {
-      hashing.join();
-      throw;
-    }
-    hashing.join();
-  } else {
-    hash(piece);
+  {
+    // The hashers are this tensor's alone and the bytes stay put until write() returns (the
+    // lane is drained, or on an error joined, before it does).
+    detail::HashLane lane(piece.size() >= kOverlapHashBytes);
+    lane.run([this, piece] { hash(piece); });
     write_out(piece);
+    lane.drain();
   }
   current_written_ += piece.size();
   crash_point("safetensors: after tensor piece");
