@@ -12,7 +12,9 @@
 //
 // Figures, per configuration (one OpenMP thread per rank):
 //   step ms      zero_grad + forward + backward + reduction + optimizer step (+ parameter
-//                gather), the slowest rank's, median over the timed steps
+//                gather), the slowest rank's, median over the timed steps; the four
+//                configurations take turns of four steps (interleaved rounds, so that a busy
+//                stretch of the machine slows all of them alike)
 //   peak MiB     growth of each process's resident memory from just before the model is built
 //                to the peak (VmHWM), the largest over ranks: model, gradients, optimizer
 //                state, activations, communication buffers (mixprec's first configuration, as
@@ -182,86 +184,136 @@ struct Figures {
   int64_t launched = 0, buckets = 0;
 };
 
-Figures measure(const std::shared_ptr<distributed::Communicator>& comm, const std::string& model,
-                const Config& config, int steps, double baseline_mib) {
-  std::unique_ptr<Workload> work = make_workload(model);
-  distributed::GradReducer reducer(
-      comm, work->module(),
-      distributed::GradReducerOptions()
-          .mode(config.zero ? distributed::ReduceMode::kReduceScatter
-                            : distributed::ReduceMode::kAllReduce)
-          .overlap(config.overlap)
-          .overlap_param_gather(config.overlap_gather)
-          .bucket_numel(model == "gpt" ? int64_t{1} << 17 : kWidth * kWidth / 2));
-  if (config.overlap_gather) {
-    work->set_before_use([&](const torch::nn::Module& m) { reducer.wait_for_params(m); });
+// Bytes this rank has sent so far, every collective.
+double sent_so_far(const distributed::Communicator& comm) {
+  double sent = 0;
+  using distributed::Collective;
+  for (Collective c : {Collective::kAllReduce, Collective::kReduceScatter, Collective::kAllGather,
+                       Collective::kBroadcast}) {
+    sent += static_cast<double>(comm.traffic(c).bytes_sent);
   }
-  const auto adamw = torch::optim::AdamWOptions(1e-3).weight_decay(0.01);
-  std::unique_ptr<optim::Float16Optimizer> optimizer;
-  if (config.zero) {
-    optimizer = std::make_unique<distributed::DistributedOptimizer>(reducer, work->module(), adamw);
-  } else {
-    optimizer = std::make_unique<optim::Float16Optimizer>(work->module(), adamw);
+  return sent;
+}
+
+// One configuration's model, reducer and optimizer. The configurations take turns, a few steps
+// each (interleaved rounds): a busy stretch of a shared machine then slows some steps of every
+// configuration rather than every step of one, and their ratios hold from run to run.
+class ConfigRun {
+ public:
+  ConfigRun(std::shared_ptr<distributed::Communicator> comm, const std::string& model,
+            const Config& config)
+      : comm_(std::move(comm)), config_(config), work_(make_workload(model)) {
+    reducer_ = std::make_unique<distributed::GradReducer>(
+        comm_, work_->module(),
+        distributed::GradReducerOptions()
+            .mode(config.zero ? distributed::ReduceMode::kReduceScatter
+                              : distributed::ReduceMode::kAllReduce)
+            .overlap(config.overlap)
+            .overlap_param_gather(config.overlap_gather)
+            .bucket_numel(model == "gpt" ? int64_t{1} << 17 : kWidth * kWidth / 2));
+    if (config.overlap_gather) {
+      distributed::GradReducer* reducer = reducer_.get();
+      work_->set_before_use([reducer](const torch::nn::Module& m) { reducer->wait_for_params(m); });
+    }
+    const auto adamw = torch::optim::AdamWOptions(1e-3).weight_decay(0.01);
+    if (config.zero) {
+      optimizer_ =
+          std::make_unique<distributed::DistributedOptimizer>(*reducer_, work_->module(), adamw);
+    } else {
+      optimizer_ = std::make_unique<optim::Float16Optimizer>(work_->module(), adamw);
+    }
   }
-  testing::CountingAllocatorGuard counting;
-  std::vector<double> step_ms, backward_ms, finish_ms;
-  int64_t allocations = 0;
-  const int world = comm->size(), rank = comm->rank();
-  for (int i = 0; i < kWarmup + steps; ++i) {
-    comm->barrier();
-    if (i == kWarmup) comm->reset_traffic();
+  ~ConfigRun() { reducer_->wait_param_gather(); }
+
+  // One turn: an untimed step, which also waits for what the configuration before it left in
+  // flight, then `steps` timed ones. Each timed step waits for its predecessor's overlapped
+  // parameter gather, as in a run of this configuration alone.
+  void turn(int steps, const testing::CountingAllocatorGuard& counting) {
+    step(false, counting);
+    const double sent_before = sent_so_far(*comm_);
+    for (int i = 0; i < steps; ++i) step(true, counting);
+    sent_ += sent_so_far(*comm_) - sent_before;
+  }
+  void warm_up(const testing::CountingAllocatorGuard& counting) {
+    for (int i = 0; i < kWarmup; ++i) step(false, counting);
+  }
+
+  Figures figures() const {
+    Figures f;
+    const double steps = static_cast<double>(step_ms_.size());
+    const double n = comm_->size();
+    // Less the benchmark's own all-reduces: a barrier (8 bytes) and two timings (8 each) a step.
+    f.sent_bytes = (sent_ - steps * 3 * 8 * 2 * (n - 1) / n) / steps;
+    f.step_ms = median(step_ms_);
+    f.backward_ms = median(backward_ms_);
+    f.finish_ms = *std::min_element(finish_ms_.begin(), finish_ms_.end());
+    f.allocs_per_step = reduce_max(*comm_, static_cast<double>(allocations_) / steps);
+    f.launched = reducer_->last_timing().launched_during_backward;
+    f.buckets = reducer_->last_timing().buckets;
+    return f;
+  }
+
+ private:
+  void step(bool timed, const testing::CountingAllocatorGuard& counting) {
+    comm_->barrier();
     const auto t0 = Clock::now();
     int64_t mark = counting.allocations();
-    reducer.zero_grad();
+    reducer_->zero_grad();
     int64_t ours = counting.allocations() - mark;
-    const at::Tensor loss = work->loss(i, rank, world);
+    const at::Tensor loss = work_->loss(index_++, comm_->rank(), comm_->size());
     const auto backward_start = Clock::now();
     loss.backward();
     const double backward =
         std::chrono::duration<double, std::milli>(Clock::now() - backward_start).count();
     mark = counting.allocations();
-    if (!config.zero) reducer.finish();
-    optimizer->update();
+    if (!config_.zero) reducer_->finish();
+    optimizer_->update();
     ours += counting.allocations() - mark;
     const double ms = std::chrono::duration<double, std::milli>(Clock::now() - t0).count();
-    if (i >= kWarmup) {
-      step_ms.push_back(reduce_max(*comm, ms));
-      backward_ms.push_back(reduce_max(*comm, backward));
-      finish_ms.push_back(reduce_max(*comm, reducer.last_timing().finish_seconds * 1e3));
-      allocations += ours;
-    }
+    if (!timed) return;
+    step_ms_.push_back(reduce_max(*comm_, ms));
+    backward_ms_.push_back(reduce_max(*comm_, backward));
+    finish_ms_.push_back(reduce_max(*comm_, reducer_->last_timing().finish_seconds * 1e3));
+    allocations_ += ours;
   }
-  reducer.wait_param_gather();
-  Figures f;
-  using distributed::Collective;
-  for (Collective c : {Collective::kAllReduce, Collective::kReduceScatter, Collective::kAllGather,
-                       Collective::kBroadcast}) {
-    f.sent_bytes += static_cast<double>(comm->traffic(c).bytes_sent);
-  }
-  // Less the benchmark's own all-reduces: a barrier (8 bytes) and two timings (8 each) a step.
-  const double n = world;
-  f.sent_bytes = (f.sent_bytes - steps * 3 * 8 * 2 * (n - 1) / n) / steps;
-  f.step_ms = median(step_ms);
-  f.backward_ms = median(backward_ms);
-  f.finish_ms = *std::min_element(finish_ms.begin(), finish_ms.end());
-  f.allocs_per_step = reduce_max(*comm, static_cast<double>(allocations) / steps);
-  f.peak_mib = reduce_max(*comm, status_mib("VmHWM") - baseline_mib);
-  f.launched = reducer.last_timing().launched_during_backward;
-  f.buckets = reducer.last_timing().buckets;
-  return f;
-}
+
+  std::shared_ptr<distributed::Communicator> comm_;
+  Config config_;
+  std::unique_ptr<Workload> work_;
+  std::unique_ptr<distributed::GradReducer> reducer_;
+  std::unique_ptr<optim::Float16Optimizer> optimizer_;
+  int64_t index_ = 0;  // the data's step
+  std::vector<double> step_ms_, backward_ms_, finish_ms_;
+  int64_t allocations_ = 0;
+  double sent_ = 0;
+};
 
 int worker(const std::string& model, int steps) {
   auto comm = distributed::init_from_env();
   const double baseline_mib = status_mib("VmRSS");
   const int n = comm->size();
-  const Config zero{"zero1", true, true, false}, zero_gather{"zero1_gather", true, true, true},
-      dp{"dp", false, true, false}, zero_serial{"zero1_serial", true, false, false};
-  // The first configuration's peak is its own: resident memory only grows from there.
-  const Figures fz = measure(comm, model, zero, steps, baseline_mib);
-  const Figures fg = measure(comm, model, zero_gather, steps, baseline_mib);
-  const Figures fd = measure(comm, model, dp, steps, baseline_mib);
-  const Figures fs = measure(comm, model, zero_serial, steps, baseline_mib);
+  const Config configs[] = {{"zero1", true, true, false},
+                            {"zero1_gather", true, true, true},
+                            {"dp", false, true, false},
+                            {"zero1_serial", true, false, false}};
+  const testing::CountingAllocatorGuard counting;
+  std::vector<std::unique_ptr<ConfigRun>> runs;
+  // The first configuration's peak is its own: measured after as many steps as are timed,
+  // before the others exist.
+  runs.push_back(std::make_unique<ConfigRun>(comm, model, configs[0]));
+  for (int done = 0; done < steps; done += kWarmup) runs.back()->warm_up(counting);
+  const double zero1_peak_mib = reduce_max(*comm, status_mib("VmHWM") - baseline_mib);
+  for (std::size_t c = 1; c < std::size(configs); ++c) {
+    runs.push_back(std::make_unique<ConfigRun>(comm, model, configs[c]));
+    runs.back()->warm_up(counting);
+  }
+  constexpr int kStepsPerTurn = 4;
+  for (int done = 0; done < steps; done += kStepsPerTurn) {
+    for (const auto& run : runs) run->turn(std::min(kStepsPerTurn, steps - done), counting);
+  }
+  Figures fz = runs[0]->figures();
+  fz.peak_mib = zero1_peak_mib;
+  const Figures fg = runs[1]->figures(), fd = runs[2]->figures(), fs = runs[3]->figures();
   if (comm->rank() != 0) return 0;
   std::unique_ptr<Workload> probe = make_workload(model);
   double param_bytes = 0, params = 0;
