@@ -6,6 +6,8 @@
 #include <torch/csrc/distributed/c10d/Work.hpp>
 
 #include <algorithm>
+#include <limits>
+#include <utility>
 
 namespace mixprec::distributed {
 
@@ -62,15 +64,23 @@ int binomial_tree_sends(int rank, int root, int size) {
 
 PendingCollective::PendingCollective(c10::intrusive_ptr<c10d::Work> work, std::string what,
                                      Communicator* comm)
-    : work_(std::move(work)), what_(std::move(what)), comm_(comm) {}
+    : what_(std::move(what)), comm_(comm) {
+  works_.push_back(std::move(work));
+}
+
+PendingCollective::PendingCollective(std::vector<c10::intrusive_ptr<c10d::Work>> works,
+                                     std::string what, Communicator* comm,
+                                     std::function<void()> then)
+    : works_(std::move(works)), what_(std::move(what)), comm_(comm), then_(std::move(then)) {}
 
 void PendingCollective::wait() {
-  if (!work_) return;
-  auto work = std::move(work_);
-  work_.reset();
+  if (works_.empty()) return;
+  auto works = std::move(works_);
+  works_.clear();
   std::string error;
   try {
-    work->wait(comm_->timeout_);
+    for (const auto& work : works) work->wait(comm_->timeout_);
+    if (then_) std::exchange(then_, nullptr)();
     return;
   } catch (const c10::Error& e) {
     error = what_of(e);
@@ -125,8 +135,8 @@ Communicator::Communicator(c10::intrusive_ptr<c10d::Backend> backend,
   gloo_ = backend_->getBackendName() == "gloo";
 }
 
-bool Communicator::has_native_reduce_scatter() const { return !gloo_; }
-bool Communicator::has_native_all_gather() const { return !gloo_; }
+bool Communicator::has_native_reduce_scatter() const { return !gloo_ || size_ == 2; }
+bool Communicator::has_native_all_gather() const { return !gloo_ || size_ == 2; }
 
 Communicator::~Communicator() = default;
 
@@ -189,6 +199,7 @@ PendingCollective Communicator::reduce_scatter_sum(const at::Tensor& input,
               " elements; it must have world size (", size_, ") x output (", output.numel(),
               ") elements");
   if (input.numel() == 0) return {};
+  if (gloo_ && size_ == 2) return exchange_halves(input, output);
   const double n = size_, bytes = static_cast<double>(input.nbytes());
   count(Collective::kReduceScatter, static_cast<int64_t>(input.nbytes()),
         bytes * (gloo_ ? 2.0 : 1.0) * (n - 1) / n);
@@ -199,6 +210,46 @@ PendingCollective Communicator::reduce_scatter_sum(const at::Tensor& input,
   options.timeout = timeout_;
   return {backend_->_reduce_scatter_base(out, in, options),
           "reduce_scatter_sum of " + describe(input), this};
+}
+
+int Communicator::next_exchange_tag() {
+  // Every rank makes its exchanges in one order, so the n-th exchange has the same tag on all.
+  constexpr uint32_t kTags = std::numeric_limits<int>::max();
+  return static_cast<int>(exchange_count_.fetch_add(1) % kTags) + 1;
+}
+
+PendingCollective Communicator::exchange_halves(const at::Tensor& input, const at::Tensor& output) {
+  const int peer = 1 - rank_;
+  const int64_t half = output.numel();
+  count(Collective::kReduceScatter, static_cast<int64_t>(input.nbytes()),
+        static_cast<double>(input.nbytes()) / 2);
+  at::Tensor flat = input.view({-1});
+  at::Tensor mine = flat.narrow(0, rank_ * half, half);
+  std::vector<at::Tensor> theirs{flat.narrow(0, peer * half, half)};
+  at::Tensor received;
+  {
+    std::lock_guard<std::mutex> lock(scratch_mutex_);
+    auto it = std::find_if(free_scratch_.begin(), free_scratch_.end(), [&](const at::Tensor& t) {
+      return t.numel() == half && t.scalar_type() == input.scalar_type();
+    });
+    if (it != free_scratch_.end()) {
+      received = std::move(*it);
+      free_scratch_.erase(it);
+    }
+  }
+  if (!received.defined()) received = at::empty({half}, input.options());
+  const int tag = next_exchange_tag();
+  std::vector<at::Tensor> into{received};
+  std::vector<c10::intrusive_ptr<c10d::Work>> works;
+  works.push_back(backend_->recv(into, peer, tag));
+  works.push_back(backend_->send(theirs, peer, tag));
+  at::Tensor out = output.view({-1});
+  return {std::move(works), "reduce_scatter_sum (two-rank exchange) of " + describe(input), this,
+          [this, out, mine, received]() mutable {
+            at::add_out(out, mine, received);
+            std::lock_guard<std::mutex> lock(scratch_mutex_);
+            free_scratch_.push_back(std::move(received));
+          }};
 }
 
 PendingCollective Communicator::all_gather(const at::Tensor& input, const at::Tensor& output) {
@@ -225,6 +276,19 @@ PendingCollective Communicator::all_gather(const at::Tensor& input, const at::Te
   count(Collective::kAllGather, static_cast<int64_t>(output.nbytes()), bytes * (n - 1) / n);
   at::Tensor in = input.view({-1});
   at::Tensor out = output.view({-1});
+  if (gloo_ && size_ == 2) {
+    // Two ranks: send this rank's chunk, receive the other's in place.
+    const int peer = 1 - rank_;
+    if (apart) out.narrow(0, rank_ * in.numel(), in.numel()).copy_(in);
+    std::vector<at::Tensor> into{out.narrow(0, peer * in.numel(), in.numel())};
+    std::vector<at::Tensor> from{in};
+    const int tag = next_exchange_tag();
+    std::vector<c10::intrusive_ptr<c10d::Work>> works;
+    works.push_back(backend_->recv(into, peer, tag));
+    works.push_back(backend_->send(from, peer, tag));
+    return {std::move(works), "all_gather (two-rank exchange) of " + describe(output), this,
+            nullptr};
+  }
   c10d::AllgatherOptions options;
   options.timeout = timeout_;
   return {backend_->_allgather_base(out, in, options), "all_gather of " + describe(output), this};

@@ -31,6 +31,7 @@
 #include <atomic>
 #include <chrono>
 #include <cstdint>
+#include <functional>
 #include <memory>
 #include <mutex>
 #include <string>
@@ -51,10 +52,10 @@ struct TrafficStats {
   int64_t payload_bytes = 0;  // bytes of the input tensor (all-gather: of the gathered output)
   // What this rank sends for those calls under the algorithm the backend runs: all-reduce
   // 2(N-1)/N of the payload (ring), all-gather (N-1)/N (ring), reduce-scatter (N-1)/N on a
-  // backend with a native one, and on Gloo, whose reduce-scatter is a whole all-reduce plus a
-  // copy, 2(N-1)/N; a Gloo broadcast, a binomial tree, sends the payload once to each child
-  // this rank has in the tree of that root (0 to ceil(log2 N) times). Counted from the
-  // algorithm, not from the sockets.
+  // backend with a native one and in Gloo's two-rank exchange, and on Gloo with more ranks,
+  // whose reduce-scatter is a whole all-reduce plus a copy, 2(N-1)/N; a Gloo broadcast, a binomial
+  // tree, sends the payload once to each child this rank has in the tree of that root (0 to
+  // ceil(log2 N) times). Counted from the algorithm, not from the sockets.
   int64_t bytes_sent = 0;
 };
 
@@ -67,17 +68,22 @@ class [[nodiscard]] PendingCollective {
  public:
   PendingCollective() = default;  // already complete (nothing was sent)
   PendingCollective(c10::intrusive_ptr<c10d::Work> work, std::string what, Communicator* comm);
+  // Several works that make one collective, and what completes it once they are all done (the
+  // local sum of a two-rank exchange); `then` runs in wait().
+  PendingCollective(std::vector<c10::intrusive_ptr<c10d::Work>> works, std::string what,
+                    Communicator* comm, std::function<void()> then);
   PendingCollective(PendingCollective&&) noexcept = default;
   PendingCollective& operator=(PendingCollective&&) noexcept = default;
   // Waits (at most the communicator's timeout); on failure marks the group failed (see the
   // header comment) and throws.
   void wait();
-  bool pending() const { return work_ != nullptr; }
+  bool pending() const { return !works_.empty(); }
 
  private:
-  c10::intrusive_ptr<c10d::Work> work_;
+  std::vector<c10::intrusive_ptr<c10d::Work>> works_;
   std::string what_;
   Communicator* comm_ = nullptr;
+  std::function<void()> then_;
 };
 
 class Communicator {
@@ -101,7 +107,11 @@ class Communicator {
   // output = this rank's chunk of the element-wise sum of every rank's `input`:
   // elements [rank * output.numel(), (rank + 1) * output.numel()) of the 1-D flattening.
   // input.numel() must equal size() * output.numel(), same dtype. `output` may be that chunk
-  // of `input` itself (in place).
+  // of `input` itself (in place). The other chunks of `input` are left as they were, except on
+  // a backend without a native reduce-scatter (then they hold the sum too). On Gloo with two
+  // ranks it is an exchange: each rank sends the other's chunk (point to point) and adds the
+  // chunk it receives to its own in wait(): half the bytes of an all-reduce, and the same sum
+  // bit for bit (a + b is b + a).
   PendingCollective reduce_scatter_sum(const at::Tensor& input, const at::Tensor& output);
   // output = the concatenation of every rank's `input` in rank order (1-D flattening).
   // output.numel() must equal size() * input.numel(), same dtype; `input` is either apart
@@ -109,10 +119,14 @@ class Communicator {
   PendingCollective all_gather(const at::Tensor& input, const at::Tensor& output);
   // In place: every rank's `tensor` becomes rank `root`'s.
   PendingCollective broadcast(const at::Tensor& tensor, int root);
-  // True when the backend's reduce-scatter sends less than an all-reduce of the same tensor
-  // (NCCL's does; Gloo's is an all-reduce plus a copy, so an in-place all-reduce is cheaper).
+  // True when reduce_scatter_sum sends less than an all-reduce of the same tensor: NCCL's; on
+  // Gloo the two-rank exchange above. (Gloo's own reduce-scatter is an all-reduce plus a copy,
+  // so with more ranks an in-place all-reduce is cheaper; an exchange among more ranks would
+  // sum in another order than Gloo's all-reduce, and plain data parallelism would no longer
+  // match ZeRO-1 bit for bit.)
   bool has_native_reduce_scatter() const;
-  // True when the backend's all-gather runs in place without a staging copy (NCCL). Gloo's
+  // True when all_gather runs in place without a staging copy: NCCL's, and on Gloo with two
+  // ranks an exchange (each sends its chunk and receives the other's in place). Gloo's own
   // gathers into a new tensor and copies out; broadcasts from each owner are in place there.
   bool has_native_all_gather() const;
 
@@ -135,6 +149,8 @@ class Communicator {
  private:
   friend class PendingCollective;
   PendingCollective all_reduce(const at::Tensor& tensor, int op, const char* name);
+  PendingCollective exchange_halves(const at::Tensor& input, const at::Tensor& output);
+  int next_exchange_tag();
   void count(Collective collective, int64_t payload_bytes, double bytes_sent);
 
   c10::intrusive_ptr<c10d::Backend> backend_;
@@ -148,6 +164,12 @@ class Communicator {
   std::atomic<bool> failed_{false};
   mutable std::mutex failure_mutex_;
   std::string failure_;  // the first failure's message
+  // The two-rank exchanges: receive buffers, kept for the next exchange of that size and dtype
+  // (a steady-state step allocates nothing), and the count of exchanges, whose tag pairs each
+  // send with its receive (every rank calls collectives in one order, so the counts agree).
+  std::mutex scratch_mutex_;
+  std::vector<at::Tensor> free_scratch_;
+  std::atomic<uint32_t> exchange_count_{0};
 };
 
 }  // namespace mixprec::distributed

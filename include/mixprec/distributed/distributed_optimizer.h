@@ -7,8 +7,8 @@
 // trainable BF16/FP16 parameter an FP32 main copy and the moments of its piece; for a trainable
 // FP32 parameter the moments (the piece itself is stepped in place); nothing for a frozen one.
 // A step (update()):
-//   1. the reducer's finish(): each bucket's gradients summed (reduce-scatter, or on Gloo an
-//      in-place all-reduce), averaged;
+//   1. the reducer's finish(): each bucket's gradients summed (reduce-scatter, or on Gloo with
+//      more than two ranks an in-place all-reduce), averaged;
 //   2. per piece, its gradient's sum of squares and finiteness; one FP64 all-reduce carries
 //      them and, per parameter, whether any rank received a gradient: every rank sees the same
 //      global norm, the same overflow verdict, and the same set of parameters to step;

@@ -31,9 +31,10 @@
 //   kReduceScatter a rank ends with the averaged gradients of its own shard of each bucket
 //                  (GradLayout::param_shards(rank)); for DistributedOptimizer (ZeRO-1), which
 //                  then all-gathers the updated parameters through start_param_gather().
-// The collective is the cheapest correct one the backend offers: on Gloo, whose reduce-scatter
-// clones its input and all-reduces it whole, an in-place all-reduce of the bucket (the same
-// bytes on the wire, no copy); elsewhere a native in-place reduce-scatter.
+// The collective is the cheapest correct one the backend offers: a native in-place
+// reduce-scatter (NCCL; on Gloo with two ranks an exchange of halves, half the bytes of an
+// all-reduce); on Gloo with more ranks, whose reduce-scatter clones its input and all-reduces
+// it whole, an in-place all-reduce of the bucket (the same bytes on the wire, no copy).
 //
 // Memory. Everything is laid out once; a steady-state step (zero_grad, backward's hooks,
 // finish, and the optimizer's step and parameter gather) allocates no tensor.

@@ -3,6 +3,7 @@
 // wrong place, a wrong element size or a wrong reduction fails the comparison.
 #include "distributed/mp/mp_support.h"
 #include "mixprec/distributed/init.h"
+#include "support/counting_allocator.h"
 #include "support/error_message.h"
 
 #include <gtest/gtest.h>
@@ -78,6 +79,37 @@ TEST(Collectives, ReduceScatterEveryDtypeAndSizeWithPadding) {
   }
 }
 
+// Two ranks on Gloo reduce-scatter by exchanging halves: what it sums must be the all-reduce's
+// sum bit for bit (rounded BF16 sums included), the other half must stay this rank's own, and
+// the receive buffer must be reused, so a steady-state step allocates nothing.
+TEST(Collectives, TwoRankExchangeSumsAsTheAllReduceAndReusesItsBuffer) {
+  distributed::Communicator& comm = world();
+  if (comm.size() != 2 || comm.backend_name() != "gloo") GTEST_SKIP() << "Gloo, two ranks";
+  ASSERT_TRUE(comm.has_native_reduce_scatter());
+  const int rank = comm.rank(), peer = 1 - rank;
+  at::manual_seed(7 + rank);  // different data on each rank
+  for (at::ScalarType dtype : {at::kFloat, at::kBFloat16, at::kHalf}) {
+    const at::Tensor mine = at::randn({2 * 513}, at::kFloat).to(dtype);
+    at::Tensor summed = mine.clone();
+    comm.all_reduce_sum(summed).wait();
+    at::Tensor input = mine.clone();
+    comm.reduce_scatter_sum(input, input.narrow(0, rank * 513, 513)).wait();
+    EXPECT_TRUE(at::equal(input.narrow(0, rank * 513, 513), summed.narrow(0, rank * 513, 513)))
+        << c10::toString(dtype);
+    EXPECT_TRUE(at::equal(input.narrow(0, peer * 513, 513), mine.narrow(0, peer * 513, 513)))
+        << c10::toString(dtype) << ": the peer's half changed";
+  }
+  at::Tensor input = at::ones({2 * 4096}, at::kFloat);
+  comm.reduce_scatter_sum(input, input.narrow(0, rank * 4096, 4096)).wait();  // warm
+  const CountingAllocatorGuard counting;
+  for (int i = 0; i < 3; ++i) {
+    comm.reduce_scatter_sum(input, input.narrow(0, rank * 4096, 4096)).wait();
+  }
+  EXPECT_EQ(counting.allocations(), 0);
+  // Each exchange adds the peer's half, which it never changes: 1 + 1, then + 1 three times.
+  EXPECT_EQ(input[rank * 4096].item<float>(), 5.0f);
+}
+
 TEST(Collectives, AllGatherEveryDtypeAndSizeWithPadding) {
   const int n = world().size(), rank = world().rank();
   for (at::ScalarType dtype : kDtypes) {
@@ -122,8 +154,9 @@ TEST(Collectives, TrafficCountsWhatWasSent) {
   using distributed::Collective;
   EXPECT_EQ(comm.traffic(Collective::kAllReduce).payload_bytes, bytes);
   EXPECT_EQ(comm.traffic(Collective::kAllReduce).bytes_sent, 2 * 40 * (n - 1));
-  // Gloo's reduce-scatter is a whole all-reduce.
-  EXPECT_EQ(comm.traffic(Collective::kReduceScatter).bytes_sent, 2 * 40 * (n - 1));
+  // Gloo's reduce-scatter is a whole all-reduce, except for two ranks: an exchange of halves.
+  EXPECT_EQ(comm.traffic(Collective::kReduceScatter).bytes_sent,
+            n == 2 ? 40 * (n - 1) : 2 * 40 * (n - 1));
   EXPECT_EQ(comm.traffic(Collective::kAllGather).payload_bytes, 2 * bytes);
   EXPECT_EQ(comm.traffic(Collective::kAllGather).bytes_sent, 2 * 40 * (n - 1));
   // A binomial tree from each root in turn: N - 1 sends of 40 bytes in all, over every rank.
