@@ -73,13 +73,46 @@ PendingCollective::PendingCollective(std::vector<c10::intrusive_ptr<c10d::Work>>
                                      std::function<void()> then)
     : works_(std::move(works)), what_(std::move(what)), comm_(comm), then_(std::move(then)) {}
 
+PendingCollective::PendingCollective(PendingCollective&& other) noexcept
+    : works_(std::exchange(other.works_, {})),
+      what_(std::move(other.what_)),
+      comm_(other.comm_),
+      then_(std::exchange(other.then_, nullptr)) {}
+
+PendingCollective& PendingCollective::operator=(PendingCollective&& other) noexcept {
+  if (this != &other) {
+    abandon();
+    works_ = std::exchange(other.works_, {});
+    what_ = std::move(other.what_);
+    comm_ = other.comm_;
+    then_ = std::exchange(other.then_, nullptr);
+  }
+  return *this;
+}
+
+PendingCollective::~PendingCollective() { abandon(); }
+
+void PendingCollective::abandon() noexcept {
+  // A point-to-point transfer is cancelled when its work is destroyed, and the peer would wait
+  // for it in vain: the communicator keeps the works until they finish.
+  if (!works_.empty() && comm_ != nullptr) comm_->keep_until_done(std::exchange(works_, {}));
+  works_.clear();
+  then_ = nullptr;
+}
+
 void PendingCollective::wait() {
   if (works_.empty()) return;
-  auto works = std::move(works_);
-  works_.clear();
+  auto works = std::exchange(works_, {});
+  // One deadline for all the works of this collective.
+  const auto deadline = std::chrono::steady_clock::now() + comm_->timeout_;
   std::string error;
+  size_t done = 0;
   try {
-    for (const auto& work : works) work->wait(comm_->timeout_);
+    for (; done < works.size(); ++done) {
+      const auto left = std::chrono::duration_cast<std::chrono::milliseconds>(
+          deadline - std::chrono::steady_clock::now());
+      works[done]->wait(std::max(left, std::chrono::milliseconds(1)));
+    }
     if (then_) std::exchange(then_, nullptr)();
     return;
   } catch (const c10::Error& e) {
@@ -87,12 +120,25 @@ void PendingCollective::wait() {
   } catch (const std::exception& e) {
     error = e.what();
   }
+  then_ = nullptr;
+  works.erase(works.begin(),
+              works.begin() + static_cast<std::ptrdiff_t>(std::min(done + 1, works.size())));
+  if (!works.empty()) comm_->keep_until_done(std::move(works));
   const std::string message = c10::str(
       what_, " failed on rank ", comm_->rank_, " of ", comm_->size_, " (timeout ",
       comm_->timeout_.count(),
       " ms; a rank that is missing or calls collectives in another order ends here): ", error);
   comm_->fail(message);
   TORCH_CHECK(false, "[mixprec::distributed] ", message);
+}
+
+void Communicator::keep_until_done(std::vector<c10::intrusive_ptr<c10d::Work>> works) noexcept {
+  try {
+    std::lock_guard<std::mutex> lock(exchange_mutex_);
+    std::erase_if(unwaited_, [](const auto& work) { return work->isCompleted(); });
+    for (auto& work : works) unwaited_.push_back(std::move(work));
+  } catch (...) {
+  }
 }
 
 void Communicator::fail(const std::string& reason) {
@@ -198,8 +244,15 @@ PendingCollective Communicator::reduce_scatter_sum(const at::Tensor& input,
               "[mixprec::distributed::reduce_scatter_sum] input has ", input.numel(),
               " elements; it must have world size (", size_, ") x output (", output.numel(),
               ") elements");
+  const char* in_begin = static_cast<const char*>(input.const_data_ptr());
+  const char* out_begin = static_cast<const char*>(output.const_data_ptr());
+  const bool apart =
+      in_begin + input.nbytes() <= out_begin || out_begin + output.nbytes() <= in_begin;
+  TORCH_CHECK(apart || out_begin == in_begin + rank_ * output.nbytes(),
+              "[mixprec::distributed::reduce_scatter_sum] output overlaps input other than as "
+              "this rank's chunk of it");
   if (input.numel() == 0) return {};
-  if (gloo_ && size_ == 2) return exchange_halves(input, output);
+  if (gloo_ && size_ == 2 && input.is_cpu()) return exchange_halves(input, output);
   const double n = size_, bytes = static_cast<double>(input.nbytes());
   count(Collective::kReduceScatter, static_cast<int64_t>(input.nbytes()),
         bytes * (gloo_ ? 2.0 : 1.0) * (n - 1) / n);
@@ -218,6 +271,26 @@ int Communicator::next_exchange_tag() {
   return static_cast<int>(exchange_count_.fetch_add(1) % kTags) + 1;
 }
 
+PendingCollective Communicator::exchange(at::Tensor receive, at::Tensor send, std::string what,
+                                         std::function<void()> then) {
+  const int peer = 1 - rank_;
+  const int tag = next_exchange_tag();
+  std::vector<c10::intrusive_ptr<c10d::Work>> works;
+  try {
+    std::vector<at::Tensor> into{std::move(receive)};
+    std::vector<at::Tensor> from{std::move(send)};
+    works.push_back(backend_->recv(into, peer, tag));
+    works.push_back(backend_->send(from, peer, tag));
+  } catch (const std::exception& e) {
+    // This rank's tag count has moved on and a receive may be posted: the ranks no longer
+    // agree, so the group is done.
+    if (!works.empty()) keep_until_done(std::move(works));
+    fail(what + " could not start on rank " + std::to_string(rank_) + ": " + e.what());
+    throw;
+  }
+  return {std::move(works), std::move(what), this, std::move(then)};
+}
+
 PendingCollective Communicator::exchange_halves(const at::Tensor& input, const at::Tensor& output) {
   const int peer = 1 - rank_;
   const int64_t half = output.numel();
@@ -225,12 +298,12 @@ PendingCollective Communicator::exchange_halves(const at::Tensor& input, const a
         static_cast<double>(input.nbytes()) / 2);
   at::Tensor flat = input.view({-1});
   at::Tensor mine = flat.narrow(0, rank_ * half, half);
-  std::vector<at::Tensor> theirs{flat.narrow(0, peer * half, half)};
   at::Tensor received;
   {
-    std::lock_guard<std::mutex> lock(scratch_mutex_);
+    std::lock_guard<std::mutex> lock(exchange_mutex_);
     auto it = std::find_if(free_scratch_.begin(), free_scratch_.end(), [&](const at::Tensor& t) {
-      return t.numel() == half && t.scalar_type() == input.scalar_type();
+      return t.numel() == half && t.scalar_type() == input.scalar_type() &&
+             t.device() == input.device();
     });
     if (it != free_scratch_.end()) {
       received = std::move(*it);
@@ -238,18 +311,14 @@ PendingCollective Communicator::exchange_halves(const at::Tensor& input, const a
     }
   }
   if (!received.defined()) received = at::empty({half}, input.options());
-  const int tag = next_exchange_tag();
-  std::vector<at::Tensor> into{received};
-  std::vector<c10::intrusive_ptr<c10d::Work>> works;
-  works.push_back(backend_->recv(into, peer, tag));
-  works.push_back(backend_->send(theirs, peer, tag));
   at::Tensor out = output.view({-1});
-  return {std::move(works), "reduce_scatter_sum (two-rank exchange) of " + describe(input), this,
-          [this, out, mine, received]() mutable {
-            at::add_out(out, mine, received);
-            std::lock_guard<std::mutex> lock(scratch_mutex_);
-            free_scratch_.push_back(std::move(received));
-          }};
+  return exchange(received, flat.narrow(0, peer * half, half),
+                  "reduce_scatter_sum (two-rank exchange) of " + describe(input),
+                  [this, out, mine, received]() mutable {
+                    at::add_out(out, mine, received);
+                    std::lock_guard<std::mutex> lock(exchange_mutex_);
+                    free_scratch_.push_back(std::move(received));
+                  });
 }
 
 PendingCollective Communicator::all_gather(const at::Tensor& input, const at::Tensor& output) {
@@ -276,18 +345,11 @@ PendingCollective Communicator::all_gather(const at::Tensor& input, const at::Te
   count(Collective::kAllGather, static_cast<int64_t>(output.nbytes()), bytes * (n - 1) / n);
   at::Tensor in = input.view({-1});
   at::Tensor out = output.view({-1});
-  if (gloo_ && size_ == 2) {
+  if (gloo_ && size_ == 2 && in.is_cpu()) {
     // Two ranks: send this rank's chunk, receive the other's in place.
-    const int peer = 1 - rank_;
     if (apart) out.narrow(0, rank_ * in.numel(), in.numel()).copy_(in);
-    std::vector<at::Tensor> into{out.narrow(0, peer * in.numel(), in.numel())};
-    std::vector<at::Tensor> from{in};
-    const int tag = next_exchange_tag();
-    std::vector<c10::intrusive_ptr<c10d::Work>> works;
-    works.push_back(backend_->recv(into, peer, tag));
-    works.push_back(backend_->send(from, peer, tag));
-    return {std::move(works), "all_gather (two-rank exchange) of " + describe(output), this,
-            nullptr};
+    return exchange(out.narrow(0, (1 - rank_) * in.numel(), in.numel()), in,
+                    "all_gather (two-rank exchange) of " + describe(output), nullptr);
   }
   c10d::AllgatherOptions options;
   options.timeout = timeout_;

@@ -61,7 +61,9 @@ struct TrafficStats {
 
 // A collective in flight. wait() blocks at most the communicator's timeout; it throws
 // c10::Error naming the collective, its size and this rank if the backend reports an error or
-// the timeout passes. Destroying an unwaited PendingCollective does not cancel the collective.
+// the timeout passes. Destroying an unwaited PendingCollective does not cancel the transfers
+// (the communicator keeps them until they finish), but what only wait() does is not done: a
+// two-rank exchange's sum (reduce_scatter_sum on Gloo) leaves the output as it was.
 class Communicator;
 
 class [[nodiscard]] PendingCollective {
@@ -72,14 +74,16 @@ class [[nodiscard]] PendingCollective {
   // local sum of a two-rank exchange); `then` runs in wait().
   PendingCollective(std::vector<c10::intrusive_ptr<c10d::Work>> works, std::string what,
                     Communicator* comm, std::function<void()> then);
-  PendingCollective(PendingCollective&&) noexcept = default;
-  PendingCollective& operator=(PendingCollective&&) noexcept = default;
+  PendingCollective(PendingCollective&& other) noexcept;
+  PendingCollective& operator=(PendingCollective&& other) noexcept;
+  ~PendingCollective();
   // Waits (at most the communicator's timeout); on failure marks the group failed (see the
   // header comment) and throws.
   void wait();
   bool pending() const { return !works_.empty(); }
 
  private:
+  void abandon() noexcept;  // hands unwaited works to the communicator
   std::vector<c10::intrusive_ptr<c10d::Work>> works_;
   std::string what_;
   Communicator* comm_ = nullptr;
@@ -109,9 +113,10 @@ class Communicator {
   // input.numel() must equal size() * output.numel(), same dtype. `output` may be that chunk
   // of `input` itself (in place). The other chunks of `input` are left as they were, except on
   // a backend without a native reduce-scatter (then they hold the sum too). On Gloo with two
-  // ranks it is an exchange: each rank sends the other's chunk (point to point) and adds the
-  // chunk it receives to its own in wait(): half the bytes of an all-reduce, and the same sum
-  // bit for bit (a + b is b + a).
+  // ranks (CPU tensors) it is an exchange: each rank sends the other's chunk (point to point)
+  // and adds the chunk it receives to its own in wait(): half the bytes of an all-reduce, and
+  // the same sum bit for bit (a + b is b + a). Point-to-point tags are counted per
+  // Communicator: wrap a backend in one Communicator only.
   PendingCollective reduce_scatter_sum(const at::Tensor& input, const at::Tensor& output);
   // output = the concatenation of every rank's `input` in rank order (1-D flattening).
   // output.numel() must equal size() * input.numel(), same dtype; `input` is either apart
@@ -149,8 +154,13 @@ class Communicator {
  private:
   friend class PendingCollective;
   PendingCollective all_reduce(const at::Tensor& tensor, int op, const char* name);
+  // Gloo, two ranks: receive into `receive` from the other rank while sending it `send`, one
+  // tag for both; `then` completes the collective in wait().
+  PendingCollective exchange(at::Tensor receive, at::Tensor send, std::string what,
+                             std::function<void()> then);
   PendingCollective exchange_halves(const at::Tensor& input, const at::Tensor& output);
   int next_exchange_tag();
+  void keep_until_done(std::vector<c10::intrusive_ptr<c10d::Work>> works) noexcept;
   void count(Collective collective, int64_t payload_bytes, double bytes_sent);
 
   c10::intrusive_ptr<c10d::Backend> backend_;
@@ -167,8 +177,12 @@ class Communicator {
   // The two-rank exchanges: receive buffers, kept for the next exchange of that size and dtype
   // (a steady-state step allocates nothing), and the count of exchanges, whose tag pairs each
   // send with its receive (every rank calls collectives in one order, so the counts agree).
-  std::mutex scratch_mutex_;
+  // Those buffers hold half of every bucket in flight at once: 2 bytes per parameter when
+  // BF16 gradients are summed in FP32. Works whose PendingCollective was dropped unwaited are
+  // kept here until they finish.
+  std::mutex exchange_mutex_;
   std::vector<at::Tensor> free_scratch_;
+  std::vector<c10::intrusive_ptr<c10d::Work>> unwaited_;
   std::atomic<uint32_t> exchange_count_{0};
 };
 

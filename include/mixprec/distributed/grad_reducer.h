@@ -44,6 +44,9 @@
 //     that FP32 buffer at once (main_grad()) and .grad is zeroed, so micro-batches accumulate in
 //     FP32 instead of rounding to 8 bits at every one; the optimizer steps on the FP32 averages.
 //     .grad is scratch then: read main_grad() instead.
+//   * on two Gloo ranks, kReduceScatter's exchange receives the other rank's half of each
+//     bucket into a buffer of its own (the communicator keeps one per bucket for the next
+//     step): half the size of the buckets, 2 bytes per parameter for BF16 summed in FP32.
 //
 // Numerics. The average of a bucket is (sum over ranks) / world_size, summed by the backend in
 // its own order, then rounded once to the gradient dtype. Summed in FP32, identical BF16/FP16
