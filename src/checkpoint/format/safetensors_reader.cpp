@@ -10,6 +10,7 @@
 
 #include <algorithm>
 #include <array>
+#include <atomic>
 #include <cstring>
 #include <vector>
 
@@ -183,7 +184,8 @@ std::uint64_t SafetensorsReader::read_verified(std::string_view name,
   std::array<std::vector<std::byte>, 2> scratch;
   std::size_t next_scratch = 0;
   Xxh3Hasher hasher;
-  std::string mismatch;  // the first block whose digest differs, found by the lane
+  std::string mismatch;              // the first block whose digest differs, found by the lane
+  std::atomic<bool> corrupt{false};  // set (after `mismatch`) by the lane: stop reading
   std::uint64_t bytes_read = 0;
   advance();
   // Hashing overlaps reading where slices are large: a whole-chunk read, or blocks of at least
@@ -191,59 +193,68 @@ std::uint64_t SafetensorsReader::read_verified(std::string_view name,
   const bool overlap =
       have && block >= kChecksumChunk && size - cur.offset / block * block >= kOverlapReadBytes;
   HashLane lane(overlap);  // after everything its jobs touch: destroyed (joined) first
-  for (std::uint64_t b = have ? cur.offset / block : 0; have;) {
-    const std::uint64_t begin = b * block, end = std::min(size, begin + block);
-    lane.run([&hasher] { hasher.reset(); });
-    for (std::uint64_t pos = begin; pos < end;) {
-      std::size_t len =
-          static_cast<std::size_t>(std::min<std::uint64_t>(kChecksumChunk, end - pos));
-      std::span<std::byte> slice;
-      if (have && cur.offset <= pos && pos + len <= end_of(cur)) {
-        // Entirely wanted: read straight into place, as much of the run at once as fits.
-        len = static_cast<std::size_t>(
-            std::min<std::uint64_t>({kInPlaceSlice, end - pos, end_of(cur) - pos}));
-        slice = cur.out.subspan(static_cast<std::size_t>(pos - cur.offset), len);
-        pread_exact(base + pos, slice, name);
-        if (end_of(cur) == pos + len) advance();
-      } else {
-        // The lane is done with this buffer: run() waited for the job before the last one.
-        std::vector<std::byte>& buffer = scratch[next_scratch];
-        next_scratch ^= 1;
-        if (buffer.size() < len) buffer.resize(len);
-        slice = std::span(buffer).first(len);
-        pread_exact(base + pos, slice, name);
-        while (have && cur.offset < pos + len) {
-          const std::uint64_t lo = std::max(pos, cur.offset);
-          const std::uint64_t hi = std::min<std::uint64_t>(pos + len, end_of(cur));
-          std::memcpy(cur.out.data() + (lo - cur.offset), slice.data() + (lo - pos),
-                      static_cast<std::size_t>(hi - lo));
-          if (hi < end_of(cur)) break;  // continues in the next slice
-          advance();
+  try {
+    for (std::uint64_t b = have ? cur.offset / block : 0; have && !corrupt.load();) {
+      const std::uint64_t begin = b * block, end = std::min(size, begin + block);
+      lane.run([&hasher] { hasher.reset(); });
+      for (std::uint64_t pos = begin; pos < end;) {
+        std::size_t len =
+            static_cast<std::size_t>(std::min<std::uint64_t>(kChecksumChunk, end - pos));
+        std::span<std::byte> slice;
+        if (have && cur.offset <= pos && pos + len <= end_of(cur)) {
+          // Entirely wanted: read straight into place, as much of the run at once as fits.
+          len = static_cast<std::size_t>(
+              std::min<std::uint64_t>({kInPlaceSlice, end - pos, end_of(cur) - pos}));
+          slice = cur.out.subspan(static_cast<std::size_t>(pos - cur.offset), len);
+          pread_exact(base + pos, slice, name);
+          if (end_of(cur) == pos + len) advance();
+        } else {
+          // The lane is done with this buffer: run() waited for the job before the last one.
+          std::vector<std::byte>& buffer = scratch[next_scratch];
+          next_scratch ^= 1;
+          if (buffer.size() < len) buffer.resize(len);
+          slice = std::span(buffer).first(len);
+          pread_exact(base + pos, slice, name);
+          while (have && cur.offset < pos + len) {
+            const std::uint64_t lo = std::max(pos, cur.offset);
+            const std::uint64_t hi = std::min<std::uint64_t>(pos + len, end_of(cur));
+            std::memcpy(cur.out.data() + (lo - cur.offset), slice.data() + (lo - pos),
+                        static_cast<std::size_t>(hi - lo));
+            if (hi < end_of(cur)) break;  // continues in the next slice
+            advance();
+          }
         }
+        lane.run([&hasher, slice] { hasher.update(slice); });
+        bytes_read += len;
+        pos += len;
       }
-      lane.run([&hasher, slice] { hasher.update(slice); });
-      bytes_read += len;
-      pos += len;
+      const std::uint64_t expected = sums.block_bytes > 0 ? sums.blocks[b] : sums.whole;
+      lane.run([&, b, begin, end, expected] {
+        const std::uint64_t actual = hasher.digest();
+        if (actual == expected || !mismatch.empty()) return;
+        const std::string which =
+            sums.block_bytes > 0
+                ? detail::concat(" in block ", b, " (bytes [", begin, ", ", end, ") of ", size, ")")
+                : std::string();
+        mismatch = detail::concat("[mixprec::checkpoint] ", path_.string(), ": tensor '", name,
+                                  "': checksum mismatch", which, ": expected xxh3 ",
+                                  checksum_to_hex(expected), ", got ", checksum_to_hex(actual),
+                                  " (data corrupt)");
+        corrupt.store(true);
+      });
+      if (have) b = std::max(b + 1, cur.offset / block);
     }
-    const std::uint64_t expected = sums.block_bytes > 0 ? sums.blocks[b] : sums.whole;
-    lane.run([&, b, begin, end, expected] {
-      const std::uint64_t actual = hasher.digest();
-      if (actual == expected || !mismatch.empty()) return;
-      const std::string which =
-          sums.block_bytes > 0
-              ? detail::concat(" in block ", b, " (bytes [", begin, ", ", end, ") of ", size, ")")
-              : std::string();
-      mismatch = detail::concat("[mixprec::checkpoint] ", path_.string(), ": tensor '", name,
-                                "': checksum mismatch", which, ": expected xxh3 ",
-                                checksum_to_hex(expected), ", got ", checksum_to_hex(actual),
-                                " (data corrupt)");
-    });
-    // Without the lane the check ran just now: stop at the first corrupt block.
-    if (!overlap && !mismatch.empty()) break;
-    if (have) b = std::max(b + 1, cur.offset / block);
+    lane.drain();
+  } catch (...) {
+    // A corrupt block found before a later read failed is the error to report.
+    try {
+      lane.drain();
+    } catch (...) {
+    }
+    if (corrupt.load()) throw ChecksumError(mismatch);
+    throw;
   }
-  lane.drain();
-  if (!mismatch.empty()) throw ChecksumError(mismatch);
+  if (corrupt.load()) throw ChecksumError(mismatch);
   return bytes_read;
 }
 
@@ -268,14 +279,15 @@ TensorDigests SafetensorsReader::digests(std::string_view name, std::uint64_t bl
   const std::size_t slice =
       static_cast<std::size_t>(std::min<std::uint64_t>(t.byte_size(), kChecksumChunk));
   // Two buffers: the next slice is read into one while the lane hashes the other.
+  const bool overlap = t.byte_size() >= kOverlapReadBytes;
   std::array<std::vector<std::byte>, 2> buffers{std::vector<std::byte>(slice),
-                                                std::vector<std::byte>(slice)};
-  HashLane lane(t.byte_size() >= kOverlapReadBytes);  // joined before the buffers go
+                                                std::vector<std::byte>(overlap ? slice : 0)};
+  HashLane lane(overlap);  // joined before the buffers go
   std::size_t which = 0;
   for (std::uint64_t done = 0; done < t.byte_size();) {
     std::span<std::byte> piece(buffers[which].data(),
                                std::min<std::uint64_t>(slice, t.byte_size() - done));
-    which ^= 1;
+    if (overlap) which ^= 1;  // without the lane each slice is hashed before the next is read
     pread_exact(header_.data_offset() + t.begin + done, piece, name);
     lane.run([&hasher, &blocks, piece] {
       hasher.update(piece);

@@ -229,6 +229,15 @@ TEST(ReadVerified, LargeReadsGiveTheSameBytesDigestsAndErrors) {
   std::vector<std::byte> head(2 * kBig);  // blocks 0 and 1 are intact
   EXPECT_NO_THROW(reader.read_verified("t", std::vector<ByteRun>{{0, head}}, by_block));
   EXPECT_NE(reader.digests("t", kBig).blocks.at(2), written.block_checksums.at(2));
+  // The file cut short after the corrupt block (a read of block 3 fails): the corrupt block,
+  // found first, is what the read reports.
+  std::filesystem::resize_file(path, h.data_offset() + h.find("t")->begin + 3 * kBig + 100);
+  try {
+    reader.read_verified("t", std::vector<ByteRun>{{kBig, tail}}, by_block);
+    FAIL() << "expected ChecksumError";
+  } catch (const ChecksumError& e) {
+    EXPECT_NE(std::string(e.what()).find("in block 2"), std::string::npos) << e.what();
+  }
 }
 
 // --- manifest version 2 --------------------------------------------------------------------

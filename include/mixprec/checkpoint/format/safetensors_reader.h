@@ -79,8 +79,9 @@ class SafetensorsReader {
   // and checks it against sums.blocks; with block_bytes == 0 it reads the whole tensor and
   // checks sums.whole. A mismatch throws ChecksumError naming the file, the tensor and, for a
   // block, its index and byte range; the runs' memory then holds unverified bytes (discard
-  // it). Memory: one 4 MiB buffer besides the runs, however many runs there are. Returns the
-  // number of tensor bytes read. Throws FormatError if a run is out of order or outside the
+  // it). Memory: two 4 MiB buffers besides the runs, however many runs there are. Reads of
+  // 8 MiB or more hash on a second thread while the next slice is read. Returns the number of
+  // tensor bytes read. Throws FormatError if a run is out of order or outside the
   // tensor, or if sums.blocks does not hold one checksum per block.
   std::uint64_t read_verified(std::string_view name, const std::function<bool(ByteRun&)>& next,
                               const TensorChecksums& sums) const;
@@ -92,7 +93,8 @@ class SafetensorsReader {
   std::uint64_t checksum(std::string_view name) const;
 
   // The whole-tensor XXH3-64 and, with block_bytes > 0, the per-block ones, in one pass
-  // through a bounded buffer.
+  // through two buffers of up to 4 MiB (hashing one on a second thread while reading the other
+  // for tensors of 8 MiB or more).
   TensorDigests digests(std::string_view name, std::uint64_t block_bytes) const;
 
  private:
