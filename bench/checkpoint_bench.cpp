@@ -372,17 +372,26 @@ void BM_OursAsyncSave(benchmark::State& bm) {
 // Block size → bytes used and bytes read by both ranks of the 3 → 2 reshard.
 std::map<int64_t, std::pair<std::uint64_t, std::uint64_t>> reshard_bytes;
 
+constexpr int64_t kReshardBlocks[] = {0, 64 << 10, 1 << 20, 4 << 20};
+
+fs::path reshard_root(const State& s, int64_t block) {
+  return s.dir / ("reshard-" + std::to_string(block));
+}
+
+// The state saved by 3 ranks with checksum blocks of `block` bytes (0: whole chunks).
+void save_for_reshard(const State& s, int64_t block) {
+  std::vector<mixprec::ShardedStateDict> ranks;
+  for (int r = 0; r < 3; ++r) ranks.push_back(ckpt::shard_for_rank(s.dict, r, 3));
+  ckpt::SaveOptions options;
+  options.checksum_block_bytes(static_cast<std::uint64_t>(block));
+  ckpt::save_checkpoint(reshard_root(s, block), "step-1", {&ranks[0], &ranks[1], &ranks[2]},
+                        options);
+}
+
 void BM_OursReshard3to2(benchmark::State& bm) {
   State& s = state();
   const int64_t block = bm.range(0);
-  const fs::path root = s.dir / ("reshard-" + std::to_string(block));
-  if (!fs::exists(root)) {
-    std::vector<mixprec::ShardedStateDict> ranks;
-    for (int r = 0; r < 3; ++r) ranks.push_back(ckpt::shard_for_rank(s.dict, r, 3));
-    ckpt::SaveOptions options;
-    options.checksum_block_bytes(static_cast<std::uint64_t>(block));
-    ckpt::save_checkpoint(root, "step-1", {&ranks[0], &ranks[1], &ranks[2]}, options);
-  }
+  const fs::path root = reshard_root(s, block);
   for (auto _ : bm) {
     drop_cache(root / "step-1");
     std::uint64_t used = 0, read = 0;
@@ -413,7 +422,9 @@ MIXPREC_IO_BENCH(BM_OursSave);
 MIXPREC_IO_BENCH(BM_OursLoad);
 MIXPREC_IO_BENCH(BM_OursVerify);
 MIXPREC_IO_BENCH(BM_OursAsyncSave);
-MIXPREC_IO_BENCH(BM_OursReshard3to2)->Arg(0)->Arg(64 << 10)->Arg(1 << 20)->Arg(4 << 20);
+MIXPREC_IO_BENCH(BM_OursReshard3to2)->Apply([](benchmark::internal::Benchmark* b) {
+  for (int64_t block : kReshardBlocks) b->Arg(block);
+});
 
 }  // namespace
 
@@ -449,6 +460,7 @@ int main(int argc, char** argv) {
     torch::save(s.tensors, (s.dir / "torch.pt").string());
     fsync_file(s.dir / "torch.pt");
     ckpt::save_checkpoint(s.dir / "ours", "step-1", s.dict);
+    for (int64_t block : kReshardBlocks) save_for_reshard(s, block);
     benchmark::RunSpecifiedBenchmarks(&reporter);
   } catch (const std::exception& e) {
     std::fprintf(stderr, "checkpoint_bench: %s\n", e.what());

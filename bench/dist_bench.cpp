@@ -223,11 +223,17 @@ class ConfigRun {
       optimizer_ = std::make_unique<optim::Float16Optimizer>(work_->module(), adamw);
     }
   }
-  ~ConfigRun() { reducer_->wait_param_gather(); }
+  ~ConfigRun() {
+    try {
+      reducer_->wait_param_gather();
+    } catch (const std::exception& e) {
+      std::fprintf(stderr, "bench_dist: %s\n", e.what());
+    }
+  }
 
-  // One turn: an untimed step, which also waits for what the configuration before it left in
-  // flight, then `steps` timed ones. Each timed step waits for its predecessor's overlapped
-  // parameter gather, as in a run of this configuration alone.
+  // One turn: an untimed step, then `steps` timed ones. Each timed step waits for its
+  // predecessor's overlapped parameter gather, as in a run of this configuration alone (the
+  // gather left by a turn's last step is waited for by the next turn's untimed step).
   void turn(int steps, const testing::CountingAllocatorGuard& counting) {
     step(false, counting);
     const double sent_before = sent_so_far(*comm_);
@@ -242,8 +248,8 @@ class ConfigRun {
     Figures f;
     const double steps = static_cast<double>(step_ms_.size());
     const double n = comm_->size();
-    // Less the benchmark's own all-reduces: a barrier (8 bytes) and two timings (8 each) a step.
-    f.sent_bytes = (sent_ - steps * 3 * 8 * 2 * (n - 1) / n) / steps;
+    // Less the benchmark's own all-reduces, 8 bytes each: a barrier and three timings a step.
+    f.sent_bytes = (sent_ - steps * 4 * 8 * 2 * (n - 1) / n) / steps;
     f.step_ms = median(step_ms_);
     f.backward_ms = median(backward_ms_);
     f.finish_ms = *std::min_element(finish_ms_.begin(), finish_ms_.end());
