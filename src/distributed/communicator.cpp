@@ -44,6 +44,20 @@ void check_tensor(const at::Tensor& t, const char* op, const char* arg) {
 
 std::string what_of(const c10::Error& e) { return e.what_without_backtrace(); }
 
+// True when `part` lies apart from `whole`, false when it is exactly chunk `rank` of it (the
+// in-place form of a reduce-scatter's output or an all-gather's input); throws otherwise.
+bool lies_apart(const at::Tensor& whole, const at::Tensor& part, int rank, const char* op,
+                const char* part_name, const char* whole_name) {
+  const char* whole_begin = static_cast<const char*>(whole.const_data_ptr());
+  const char* part_begin = static_cast<const char*>(part.const_data_ptr());
+  const bool apart =
+      part_begin + part.nbytes() <= whole_begin || whole_begin + whole.nbytes() <= part_begin;
+  TORCH_CHECK(apart || part_begin == whole_begin + rank * part.nbytes(),
+              "[mixprec::distributed::", op, "] ", part_name, " overlaps ", whole_name,
+              " other than as this rank's chunk of it");
+  return apart;
+}
+
 // Children of `rank` in Gloo's binomial broadcast tree rooted at `root` (gloo/broadcast.cc):
 // how many times this rank sends the buffer.
 int binomial_tree_sends(int rank, int root, int size) {
@@ -181,8 +195,9 @@ Communicator::Communicator(c10::intrusive_ptr<c10d::Backend> backend,
   gloo_ = backend_->getBackendName() == "gloo";
 }
 
-bool Communicator::has_native_reduce_scatter() const { return !gloo_ || size_ == 2; }
-bool Communicator::has_native_all_gather() const { return !gloo_ || size_ == 2; }
+bool Communicator::exchanges_pairwise() const { return gloo_ && size_ == 2; }
+bool Communicator::has_native_reduce_scatter() const { return !gloo_ || exchanges_pairwise(); }
+bool Communicator::has_native_all_gather() const { return !gloo_ || exchanges_pairwise(); }
 
 Communicator::~Communicator() = default;
 
@@ -244,15 +259,9 @@ PendingCollective Communicator::reduce_scatter_sum(const at::Tensor& input,
               "[mixprec::distributed::reduce_scatter_sum] input has ", input.numel(),
               " elements; it must have world size (", size_, ") x output (", output.numel(),
               ") elements");
-  const char* in_begin = static_cast<const char*>(input.const_data_ptr());
-  const char* out_begin = static_cast<const char*>(output.const_data_ptr());
-  const bool apart =
-      in_begin + input.nbytes() <= out_begin || out_begin + output.nbytes() <= in_begin;
-  TORCH_CHECK(apart || out_begin == in_begin + rank_ * output.nbytes(),
-              "[mixprec::distributed::reduce_scatter_sum] output overlaps input other than as "
-              "this rank's chunk of it");
+  (void)lies_apart(input, output, rank_, "reduce_scatter_sum", "output", "input");
   if (input.numel() == 0) return {};
-  if (gloo_ && size_ == 2 && input.is_cpu()) return exchange_halves(input, output);
+  if (exchanges_pairwise() && input.is_cpu()) return exchange_halves(input, output);
   const double n = size_, bytes = static_cast<double>(input.nbytes());
   count(Collective::kReduceScatter, static_cast<int64_t>(input.nbytes()),
         bytes * (gloo_ ? 2.0 : 1.0) * (n - 1) / n);
@@ -333,19 +342,12 @@ PendingCollective Communicator::all_gather(const at::Tensor& input, const at::Te
               " elements; it must have world size (", size_, ") x input (", input.numel(),
               ") elements");
   if (input.numel() == 0) return {};
-  const char* in_begin = static_cast<const char*>(input.const_data_ptr());
-  const char* out_begin = static_cast<const char*>(output.const_data_ptr());
-  const bool apart =
-      in_begin + input.nbytes() <= out_begin || out_begin + output.nbytes() <= in_begin;
-  const bool own_chunk = in_begin == out_begin + rank_ * input.nbytes();
-  TORCH_CHECK(apart || own_chunk,
-              "[mixprec::distributed::all_gather] input overlaps output other than as this "
-              "rank's chunk of it");
+  const bool apart = lies_apart(output, input, rank_, "all_gather", "input", "output");
   const double n = size_, bytes = static_cast<double>(output.nbytes());
   count(Collective::kAllGather, static_cast<int64_t>(output.nbytes()), bytes * (n - 1) / n);
   at::Tensor in = input.view({-1});
   at::Tensor out = output.view({-1});
-  if (gloo_ && size_ == 2 && in.is_cpu()) {
+  if (exchanges_pairwise() && in.is_cpu()) {
     // Two ranks: send this rank's chunk, receive the other's in place.
     if (apart) out.narrow(0, rank_ * in.numel(), in.numel()).copy_(in);
     return exchange(out.narrow(0, (1 - rank_) * in.numel(), in.numel()), in,

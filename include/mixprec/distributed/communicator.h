@@ -154,6 +154,8 @@ class Communicator {
  private:
   friend class PendingCollective;
   PendingCollective all_reduce(const at::Tensor& tensor, int op, const char* name);
+  // Gloo with two ranks: reduce-scatter and all-gather of CPU tensors are exchanges.
+  bool exchanges_pairwise() const;
   // Gloo, two ranks: receive into `receive` from the other rank while sending it `send`, one
   // tag for both; `then` completes the collective in wait().
   PendingCollective exchange(at::Tensor receive, at::Tensor send, std::string what,
