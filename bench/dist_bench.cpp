@@ -240,8 +240,8 @@ class ConfigRun {
     for (int i = 0; i < steps; ++i) step(true, counting);
     sent_ += sent_so_far(*comm_) - sent_before;
   }
-  void warm_up(const testing::CountingAllocatorGuard& counting) {
-    for (int i = 0; i < kWarmup; ++i) step(false, counting);
+  void untimed(int steps, const testing::CountingAllocatorGuard& counting) {
+    for (int i = 0; i < steps; ++i) step(false, counting);
   }
 
   Figures figures() const {
@@ -307,11 +307,11 @@ int worker(const std::string& model, int steps) {
   // The first configuration's peak is its own: measured after as many steps as are timed,
   // before the others exist.
   runs.push_back(std::make_unique<ConfigRun>(comm, model, configs[0]));
-  for (int done = 0; done < steps; done += kWarmup) runs.back()->warm_up(counting);
+  runs.back()->untimed(kWarmup + steps, counting);
   const double zero1_peak_mib = reduce_max(*comm, status_mib("VmHWM") - baseline_mib);
   for (std::size_t c = 1; c < std::size(configs); ++c) {
     runs.push_back(std::make_unique<ConfigRun>(comm, model, configs[c]));
-    runs.back()->warm_up(counting);
+    runs.back()->untimed(kWarmup, counting);
   }
   constexpr int kStepsPerTurn = 4;
   for (int done = 0; done < steps; done += kStepsPerTurn) {
