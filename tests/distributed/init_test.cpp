@@ -139,7 +139,12 @@ TEST(SingleProcess, BadArgumentsFailBeforeSending) {
               comm->all_gather(both.narrow(0, 1, 4), both.narrow(0, 0, 4)).wait();
             }).find("overlaps output other than as this rank's chunk"),
             std::string::npos);
+  EXPECT_NE(error_of([&] {
+              comm->reduce_scatter_sum(both.narrow(0, 0, 4), both.narrow(0, 1, 4)).wait();
+            }).find("reduce_scatter_sum] output overlaps input other than as this rank's chunk"),
+            std::string::npos);
   EXPECT_EQ(comm->traffic(Collective::kAllReduce).calls, 0);
+  EXPECT_EQ(comm->traffic(Collective::kReduceScatter).calls, 0);
 }
 
 // A caller's own backend or process group plugs in unchanged.

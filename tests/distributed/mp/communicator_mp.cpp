@@ -106,8 +106,15 @@ TEST(Collectives, TwoRankExchangeSumsAsTheAllReduceAndReusesItsBuffer) {
     comm.reduce_scatter_sum(input, input.narrow(0, rank * 4096, 4096)).wait();
   }
   EXPECT_EQ(counting.allocations(), 0);
-  // Each exchange adds the peer's half, which it never changes: 1 + 1, then + 1 three times.
-  EXPECT_EQ(input[rank * 4096].item<float>(), 5.0f);
+  // An output that overlaps the input other than as this rank's chunk is refused before
+  // anything is sent: the next exchange still pairs with the peer's.
+  EXPECT_NE(error_of([&] {
+              comm.reduce_scatter_sum(input, input.narrow(0, peer * 4096, 4096)).wait();
+            }).find("output overlaps input other than as this rank's chunk"),
+            std::string::npos);
+  comm.reduce_scatter_sum(input, input.narrow(0, rank * 4096, 4096)).wait();
+  // Each exchange adds the peer's half, which it never changes: 1 + 1, then + 1 four times.
+  EXPECT_EQ(input[rank * 4096].item<float>(), 6.0f);
 }
 
 TEST(Collectives, AllGatherEveryDtypeAndSizeWithPadding) {
