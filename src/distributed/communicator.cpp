@@ -1,6 +1,7 @@
 #include "mixprec/distributed/communicator.h"
 
 #include <ATen/ATen.h>
+#include <c10/core/impl/DeviceGuardImplInterface.h>
 #include <c10/util/Exception.h>
 #include <torch/csrc/distributed/c10d/Backend.hpp>
 #include <torch/csrc/distributed/c10d/Work.hpp>
@@ -56,6 +57,14 @@ bool lies_apart(const at::Tensor& whole, const at::Tensor& part, int rank, const
               "[mixprec::distributed::", op, "] ", part_name, " overlaps ", whole_name,
               " other than as this rank's chunk of it");
   return apart;
+}
+
+// What wait() does after a collective that ran on `staged`, a device copy of `host`: copy the
+// result back (wait() has ordered the current stream after the backend's). Nothing when the
+// collective ran on the tensor itself.
+std::function<void()> copy_back(const at::Tensor& host, const at::Tensor& staged) {
+  if (!staged.defined()) return nullptr;
+  return [host, staged] { host.copy_(staged); };
 }
 
 // Children of `rank` in Gloo's binomial broadcast tree rooted at `root` (gloo/broadcast.cc):
@@ -193,6 +202,14 @@ Communicator::Communicator(c10::intrusive_ptr<c10d::Backend> backend,
   TORCH_CHECK(size_ >= 1 && rank_ >= 0 && rank_ < size_,
               "[mixprec::distributed::Communicator] backend reports rank ", rank_, " of ", size_);
   gloo_ = backend_->getBackendName() == "gloo";
+  device_memory_only_ = backend_->getBackendName() == "nccl";
+}
+
+at::Tensor Communicator::device_copy_of(const at::Tensor& t) const {
+  if (!device_memory_only_ || !t.is_cpu()) return {};
+  // The current CUDA device, asked through c10's registry: this file compiles without CUDA.
+  const c10::Device device = c10::impl::getDeviceGuardImpl(c10::DeviceType::CUDA)->getDevice();
+  return t.to(device);
 }
 
 bool Communicator::exchanges_pairwise() const { return gloo_ && size_ == 2; }
@@ -229,12 +246,15 @@ PendingCollective Communicator::all_reduce(const at::Tensor& tensor, int op, con
   if (tensor.numel() == 0) return {};
   const double n = size_, bytes = static_cast<double>(tensor.nbytes());
   count(Collective::kAllReduce, static_cast<int64_t>(tensor.nbytes()), bytes * 2 * (n - 1) / n);
-  std::vector<at::Tensor> tensors{tensor};
+  const at::Tensor staged = device_copy_of(tensor);
+  std::vector<at::Tensor> tensors{staged.defined() ? staged : tensor};
   c10d::AllreduceOptions options;
   options.reduceOp = c10d::ReduceOp(static_cast<c10d::ReduceOp::RedOpType>(op));
   options.timeout = timeout_;
-  return {backend_->allreduce(tensors, options), std::string(name) + " of " + describe(tensor),
-          this};
+  return {{backend_->allreduce(tensors, options)},
+          std::string(name) + " of " + describe(tensor),
+          this,
+          copy_back(tensor, staged)};
 }
 
 PendingCollective Communicator::all_reduce_sum(const at::Tensor& tensor) {
@@ -268,10 +288,17 @@ PendingCollective Communicator::reduce_scatter_sum(const at::Tensor& input,
   // The backend sees 1-D tensors, so "chunk `rank` of dimension 0" is the flat range above.
   at::Tensor in = input.view({-1});
   at::Tensor out = output.view({-1});
+  const at::Tensor staged_in = device_copy_of(in);
+  const at::Tensor staged_out =
+      staged_in.defined() ? at::empty_like(out, staged_in.options()) : at::Tensor();
   c10d::ReduceScatterOptions options;
   options.timeout = timeout_;
-  return {backend_->_reduce_scatter_base(out, in, options),
-          "reduce_scatter_sum of " + describe(input), this};
+  at::Tensor to = staged_out.defined() ? staged_out : out;
+  at::Tensor from = staged_in.defined() ? staged_in : in;
+  return {{backend_->_reduce_scatter_base(to, from, options)},
+          "reduce_scatter_sum of " + describe(input),
+          this,
+          copy_back(out, staged_out)};
 }
 
 int Communicator::next_exchange_tag() {
@@ -353,9 +380,18 @@ PendingCollective Communicator::all_gather(const at::Tensor& input, const at::Te
     return exchange(out.narrow(0, (1 - rank_) * in.numel(), in.numel()), in,
                     "all_gather (two-rank exchange) of " + describe(output), nullptr);
   }
+  const at::Tensor staged_out = device_copy_of(out);
+  const at::Tensor staged_in = !staged_out.defined() ? at::Tensor()
+                               : apart               ? in.to(staged_out.device())
+                                       : staged_out.narrow(0, rank_ * in.numel(), in.numel());
   c10d::AllgatherOptions options;
   options.timeout = timeout_;
-  return {backend_->_allgather_base(out, in, options), "all_gather of " + describe(output), this};
+  at::Tensor to = staged_out.defined() ? staged_out : out;
+  at::Tensor from = staged_in.defined() ? staged_in : in;
+  return {{backend_->_allgather_base(to, from, options)},
+          "all_gather of " + describe(output),
+          this,
+          copy_back(out, staged_out)};
 }
 
 PendingCollective Communicator::broadcast(const at::Tensor& tensor, int root) {
@@ -368,13 +404,16 @@ PendingCollective Communicator::broadcast(const at::Tensor& tensor, int root) {
   const double bytes = static_cast<double>(tensor.nbytes());
   count(Collective::kBroadcast, static_cast<int64_t>(tensor.nbytes()),
         bytes * binomial_tree_sends(rank_, root, size_));
-  std::vector<at::Tensor> tensors{tensor};
+  const at::Tensor staged = device_copy_of(tensor);
+  std::vector<at::Tensor> tensors{staged.defined() ? staged : tensor};
   c10d::BroadcastOptions options;
   options.rootRank = root;
   options.rootTensor = 0;
   options.timeout = timeout_;
-  return {backend_->broadcast(tensors, options),
-          "broadcast from rank " + std::to_string(root) + " of " + describe(tensor), this};
+  return {{backend_->broadcast(tensors, options)},
+          "broadcast from rank " + std::to_string(root) + " of " + describe(tensor),
+          this,
+          copy_back(tensor, staged)};
 }
 
 std::vector<std::string> Communicator::all_gather_strings(const std::string& mine) {

@@ -4,6 +4,7 @@
 
 #include <ATen/ATen.h>
 #include <gtest/gtest.h>
+#include <torch/cuda.h>
 #include <torch/csrc/distributed/c10d/HashStore.hpp>
 #include <torch/csrc/distributed/c10d/ProcessGroup.hpp>
 
@@ -174,6 +175,41 @@ TEST(SingleProcess, NcclIsRefusedClearlyWithoutCuda) {
   options.backend = BackendKind::kNccl;
   EXPECT_NE(error_of([&] { init_single_process(options); }).find("no NCCL backend"),
             std::string::npos);
+}
+
+// On a GPU machine (scripts/gpu-check.sh): a one-rank NCCL group runs every collective on
+// device tensors, and on host tensors through a device copy (the library's agreements are host
+// tensors). Skipped elsewhere.
+TEST(SingleProcess, NcclRunsEveryCollectiveOnDeviceAndHostTensors) {
+  if (!nccl_available() || !torch::cuda::is_available())
+    GTEST_SKIP() << "needs a CUDA LibTorch and a visible GPU";
+  InitOptions options;
+  options.backend = BackendKind::kNccl;
+  options.timeout = std::chrono::seconds(60);
+  auto comm = init_single_process(options);
+  EXPECT_EQ(comm->backend_name(), "nccl");
+  for (const c10::Device device : {c10::Device(at::kCUDA, 0), c10::Device(at::kCPU)}) {
+    SCOPED_TRACE(device.str());
+    const auto on = at::TensorOptions(at::kFloat).device(device);
+    at::Tensor t = at::arange(6, on);
+    comm->all_reduce_sum(t).wait();
+    comm->all_reduce_max(t).wait();
+    EXPECT_TRUE(at::equal(t.cpu(), at::arange(6, at::kFloat)));
+    at::Tensor out = at::full({6}, -1.0, on);
+    comm->reduce_scatter_sum(t, out).wait();
+    EXPECT_TRUE(at::equal(out.cpu(), at::arange(6, at::kFloat)));
+    at::Tensor gathered = at::full({6}, -1.0, on);
+    comm->all_gather(t, gathered).wait();
+    EXPECT_TRUE(at::equal(gathered.cpu(), at::arange(6, at::kFloat)));
+    comm->all_gather(gathered, gathered).wait();  // in place: the input is this rank's chunk
+    EXPECT_TRUE(at::equal(gathered.cpu(), at::arange(6, at::kFloat)));
+    at::Tensor ids = at::arange(4, at::TensorOptions(at::kLong).device(device));
+    comm->broadcast(ids, 0).wait();
+    EXPECT_TRUE(at::equal(ids.cpu(), at::arange(4, at::kLong)));
+    EXPECT_TRUE(t.device() == device && ids.device() == device);
+  }
+  EXPECT_EQ(comm->all_gather_strings("rank zero"), std::vector<std::string>{"rank zero"});
+  comm->barrier();
 }
 
 }  // namespace MIXPREC_UNITY_ID

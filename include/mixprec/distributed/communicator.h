@@ -13,7 +13,10 @@
 //
 // Tensors: dense, contiguous, on the backend's device; dtypes Float, Double, BFloat16, Half,
 // Long and Byte. Throws c10::Error "[mixprec::distributed::<op>] ..." otherwise, before anything is
-// sent.
+// sent. One exception: NCCL moves device memory only, so a CPU tensor given to a group on NCCL
+// travels through a copy on the current CUDA device, and wait() copies the result back. That
+// serves the library's small agreements (gradient norms, bucket order, strings); large tensors
+// belong on the device.
 //
 // A failed collective is fatal for the group. Once a wait fails (a peer died, a timeout, ranks
 // that disagree), a collective may still be running in the backend and writing into the
@@ -164,11 +167,15 @@ class Communicator {
   int next_exchange_tag();
   void keep_until_done(std::vector<c10::intrusive_ptr<c10d::Work>> works) noexcept;
   void count(Collective collective, int64_t payload_bytes, double bytes_sent);
+  // A CPU tensor on a backend that moves device memory only (NCCL): its copy on the current
+  // CUDA device. Otherwise undefined: the tensor goes to the backend as it is.
+  at::Tensor device_copy_of(const at::Tensor& t) const;
 
   c10::intrusive_ptr<c10d::Backend> backend_;
   std::chrono::milliseconds timeout_;
   int rank_, size_;
   bool gloo_ = false;
+  bool device_memory_only_ = false;  // NCCL
   struct Counter {
     std::atomic<int64_t> calls{0}, payload{0}, sent{0};
   };
