@@ -11,6 +11,7 @@
 #include "mixprec/checkpoint/training_state.h"
 
 #include "checkpoint/support_training.h"
+#include "support/remove_tree.h"
 #include "support/test_env.h"
 
 #include <gtest/gtest.h>
@@ -73,7 +74,7 @@ TEST(CrashDuringSave, EveryKillPointLeavesALoadableLatest) {
     EXPECT_LE(leftovers, was_killed ? 1 : 0) << "stale staging accumulates, point " << point;
     // Undo a finished save so the next run saves "final" again from step-5.
     if (fs::exists(root / "final")) {
-      fs::remove_all(root / "final");
+      mixprec::testing::remove_tree(root / "final");
       write_latest(root, "step-5");
     }
     if (!was_killed) {
@@ -85,7 +86,7 @@ TEST(CrashDuringSave, EveryKillPointLeavesALoadableLatest) {
   EXPECT_EQ(killed, completed - 1);
   std::printf("crash test: %d kill points tried, save completes after %d crash points\n", killed,
               completed - 1);
-  fs::remove_all(root);
+  mixprec::testing::remove_tree(root);
 }
 
 }  // namespace MIXPREC_UNITY_ID

@@ -2,6 +2,7 @@
 #pragma once
 
 #include "metrics.h"
+#include "support/remove_tree.h"
 #include "support/test_env.h"
 
 #include <nlohmann/json.hpp>
@@ -45,10 +46,7 @@ class Scratch {
     if (::mkdtemp(templ.data()) == nullptr) throw std::runtime_error("mkdtemp failed");
     path_ = templ;
   }
-  ~Scratch() {
-    std::error_code ec;
-    fs::remove_all(path_, ec);
-  }
+  ~Scratch() { mixprec::testing::remove_tree(path_); }
   Scratch(const Scratch&) = delete;
   Scratch& operator=(const Scratch&) = delete;
   const fs::path& path() const { return path_; }

@@ -11,6 +11,7 @@
 #include "mixprec/checkpoint/format/verify.h"
 
 #include "format_test_util.h"
+#include "support/remove_tree.h"
 
 #include <signal.h>
 #include <sys/wait.h>
@@ -115,7 +116,7 @@ void kill_everywhere(const std::filesystem::path& tmp, const std::filesystem::pa
       EXPECT_FALSE(name.starts_with(".tmp-") || name.starts_with("latest."))
           << "stale " << name << " left after crash point " << k;
     }
-    std::filesystem::remove_all(root);
+    mixprec::testing::remove_tree(root);
   }
   EXPECT_EQ(killed, points);
   EXPECT_GT(saw_new_latest, 0u);

@@ -8,6 +8,7 @@
 #include "mixprec/checkpoint/format/manifest.h"
 #include "mixprec/checkpoint/format/root_writer.h"
 #include "mixprec/checkpoint/format/safetensors_writer.h"
+#include "support/remove_tree.h"
 
 #include <gtest/gtest.h>
 
@@ -33,10 +34,7 @@ class TempDir {
     if (::mkdtemp(templ.data()) == nullptr) throw std::runtime_error("mkdtemp failed");
     path_ = templ;
   }
-  ~TempDir() {
-    std::error_code ec;
-    std::filesystem::remove_all(path_, ec);
-  }
+  ~TempDir() { mixprec::testing::remove_tree(path_); }
   TempDir(const TempDir&) = delete;
   TempDir& operator=(const TempDir&) = delete;
   const std::filesystem::path& path() const { return path_; }
@@ -135,20 +133,20 @@ inline std::map<std::filesystem::path, FileStamp> current_stamps(
 // Replaces `path` (a file or directory) by a symbolic link to `target`.
 inline void replace_with_symlink(const std::filesystem::path& path,
                                  const std::filesystem::path& target) {
-  std::filesystem::remove_all(path);
+  mixprec::testing::remove_tree(path);
   std::filesystem::create_symlink(target, path);
 }
 
 // Replaces `path` by a FIFO. A reader that opens it without O_NONBLOCK blocks forever.
 inline void replace_with_fifo(const std::filesystem::path& path) {
-  std::filesystem::remove_all(path);
+  mixprec::testing::remove_tree(path);
   if (::mkfifo(path.c_str(), 0644) != 0) throw std::runtime_error("mkfifo " + path.string());
 }
 
 // Replaces `path` by a character device node like /dev/null (1, 3). Returns false where the
 // process may not create device nodes (no CAP_MKNOD), so the caller can skip.
 inline bool replace_with_char_device(const std::filesystem::path& path) {
-  std::filesystem::remove_all(path);
+  mixprec::testing::remove_tree(path);
   return ::mknod(path.c_str(), S_IFCHR | 0644, makedev(1, 3)) == 0;
 }
 

@@ -13,6 +13,7 @@
 #include "mixprec/checkpoint/training_state.h"
 #include "mixprec/distributed/collective_checkpoint.h"
 #include "mixprec/distributed/init.h"
+#include "support/remove_tree.h"
 
 #include <gtest/gtest.h>
 
@@ -107,7 +108,7 @@ uint64_t points_before_first_piece(int rank) {
       auto staging = writer.stage("probe");
     }
     opening = checkpoint::detail::crash_points_reached();
-    fs::remove_all(scratch);
+    remove_tree(scratch);
   }
   return opening + 3;
 }

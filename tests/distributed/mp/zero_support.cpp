@@ -1,6 +1,7 @@
 #include "distributed/mp/zero_support.h"
 
 #include "mixprec/checkpoint/format/state_keys.h"
+#include "support/remove_tree.h"
 
 #include <gtest/gtest.h>
 #include <torch/optim/adamw.h>
@@ -64,8 +65,7 @@ SharedTempDir::SharedTempDir() {
 SharedTempDir::~SharedTempDir() {
   world().barrier();
   if (world().rank() == 0) {
-    std::error_code ec;
-    std::filesystem::remove_all(path_, ec);
+    remove_tree(path_);
   }
 }
 
