@@ -62,8 +62,10 @@ std::unique_ptr<optim::Float16Optimizer> make_optimizer(const Interleaved& model
                                                    std::make_unique<Options>(options), mixed);
 }
 
+// Same dtype, shape and bits, wherever each tensor lives.
 inline bool bitwise_equal(const at::Tensor& a, const at::Tensor& b) {
-  return a.scalar_type() == b.scalar_type() && a.sizes() == b.sizes() && at::equal(a, b);
+  return a.scalar_type() == b.scalar_type() && a.sizes() == b.sizes() &&
+         (a.device() == b.device() ? at::equal(a, b) : at::equal(a.cpu(), b.cpu()));
 }
 
 }  // namespace mixprec::testing

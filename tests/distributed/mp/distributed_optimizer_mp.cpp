@@ -92,7 +92,10 @@ struct Trainer {
       optimizer->zero_grad();
     }
     at::Tensor loss = model->loss(x);
-    if (poison.defined()) loss = loss + (model->head->weight.to(at::kFloat) * poison).sum();
+    if (poison.defined()) {
+      const at::Tensor& w = model->head->weight;
+      loss = loss + (w.to(at::kFloat) * poison.to(w.device())).sum();
+    }
     (loss * loss_scale()).backward();
   }
   optim::StepResult update() {

@@ -72,15 +72,29 @@ struct OffloadTrainer {
   }
 };
 
-void expect_same_model(MixedNet& a, MixedNet& b, const std::string& what) {
+// Bitwise, or (`bitwise` false) within the rounding that differs between two processors'
+// arithmetic: a few units in the last place of the tensor's dtype.
+bool matches(const at::Tensor& a, const at::Tensor& b, bool bitwise) {
+  if (bitwise) return bitwise_equal(a, b);
+  const double rtol = a.scalar_type() == at::kFloat ? 1e-5 : 2e-2;
+  return a.scalar_type() == b.scalar_type() && a.sizes() == b.sizes() &&
+         at::allclose(a.cpu().to(at::kFloat), b.cpu().to(at::kFloat), rtol, 1e-6);
+}
+
+void expect_same_model(MixedNet& a, MixedNet& b, const std::string& what, bool bitwise = true) {
   auto theirs = b->named_parameters();
   for (const auto& item : a->named_parameters()) {
-    EXPECT_TRUE(bitwise_equal(item.value(), theirs[item.key()])) << what << ": " << item.key();
+    EXPECT_TRUE(matches(item.value(), theirs[item.key()], bitwise)) << what << ": " << item.key();
   }
 }
 
 TEST(DistributedOptimizer, OffloadedShardsStepBitwiseAsWithoutOffloading) {
   const int n = world().size();
+  // The offloaded step runs on the host. With the model there too, that is the arithmetic of
+  // the plain step, bit for bit; with the model on a GPU (scripts/gpu-check.sh) the plain step
+  // runs on the GPU, which rounds differently, so the two are only close, and the bitwise
+  // reference is the offloaded single process (the same host arithmetic on the same gradients).
+  const bool same_processor = test_device().is_cpu();
   for (at::ScalarType half : {at::kBFloat16, at::kHalf}) {
     for (const auto& algo : offload_algorithms()) {
       for (int64_t chunk_bytes : {int64_t{256}, int64_t{1} << 20}) {
@@ -100,9 +114,13 @@ TEST(DistributedOptimizer, OffloadedShardsStepBitwiseAsWithoutOffloading) {
           const optim::StepResult z = zero.step(x), o = offloaded.step(x);
           single.step(x);
           EXPECT_EQ(z.success, o.success);
-          EXPECT_EQ(z.grad_norm, o.grad_norm);
+          if (same_processor) {
+            EXPECT_EQ(z.grad_norm, o.grad_norm);
+          } else {
+            EXPECT_NEAR(z.grad_norm, o.grad_norm, 1e-6 * z.grad_norm);
+          }
         }
-        expect_same_model(offloaded.model, zero.model, "offloaded vs plain ZeRO-1");
+        expect_same_model(offloaded.model, zero.model, "offloaded vs plain ZeRO-1", same_processor);
         if ((n & (n - 1)) == 0) {
           expect_same_model(offloaded.model, single.model, "vs offloaded single process");
         }
@@ -115,14 +133,14 @@ TEST(DistributedOptimizer, OffloadedShardsStepBitwiseAsWithoutOffloading) {
         for (size_t i = 0; i < o_shards.size(); ++i) {
           const auto& a = o_shards[i];
           const auto& b = z_shards[i];
-          EXPECT_TRUE(bitwise_equal(a.master.defined() ? a.master : a.param,
-                                    b.master.defined() ? b.master : b.param))
+          EXPECT_TRUE(matches(a.master.defined() ? a.master : a.param,
+                              b.master.defined() ? b.master : b.param, same_processor))
               << a.shard.fqn;
           ASSERT_EQ(a.state.size(), b.state.size());
           for (size_t k = 0; k < a.state.size(); ++k) {
             EXPECT_EQ(a.state[k].defined(), b.state[k].defined()) << a.shard.fqn;
             if (a.state[k].defined()) {
-              EXPECT_TRUE(bitwise_equal(a.state[k], b.state[k])) << a.shard.fqn;
+              EXPECT_TRUE(matches(a.state[k], b.state[k], same_processor)) << a.shard.fqn;
             }
           }
         }

@@ -8,7 +8,9 @@
 #include <c10/util/Exception.h>
 #include <gtest/gtest.h>
 
+#include <cstdlib>
 #include <iostream>
+#include <string>
 
 namespace {
 
@@ -33,6 +35,10 @@ int main(int argc, char** argv) {
   try {
     mixprec::distributed::InitOptions options;
     options.timeout = std::chrono::seconds(60);
+    // The GPU check (scripts/gpu-check.sh) runs these cases on NCCL and CUDA tensors.
+    const char* backend = std::getenv("MIXPREC_TEST_BACKEND");
+    if (backend != nullptr && std::string(backend) == "nccl")
+      options.backend = mixprec::distributed::BackendKind::kNccl;
     mixprec::testing::set_world(mixprec::distributed::init_from_env(options));
   } catch (const c10::Error& e) {
     std::cerr << "distributed_mp_tests: " << e.what_without_backtrace() << std::endl;
@@ -54,5 +60,8 @@ int main(int argc, char** argv) {
     // A test broke the group (a rank was killed on purpose): the status already says so.
     if (status == 0) throw;
   }
+  // Before exit, not in static destruction: by then CUDA may be unloaded, and NCCL's group
+  // aborts the process if it is destroyed after that.
+  mixprec::testing::set_world(nullptr);
   return status;
 }

@@ -20,6 +20,11 @@ void set_world(std::shared_ptr<distributed::Communicator> comm) { world_slot() =
 distributed::Communicator& world() { return *world_slot(); }
 std::shared_ptr<distributed::Communicator> world_ptr() { return world_slot(); }
 
+c10::Device test_device() {
+  if (world().backend_name() == "nccl") return {c10::DeviceType::CUDA, 0};
+  return c10::Device(c10::DeviceType::CPU);
+}
+
 c10::intrusive_ptr<c10d::Store> test_store(const std::string& prefix,
                                            std::chrono::milliseconds timeout) {
   const distributed::LauncherEnv env = distributed::read_launcher_env();
@@ -33,7 +38,7 @@ c10::intrusive_ptr<c10d::Store> test_store(const std::string& prefix,
 }
 
 bool same_on_all_ranks(const at::Tensor& t) {
-  const at::Tensor bytes = t.contiguous().view(at::kByte).view({-1});
+  const at::Tensor bytes = t.cpu().contiguous().view(at::kByte).view({-1});
   std::string description = std::string(c10::toString(t.scalar_type())) + " [";
   for (int64_t d : t.sizes()) description += std::to_string(d) + ",";
   description += "] ";
@@ -57,6 +62,7 @@ MixedNetImpl::MixedNetImpl(at::ScalarType half, uint64_t seed) : half(half) {
   head = register_module("head", Linear(LinearOptions(7, 5)));
   scale = register_parameter("scale", keep_in_fp32(at::rand({5}) + 0.5));
   convert_module_to_dtype_except_fp32_marked(*this, half);
+  to(test_device());
 }
 
 at::Tensor MixedNetImpl::loss(const at::Tensor& x) {
@@ -68,13 +74,13 @@ at::Tensor MixedNetImpl::loss(const at::Tensor& x) {
 
 at::Tensor batch(int64_t step, int rank) {
   at::manual_seed(1000 + step * 17 + (rank >= 0 ? 7919 * (rank + 1) : 0));
-  return at::randn({6, 13});
+  return at::randn({6, 13}).to(test_device());
 }
 
 at::Tensor gather_pieces(const at::Tensor& local, int64_t begin, int64_t end) {
   distributed::Communicator& comm = world();
   const int n = comm.size();
-  const at::Tensor values = local.to(at::kFloat).contiguous().view({-1});
+  const at::Tensor values = local.to(at::kFloat).cpu().contiguous().view({-1});
   const int64_t numel = values.numel();
   at::Tensor all = at::empty({numel * n}, at::kFloat);
   comm.all_gather(values, all).wait();

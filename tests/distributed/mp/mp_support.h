@@ -23,6 +23,9 @@ namespace mixprec::testing {
 distributed::Communicator& world();
 std::shared_ptr<distributed::Communicator> world_ptr();
 void set_world(std::shared_ptr<distributed::Communicator> comm);  // once, from mp_main.cpp
+// Where the tests' models and batches live: the current CUDA device when the group runs on
+// NCCL (MIXPREC_TEST_BACKEND=nccl, scripts/gpu-check.sh), else the CPU.
+c10::Device test_device();
 // A client of torchrun's agent store under its own key prefix, for tests that form groups of
 // their own.
 c10::intrusive_ptr<c10d::Store> test_store(
@@ -35,7 +38,8 @@ bool same_on_all_ranks(const at::Tensor& t);
 //   fc1.weight 16x13, fc1.bias 16   half      gate 16                     FP32 (kept)
 //   fc2.weight 7x16, fc2.bias 7     half      frozen.weight 7x7, .bias 7  half, frozen
 //   head.weight 5x7, head.bias 5    half      scale 5                     FP32 (kept)
-// `half` is BFloat16 or Half. Built from a fixed seed: identical on every rank and call.
+// `half` is BFloat16 or Half. Built from a fixed seed: identical on every rank and call; on
+// test_device().
 struct MixedNetImpl : torch::nn::Module {
   explicit MixedNetImpl(at::ScalarType half = at::kBFloat16, uint64_t seed = 1234);
   at::Tensor loss(const at::Tensor& x);
@@ -45,7 +49,8 @@ struct MixedNetImpl : torch::nn::Module {
 };
 TORCH_MODULE(MixedNet);
 
-// A batch for step `step`: the same on every rank unless `rank` >= 0 (then rank-dependent).
+// A batch for step `step`: the same on every rank unless `rank` >= 0 (then rank-dependent);
+// on test_device().
 at::Tensor batch(int64_t step, int rank = -1);
 
 // `values` of a parameter's pieces gathered from every rank: piece r of `fqn` is what rank r
