@@ -1,11 +1,23 @@
 #!/usr/bin/env bash
 # The device checks, in one script for a machine with an NVIDIA GPU: builds mixprec against the
-# CUDA LibTorch of whatever Python there has a CUDA torch (nothing is downloaded), then runs
-# the optimizer tests with the CUDA cases (offloading from GPU parameters: the CUDA copy
-# engine, pinned staging, side streams) required to run, not skip.
+# CUDA LibTorch of whatever Python there has a CUDA torch (nothing is downloaded), then runs,
+# each required to run rather than skip:
+#   - the optimizer's CUDA cases (offloading from GPU parameters: the CUDA copy engine, pinned
+#     staging, side streams), then every offloading and remainder case;
+#   - training-state checkpoints, which hold each CUDA device's generator state;
+#   - a one-rank NCCL group on device and host tensors (tests/distributed/init_test.cpp);
+#   - the multi-process suites (collectives, gradient reducer, model check, ZeRO-1 against one
+#     process and plain data parallelism) in one process on NCCL with the models on the GPU
+#     (MIXPREC_TEST_BACKEND=nccl). One GPU allows one NCCL rank: NCCL refuses two ranks on one
+#     device.
 #
 #   scripts/gpu-check.sh            build in build-gpu/ and run
 #   MIXPREC_PYTHON=/path/python     the Python whose torch to use (else: .venv, python3, python)
+#   MIXPREC_GPU_DEPS=/path/prefix   a prefix holding the Debian packages' files (GoogleTest,
+#                                   nlohmann-json, highway, xxhash, gloo headers) for a machine
+#                                   that lacks them and cannot fetch them (default: .gpu-deps/usr
+#                                   when it exists; `scripts/gpu-check.sh --stage-deps` fills it
+#                                   from this machine's installed packages)
 #   GPU_CHECK_JOBS=N                build parallelism (default: all cores)
 #
 # Exit status: 0 checks passed, or skipped because no Python here has a CUDA torch with a
@@ -16,6 +28,25 @@ root="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
 cd "$root"
 build="$root/build-gpu"
 say() { echo "gpu-check: $*"; }
+
+# --stage-deps: copy the installed Debian packages' files that the build needs into
+# .gpu-deps/usr (run here, before carrying .gpu-deps to a GPU machine).
+deps_packages=(libgtest-dev libgmock-dev nlohmann-json3-dev libhwy-dev libhwy1 libxxhash-dev
+  libxxhash0 libgloo-dev)
+if [[ "${1:-}" == "--stage-deps" ]]; then
+  rm -rf "$root/.gpu-deps"
+  for pkg in "${deps_packages[@]}"; do
+    dpkg -L "$pkg" >/dev/null || { say "package $pkg is not installed here"; exit 3; }
+    while read -r file; do
+      [[ -f "$file" || -L "$file" ]] || continue
+      mkdir -p "$root/.gpu-deps$(dirname "$file")"
+      cp -a "$file" "$root/.gpu-deps$file"
+    done < <(dpkg -L "$pkg")
+  done
+  rm -rf "$root/.gpu-deps/usr/share/doc" "$root/.gpu-deps/usr/share/man"
+  say "staged ${deps_packages[*]} in .gpu-deps ($(du -sh "$root/.gpu-deps" | cut -f1))"
+  exit 0
+fi
 
 # 1. A Python whose torch has CUDA and sees a device.
 probe='import torch, sys
@@ -44,6 +75,7 @@ nvidia-smi --query-gpu=name,memory.total --format=csv,noheader 2>/dev/null | sed
 # 2. The CUDA toolkit LibTorch's CMake package looks for (headers, nvcc): a system one, or
 # the pip nvidia-* packages beside this torch.
 prefix="$("$python" -c 'import torch.utils; print(torch.utils.cmake_prefix_path)')"
+site="$("$python" -c 'import os, torch; print(os.path.dirname(os.path.dirname(torch.__file__)))')"
 cuda_root=""
 for dir in "${CUDA_HOME:-}" "${CUDA_PATH:-}" /usr/local/cuda /usr/local/cuda-"$torch_cuda" /usr; do
   if [[ -n "$dir" && -x "$dir/bin/nvcc" && -f "$dir/include/cuda_runtime_api.h" ]]; then
@@ -52,7 +84,6 @@ for dir in "${CUDA_HOME:-}" "${CUDA_PATH:-}" /usr/local/cuda /usr/local/cuda-"$t
   fi
 done
 if [[ -z "$cuda_root" ]]; then
-  site="$("$python" -c 'import os, torch; print(os.path.dirname(os.path.dirname(torch.__file__)))')"
   for dir in "$site"/nvidia/cuda_nvcc "$site"/nvidia/cu*; do
     if [[ -x "$dir/bin/nvcc" ]]; then
       cuda_root="$dir"
@@ -66,45 +97,82 @@ if [[ -z "$cuda_root" ]]; then
   exit 3
 fi
 say "CUDA toolkit: $cuda_root"
+# NCCL's header: the toolkit's, or the pip nvidia-nccl package's beside this torch.
+nccl_include=""
+for header in "$cuda_root/include/nccl.h" /usr/include/nccl.h $(find "$site/nvidia" -name nccl.h 2>/dev/null); do
+  [[ -f "$header" ]] && nccl_include="$(dirname "$header")" && break
+done
+nccl_args=()
+if [[ -n "$nccl_include" ]]; then
+  say "NCCL header: $nccl_include/nccl.h"
+  nccl_args=(-DMIXPREC_NCCL_INCLUDE_DIR="$nccl_include")
+fi
 
-# 3. Configure (only the library and its tests) and build the optimizer tests.
+# 3. Configure (only the library and its tests) and build the test binaries the checks run.
+deps="${MIXPREC_GPU_DEPS:-}"
+[[ -z "$deps" && -d "$root/.gpu-deps/usr" ]] && deps="$root/.gpu-deps/usr"
+[[ -n "$deps" ]] && say "build dependencies from $deps" && prefix="$prefix;$deps"
 generator=()
-command -v ninja >/dev/null && generator=(-G Ninja)
+keep_going=()  # every compile error in one run: device time is short
+command -v ninja >/dev/null && generator=(-G Ninja) && keep_going=(-- -k 0)
+mkdir -p "$build"
 jobs="${GPU_CHECK_JOBS:-$(nproc)}"
 if ! cmake -S "$root" -B "$build" "${generator[@]}" -DCMAKE_BUILD_TYPE=Release \
   -DCMAKE_PREFIX_PATH="$prefix" -DMIXPREC_PYTHON="$python" \
-  -DCUDAToolkit_ROOT="$cuda_root" -DCMAKE_CUDA_COMPILER="$cuda_root/bin/nvcc" \
+  -DCUDAToolkit_ROOT="$cuda_root" -DCMAKE_CUDA_COMPILER="$cuda_root/bin/nvcc" "${nccl_args[@]}" \
   -DMIXPREC_BUILD_BENCH=OFF -DMIXPREC_BUILD_EXAMPLES=OFF -DMIXPREC_FUZZ_IN_TESTS=OFF \
-  >"$build.configure.log" 2>&1; then
-  tail -25 "$build.configure.log" | sed 's/^/gpu-check:   /'
-  say "CANNOT BUILD: configuring failed (log: $build.configure.log); the build needs the"
-  say "  packages scripts/common.sh lists (MIXPREC_DEBIAN_PACKAGES), which cannot be fetched here"
+  >"$build/check-configure.log" 2>&1; then
+  tail -25 "$build/check-configure.log" | sed 's/^/gpu-check:   /'
+  say "CANNOT BUILD: configuring failed (log: $build/check-configure.log); the build needs the"
+  say "  packages scripts/common.sh lists (MIXPREC_DEBIAN_PACKAGES), or MIXPREC_GPU_DEPS"
   exit 3
 fi
-if ! grep -q "building the CUDA offload copy engine" "$build.configure.log"; then
-  say "FAIL: CMake did not see a CUDA LibTorch (TORCH_CUDA_LIBRARIES empty); log: $build.configure.log"
-  exit 1
-fi
-say "building optim_tests with $jobs jobs"
+for feature in "CUDA offload copy engine" "NCCL backend"; do
+  if ! grep -q "building the $feature" "$build/check-configure.log"; then
+    say "FAIL: CMake did not build the $feature against this CUDA LibTorch; log: $build/check-configure.log"
+    exit 1
+  fi
+done
+targets=(optim_tests checkpoint_tests resume_worker distributed_tests distributed_mp_tests)
+say "building ${targets[*]} with $jobs jobs"
 start=$SECONDS
-if ! cmake --build "$build" --target optim_tests -j "$jobs" >"$build.build.log" 2>&1; then
-  grep -E "error|Error" "$build.build.log" | head -30 | sed 's/^/gpu-check:   /'
-  say "FAIL: the build failed (log: $build.build.log)"
+if ! cmake --build "$build" --target "${targets[@]}" -j "$jobs" "${keep_going[@]}" >"$build/check-build.log" 2>&1; then
+  grep -E -A3 "error:|Error " "$build/check-build.log" | head -60 | sed 's/^/gpu-check:   /'
+  say "FAIL: the build failed (log: $build/check-build.log)"
   exit 1
 fi
 say "built in $((SECONDS - start)) s"
 
-# 4. The CUDA cases must run (not skip), then every offloading and remainder case.
+# 4. The checks. `required` runs a filter that must run at least one case and pass, and skip
+# none unless ALLOW_SKIPS=1 (a multi-process suite skips its cases that need two ranks).
 status=0
-out="$build.tests.log"
-"$build/tests/optim_tests" --gtest_filter='OffloadCuda.*' 2>&1 | tee "$out" | tail -20
-if [[ ${PIPESTATUS[0]} -ne 0 ]] || ! grep -q '^\[  PASSED  \] 1 test' "$out" ||
-  grep -q '^\[  SKIPPED \]' "$out"; then
-  say "FAIL: the CUDA offloading case failed or was skipped"
-  status=1
-fi
-"$build/tests/optim_tests" --gtest_brief=1 \
-  --gtest_filter='Offload*:*Offload*:Remainder*:*Remainders*:*Holdings*:SnapshotChecks*' 2>&1 |
-  tail -8 || status=1
+required() {
+  local name="$1" log="$build/check-$1.log"
+  shift
+  say "$name: $*"
+  timeout 300 "$@" >"$log" 2>&1
+  local rc=$?
+  grep -E -A4 '^\[  (PASSED|FAILED|SKIPPED) |^\[==========\]|Failure|error' "$log" | head -60
+  if [[ $rc -ne 0 ]] || ! grep -q '^\[  PASSED  \] [1-9]' "$log" ||
+    { [[ "${ALLOW_SKIPS:-0}" != 1 ]] && grep -q '^\[  SKIPPED \]' "$log"; }; then
+    say "FAIL: $name (log: $log)"
+    status=1
+  fi
+}
+required offload-cuda "$build/tests/optim_tests" --gtest_filter='OffloadCuda.*'
+required offload "$build/tests/optim_tests" \
+  --gtest_filter='Offload*:*Offload*:Remainder*:*Remainders*:*Holdings*:SnapshotChecks*:-OffloadCuda.*'
+# Training-state checkpoints save and restore each CUDA device's generator where CUDA is.
+ALLOW_SKIPS=1 required training-state env MIXPREC_RESUME_WORKER="$build/tests/resume_worker" \
+  "$build/tests/checkpoint_tests" \
+  --gtest_filter='TrainingState.*:AsyncSave.*:*ResumeTest*'
+required nccl-group "$build/tests/distributed_tests" \
+  --gtest_filter='SingleProcess.NcclRunsEveryCollectiveOnDeviceAndHostTensors'
+# Under torchrun (some cases use its agent's store), one process.
+for suite in Collectives GradReducer ModelCheck DistributedOptimizer; do
+  ALLOW_SKIPS=1 required "nccl-$suite" env MIXPREC_TEST_BACKEND=nccl \
+    "$python" -m torch.distributed.run --standalone --nproc-per-node 1 --no-python \
+    "$build/tests/distributed_mp_tests" --gtest_filter="$suite.*:$suite/*"
+done
 [[ $status -eq 0 ]] && say "PASS" || say "FAIL"
 exit $status
