@@ -69,6 +69,7 @@
 #include <cstring>
 #include <fstream>
 #include <map>
+#include <regex>
 #include <string_view>
 #include <vector>
 
@@ -426,13 +427,27 @@ MIXPREC_IO_BENCH(BM_OursReshard3to2)->Apply([](benchmark::internal::Benchmark* b
   for (int64_t block : kReshardBlocks) b->Arg(block);
 });
 
+// Whether the --benchmark_filter given selects the benchmark `name` ("BM_RawRead",
+// "BM_OursReshard3to2/65536"), matched as Google Benchmark matches it: an extended regular
+// expression searched in the full name, "-" in front negating it, "" and "all" selecting all.
+bool selected(const std::string& name) {
+  std::string filter = benchmark::GetBenchmarkFilter();
+  if (filter.empty() || filter == "all") return true;
+  const bool negated = filter.front() == '-';
+  if (negated) filter.erase(0, 1);
+  const std::string full =
+      name + "/iterations:1/repeats:" + std::to_string(kRounds) + "/manual_time";
+  const bool found = std::regex_search(full, std::regex(filter, std::regex::extended));
+  return found != negated;
+}
+
 }  // namespace
 
 int main(int argc, char** argv) {
   // Rounds of every benchmark in random order, not each benchmark's rounds in a row: a busy
   // minute on a shared machine then slows one round of several operations, not every round of
   // one, and the fastest rounds compare like with like. (Every read finds its file: main
-  // writes them all before the first round.)
+  // writes the ones the selected benchmarks read before the first round.)
   std::vector<char*> args(argv, argv + argc);
   std::string interleave = "--benchmark_enable_random_interleaving=true";
   if (std::none_of(argv + 1, argv + argc, [](const char* a) {
@@ -456,11 +471,18 @@ int main(int argc, char** argv) {
   mixprec::bench::RatioReporter reporter;  // the probes' fastest repetitions
   int status = 0;
   try {
-    write_raw(s);
-    torch::save(s.tensors, (s.dir / "torch.pt").string());
-    fsync_file(s.dir / "torch.pt");
-    ckpt::save_checkpoint(s.dir / "ours", "step-1", s.dict);
-    for (int64_t block : kReshardBlocks) save_for_reshard(s, block);
+    // The files the selected reads need (a filtered run writes only those).
+    if (selected("BM_RawRead")) write_raw(s);
+    if (selected("BM_TorchLoad")) {
+      torch::save(s.tensors, (s.dir / "torch.pt").string());
+      fsync_file(s.dir / "torch.pt");
+    }
+    if (selected("BM_OursLoad") || selected("BM_OursVerify")) {
+      ckpt::save_checkpoint(s.dir / "ours", "step-1", s.dict);
+    }
+    for (int64_t block : kReshardBlocks) {
+      if (selected("BM_OursReshard3to2/" + std::to_string(block))) save_for_reshard(s, block);
+    }
     benchmark::RunSpecifiedBenchmarks(&reporter);
   } catch (const std::exception& e) {
     std::fprintf(stderr, "checkpoint_bench: %s\n", e.what());
