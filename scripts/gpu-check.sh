@@ -7,7 +7,8 @@
 #   - training-state checkpoints, which hold each CUDA device's generator state;
 #   - a one-rank NCCL group on device and host tensors (tests/distributed/init_test.cpp);
 #   - the multi-process suites (collectives, gradient reducer, model check, ZeRO-1 against one
-#     process and plain data parallelism) in one process on NCCL with the models on the GPU
+#     process and plain data parallelism, ZeRO-1 following its model, its state dict and
+#     collective checkpoints) in one process on NCCL with the models on the GPU
 #     (MIXPREC_TEST_BACKEND=nccl). One GPU allows one NCCL rank: NCCL refuses two ranks on one
 #     device.
 #
@@ -169,7 +170,8 @@ ALLOW_SKIPS=1 required training-state env MIXPREC_RESUME_WORKER="$build/tests/re
 required nccl-group "$build/tests/distributed_tests" \
   --gtest_filter='SingleProcess.NcclRunsEveryCollectiveOnDeviceAndHostTensors'
 # Under torchrun (some cases use its agent's store), one process.
-for suite in Collectives GradReducer ModelCheck DistributedOptimizer; do
+for suite in Collectives GradReducer ModelCheck DistributedOptimizer ZeroStateDict CollectiveCheckpoint \
+  ZeroFollowsModel; do
   ALLOW_SKIPS=1 required "nccl-$suite" env MIXPREC_TEST_BACKEND=nccl \
     "$python" -m torch.distributed.run --standalone --nproc-per-node 1 --no-python \
     "$build/tests/distributed_mp_tests" --gtest_filter="$suite.*:$suite/*"
