@@ -8,6 +8,7 @@
 
 #include <algorithm>
 #include <limits>
+#include <optional>
 #include <utility>
 
 namespace mixprec::distributed {
@@ -205,11 +206,12 @@ Communicator::Communicator(c10::intrusive_ptr<c10d::Backend> backend,
   device_memory_only_ = backend_->getBackendName() == "nccl";
 }
 
-at::Tensor Communicator::device_copy_of(const at::Tensor& t) const {
-  if (!device_memory_only_ || !t.is_cpu()) return {};
-  // The current CUDA device, asked through c10's registry: this file compiles without CUDA.
-  const c10::Device device = c10::impl::getDeviceGuardImpl(c10::DeviceType::CUDA)->getDevice();
-  return t.to(device);
+std::optional<c10::Device> Communicator::staging_device(const at::Tensor& t) const {
+  if (!device_memory_only_ || !t.is_cpu()) return std::nullopt;
+  // The group's GPU (init binds it), else the current one, asked through c10's registry:
+  // this file compiles without CUDA.
+  if (const std::optional<at::Device> bound = backend_->getBoundDeviceId()) return *bound;
+  return c10::impl::getDeviceGuardImpl(c10::DeviceType::CUDA)->getDevice();
 }
 
 bool Communicator::exchanges_pairwise() const { return gloo_ && size_ == 2; }
@@ -246,7 +248,8 @@ PendingCollective Communicator::all_reduce(const at::Tensor& tensor, int op, con
   if (tensor.numel() == 0) return {};
   const double n = size_, bytes = static_cast<double>(tensor.nbytes());
   count(Collective::kAllReduce, static_cast<int64_t>(tensor.nbytes()), bytes * 2 * (n - 1) / n);
-  const at::Tensor staged = device_copy_of(tensor);
+  const std::optional<c10::Device> device = staging_device(tensor);
+  const at::Tensor staged = device ? tensor.to(*device) : at::Tensor();
   std::vector<at::Tensor> tensors{staged.defined() ? staged : tensor};
   c10d::AllreduceOptions options;
   options.reduceOp = c10d::ReduceOp(static_cast<c10d::ReduceOp::RedOpType>(op));
@@ -275,6 +278,9 @@ PendingCollective Communicator::reduce_scatter_sum(const at::Tensor& input,
   TORCH_CHECK(input.scalar_type() == output.scalar_type(),
               "[mixprec::distributed::reduce_scatter_sum] input is ", input.scalar_type(),
               ", output is ", output.scalar_type());
+  TORCH_CHECK(input.device() == output.device(),
+              "[mixprec::distributed::reduce_scatter_sum] input is on ", input.device(),
+              ", output on ", output.device());
   TORCH_CHECK(input.numel() == output.numel() * size_,
               "[mixprec::distributed::reduce_scatter_sum] input has ", input.numel(),
               " elements; it must have world size (", size_, ") x output (", output.numel(),
@@ -288,9 +294,10 @@ PendingCollective Communicator::reduce_scatter_sum(const at::Tensor& input,
   // The backend sees 1-D tensors, so "chunk `rank` of dimension 0" is the flat range above.
   at::Tensor in = input.view({-1});
   at::Tensor out = output.view({-1});
-  const at::Tensor staged_in = device_copy_of(in);
+  const std::optional<c10::Device> device = staging_device(in);
+  const at::Tensor staged_in = device ? in.to(*device) : at::Tensor();
   const at::Tensor staged_out =
-      staged_in.defined() ? at::empty_like(out, staged_in.options()) : at::Tensor();
+      device ? at::empty_like(out, out.options().device(*device)) : at::Tensor();
   c10d::ReduceScatterOptions options;
   options.timeout = timeout_;
   at::Tensor to = staged_out.defined() ? staged_out : out;
@@ -364,6 +371,8 @@ PendingCollective Communicator::all_gather(const at::Tensor& input, const at::Te
   TORCH_CHECK(input.scalar_type() == output.scalar_type(),
               "[mixprec::distributed::all_gather] input is ", input.scalar_type(), ", output is ",
               output.scalar_type());
+  TORCH_CHECK(input.device() == output.device(), "[mixprec::distributed::all_gather] input is on ",
+              input.device(), ", output on ", output.device());
   TORCH_CHECK(output.numel() == input.numel() * size_,
               "[mixprec::distributed::all_gather] output has ", output.numel(),
               " elements; it must have world size (", size_, ") x input (", input.numel(),
@@ -380,10 +389,13 @@ PendingCollective Communicator::all_gather(const at::Tensor& input, const at::Te
     return exchange(out.narrow(0, (1 - rank_) * in.numel(), in.numel()), in,
                     "all_gather (two-rank exchange) of " + describe(output), nullptr);
   }
-  const at::Tensor staged_out = device_copy_of(out);
-  const at::Tensor staged_in = !staged_out.defined() ? at::Tensor()
-                               : apart               ? in.to(staged_out.device())
-                                       : staged_out.narrow(0, rank_ * in.numel(), in.numel());
+  // Host tensors on NCCL: this rank's chunk goes into the device copy of the output, and the
+  // gather runs in place there.
+  const std::optional<c10::Device> device = staging_device(out);
+  const at::Tensor staged_out =
+      device ? at::empty_like(out, out.options().device(*device)) : at::Tensor();
+  const at::Tensor staged_in =
+      device ? staged_out.narrow(0, rank_ * in.numel(), in.numel()).copy_(in) : at::Tensor();
   c10d::AllgatherOptions options;
   options.timeout = timeout_;
   at::Tensor to = staged_out.defined() ? staged_out : out;
@@ -404,7 +416,11 @@ PendingCollective Communicator::broadcast(const at::Tensor& tensor, int root) {
   const double bytes = static_cast<double>(tensor.nbytes());
   count(Collective::kBroadcast, static_cast<int64_t>(tensor.nbytes()),
         bytes * binomial_tree_sends(rank_, root, size_));
-  const at::Tensor staged = device_copy_of(tensor);
+  const std::optional<c10::Device> device = staging_device(tensor);
+  const at::Tensor staged = !device ? at::Tensor()
+                            : rank_ == root
+                                ? tensor.to(*device)
+                                : at::empty_like(tensor, tensor.options().device(*device));
   std::vector<at::Tensor> tensors{staged.defined() ? staged : tensor};
   c10d::BroadcastOptions options;
   options.rootRank = root;

@@ -2,6 +2,7 @@
 
 #include "distributed/backend_factory.h"
 
+#include <c10/core/impl/DeviceGuardImplInterface.h>
 #include <c10/util/Exception.h>
 #include <torch/csrc/distributed/c10d/Backend.hpp>
 #include <torch/csrc/distributed/c10d/HashStore.hpp>
@@ -42,9 +43,28 @@ bool parse_bool(const std::string& name, const std::string& value) {
               "' is not a boolean (True/False/true/false/1/0)");
 }
 
+// NCCL's one GPU per rank: `local_rank`'s (< 0: the current device) becomes the current
+// device and the backend's bound device, which the communicator stages host tensors through.
+// Reached through c10's device registry, so this file compiles without CUDA.
+void bind_cuda_device(c10d::Backend& backend, int local_rank) {
+  const c10::impl::DeviceGuardImplInterface* cuda =
+      c10::impl::getDeviceGuardImpl(c10::DeviceType::CUDA);
+  const int devices = cuda->deviceCount();
+  TORCH_CHECK(devices > 0, "[mixprec::distributed::init] NCCL needs a GPU; this process sees none");
+  const c10::Device device =
+      local_rank < 0
+          ? cuda->getDevice()
+          : c10::Device(c10::DeviceType::CUDA, static_cast<c10::DeviceIndex>(local_rank));
+  TORCH_CHECK(local_rank < devices, "[mixprec::distributed::init] LOCAL_RANK=", local_rank,
+              " has no GPU of its own: this process sees ", devices,
+              " CUDA device(s), and NCCL takes one GPU per rank of a node");
+  cuda->setDevice(device);
+  backend.setBoundDeviceId(device);
+}
+
 std::shared_ptr<Communicator> make_group(const c10::intrusive_ptr<c10d::Store>& store, int rank,
                                          int world_size, const InitOptions& options,
-                                         const std::string& where) {
+                                         const std::string& where, int local_rank = -1) {
   TORCH_CHECK(world_size >= 1 && rank >= 0 && rank < world_size,
               "[mixprec::distributed::init] rank ", rank, " is not in [0, ", world_size, ")");
   TORCH_CHECK(options.timeout.count() > 0, "[mixprec::distributed::init] timeout must be > 0 ms");
@@ -58,6 +78,7 @@ std::shared_ptr<Communicator> make_group(const c10::intrusive_ptr<c10d::Store>& 
                 " could not form the group", where, " within ", options.timeout.count(),
                 " ms: ", e.what_without_backtrace());
   }
+  if (options.backend == BackendKind::kNccl) bind_cuda_device(*backend, local_rank);
   return std::make_shared<Communicator>(std::move(backend), options.timeout);
 }
 
@@ -138,7 +159,7 @@ std::shared_ptr<Communicator> init_from_env(const InitOptions& options) {
                                            : std::string("mixprec");
   if (!options.group_name.empty()) prefix += "/mixprec-group/" + options.group_name;
   return make_group(c10::make_intrusive<c10d::PrefixStore>(prefix, store), env.rank, env.world_size,
-                    options, where);
+                    options, where, env.local_rank);
 }
 
 std::shared_ptr<Communicator> init_with_store(const c10::intrusive_ptr<c10d::Store>& store,

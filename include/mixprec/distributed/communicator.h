@@ -13,10 +13,11 @@
 //
 // Tensors: dense, contiguous, on the backend's device; dtypes Float, Double, BFloat16, Half,
 // Long and Byte. Throws c10::Error "[mixprec::distributed::<op>] ..." otherwise, before anything is
-// sent. One exception: NCCL moves device memory only, so a CPU tensor given to a group on NCCL
-// travels through a copy on the current CUDA device, and wait() copies the result back. That
-// serves the library's small agreements (gradient norms, bucket order, strings); large tensors
-// belong on the device.
+// sent. Input and output of one collective share a device. One exception to "the backend's
+// device": NCCL moves device memory only, so a CPU tensor given to a group on NCCL travels
+// through a copy on the group's GPU (init_from_env binds LOCAL_RANK's), and wait() copies the
+// result back. That serves the library's small agreements (gradient norms, bucket order,
+// strings); large tensors belong on the device.
 //
 // A failed collective is fatal for the group. Once a wait fails (a peer died, a timeout, ranks
 // that disagree), a collective may still be running in the backend and writing into the
@@ -27,6 +28,7 @@
 #pragma once
 
 #include <ATen/core/Tensor.h>
+#include <c10/core/Device.h>
 #include <c10/util/intrusive_ptr.h>
 #include <torch/csrc/distributed/c10d/Work.hpp>
 
@@ -37,6 +39,7 @@
 #include <functional>
 #include <memory>
 #include <mutex>
+#include <optional>
 #include <string>
 #include <vector>
 
@@ -66,7 +69,8 @@ struct TrafficStats {
 // c10::Error naming the collective, its size and this rank if the backend reports an error or
 // the timeout passes. Destroying an unwaited PendingCollective does not cancel the transfers
 // (the communicator keeps them until they finish), but what only wait() does is not done: a
-// two-rank exchange's sum (reduce_scatter_sum on Gloo) leaves the output as it was.
+// two-rank exchange's sum (reduce_scatter_sum on Gloo) leaves the output as it was, and so
+// does any collective of CPU tensors on NCCL (the result stays in its device copy).
 class Communicator;
 
 class [[nodiscard]] PendingCollective {
@@ -133,7 +137,8 @@ class Communicator {
   // sum in another order than Gloo's all-reduce, and plain data parallelism would no longer
   // match ZeRO-1 bit for bit.)
   bool has_native_reduce_scatter() const;
-  // True when all_gather runs in place without a staging copy: NCCL's, and on Gloo with two
+  // True when all_gather runs in place without a staging copy: NCCL's (of device tensors;
+  // host tensors go through a device copy, see the top of this file), and on Gloo with two
   // ranks an exchange (each sends its chunk and receives the other's in place). Gloo's own
   // gathers into a new tensor and copies out; broadcasts from each owner are in place there.
   bool has_native_all_gather() const;
@@ -167,9 +172,10 @@ class Communicator {
   int next_exchange_tag();
   void keep_until_done(std::vector<c10::intrusive_ptr<c10d::Work>> works) noexcept;
   void count(Collective collective, int64_t payload_bytes, double bytes_sent);
-  // A CPU tensor on a backend that moves device memory only (NCCL): its copy on the current
-  // CUDA device. Otherwise undefined: the tensor goes to the backend as it is.
-  at::Tensor device_copy_of(const at::Tensor& t) const;
+  // For a CPU tensor on a backend that moves device memory only (NCCL): the GPU its copy goes
+  // to (the group's bound device, else the current one). Otherwise none: the tensor goes to
+  // the backend as it is.
+  std::optional<c10::Device> staging_device(const at::Tensor& t) const;
 
   c10::intrusive_ptr<c10d::Backend> backend_;
   std::chrono::milliseconds timeout_;

@@ -33,7 +33,11 @@ namespace mixprec::distributed {
 
 enum class BackendKind {
   kGloo,  // CPU tensors; always built
-  kNccl,  // CUDA tensors; only in builds against a CUDA LibTorch (an error otherwise)
+  // CUDA tensors; only in builds against a CUDA LibTorch (an error otherwise). NCCL takes one
+  // GPU per rank: init_from_env binds each rank to the GPU of its LOCAL_RANK and makes it the
+  // current device (as a PyTorch user's torch.cuda.set_device(local_rank) does); the other
+  // init functions bind the current device.
+  kNccl,
 };
 
 struct InitOptions {

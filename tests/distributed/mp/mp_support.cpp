@@ -4,6 +4,7 @@
 
 #include <c10/util/Exception.h>
 #include <limits>
+#include <torch/csrc/distributed/c10d/Backend.hpp>
 #include <torch/csrc/distributed/c10d/PrefixStore.hpp>
 #include <torch/csrc/distributed/c10d/TCPStore.hpp>
 
@@ -21,8 +22,10 @@ distributed::Communicator& world() { return *world_slot(); }
 std::shared_ptr<distributed::Communicator> world_ptr() { return world_slot(); }
 
 c10::Device test_device() {
-  if (world().backend_name() == "nccl") return {c10::DeviceType::CUDA, 0};
-  return c10::Device(c10::DeviceType::CPU);
+  if (world().backend_name() != "nccl") return c10::Device(c10::DeviceType::CPU);
+  const std::optional<at::Device> bound = world().backend()->getBoundDeviceId();
+  TORCH_INTERNAL_ASSERT(bound.has_value(), "init binds an NCCL group to its GPU");
+  return *bound;
 }
 
 c10::intrusive_ptr<c10d::Store> test_store(const std::string& prefix,

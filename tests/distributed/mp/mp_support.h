@@ -23,8 +23,8 @@ namespace mixprec::testing {
 distributed::Communicator& world();
 std::shared_ptr<distributed::Communicator> world_ptr();
 void set_world(std::shared_ptr<distributed::Communicator> comm);  // once, from mp_main.cpp
-// Where the tests' models and batches live: the current CUDA device when the group runs on
-// NCCL (MIXPREC_TEST_BACKEND=nccl, scripts/gpu-check.sh), else the CPU.
+// Where the tests' models and batches live: the group's GPU when it runs on NCCL
+// (MIXPREC_TEST_BACKEND=nccl, scripts/gpu-check.sh), else the CPU.
 c10::Device test_device();
 // A client of torchrun's agent store under its own key prefix, for tests that form groups of
 // their own.
