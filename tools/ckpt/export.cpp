@@ -136,8 +136,11 @@ class StagingDir {
   ~StagingDir() {
     if (!created_) return;
     dir_.reset();
-    std::error_code ec;
-    fs::remove_all(parent_ / name_, ec);  // best effort: a leftover names this process
+    try {
+      parent_.remove_tree(name_);
+    } catch (const std::exception&) {
+      // best effort: a leftover names this process
+    }
   }
   StagingDir(const StagingDir&) = delete;
   StagingDir& operator=(const StagingDir&) = delete;
@@ -287,9 +290,11 @@ std::string publish(Target& target, StagingDir& staging) {
       throw ToolError(kExitUsage, errno_message("rename to " + out.string(), err));
     }
     staging.released();
-    std::error_code ec;
-    fs::remove_all(target.parent / aside, ec);
-    if (ec) note = "could not remove the replaced export " + aside + ": " + ec.message();
+    try {
+      target.parent.remove_tree(aside);
+    } catch (const std::exception& e) {
+      note = "could not remove the replaced export " + aside + ": " + e.what();
+    }
   }
   if (::fsync(fd) != 0) throw ToolError(kExitUsage, errno_message("fsync " + out.string(), errno));
   return note;

@@ -27,6 +27,10 @@ Directory Directory::duplicate() const {
   return Directory(path_, fd);
 }
 
+void Directory::remove_tree(std::string_view name) const {
+  detail::remove_tree_at(fd_, name, path_ / name);
+}
+
 Directory::~Directory() {
   if (fd_ >= 0) ::close(fd_);
 }

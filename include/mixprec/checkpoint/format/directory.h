@@ -37,6 +37,13 @@ class Directory {
   // A second handle on the same directory (dup(2)).
   Directory duplicate() const;
 
+  // Removes the entry `name` (one plain name) and, for a directory, everything under it;
+  // symbolic links are removed, never followed; a missing entry is no error. Throws
+  // FormatError naming what could not be removed. (Unlike std::filesystem::remove_all, which
+  // in programs linked against PyTorch's pip wheels can bind to the wheel's own copy of
+  // libstdc++'s filesystem code: the CUDA 13 build of torch 2.11 crashed in it.)
+  void remove_tree(std::string_view name) const;
+
   const std::filesystem::path& path() const { return path_; }
   // path() / name, for messages and for callers that need a path.
   std::filesystem::path operator/(std::string_view name) const { return path_ / name; }
