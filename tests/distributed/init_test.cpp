@@ -179,7 +179,9 @@ TEST(SingleProcess, NcclIsRefusedClearlyWithoutCuda) {
 
 // On a GPU machine (scripts/gpu-check.sh): a one-rank NCCL group runs every collective on
 // device tensors, and on host tensors through a device copy (the library's agreements are host
-// tensors). Skipped elsewhere.
+// tensors). Skipped elsewhere. With one rank most collectives leave their data as it was; the
+// outputs apart from their inputs start at -1, so those show that wait() copies results back
+// to the host.
 TEST(SingleProcess, NcclRunsEveryCollectiveOnDeviceAndHostTensors) {
   if (!nccl_available() || !torch::cuda::is_available())
     GTEST_SKIP() << "needs a CUDA LibTorch and a visible GPU";

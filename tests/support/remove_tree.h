@@ -3,7 +3,8 @@
 // Not std::filesystem::remove_all: PyTorch's pip wheels carry their own copy of libstdc++'s
 // filesystem code and export it from LibTorch, so a test binary's calls can bind to that copy.
 // The CUDA 13 wheel of torch 2.11 jumped to address 0 inside remove_all (seen on an H200
-// machine, scripts/gpu-check.sh). The library itself never calls remove_all.
+// machine, scripts/gpu-check.sh). The library and its tools never call it
+// (checkpoint::Directory::remove_tree).
 #pragma once
 
 #include <ftw.h>

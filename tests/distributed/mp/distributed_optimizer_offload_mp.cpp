@@ -11,6 +11,8 @@
 #include <torch/optim/adamw.h>
 #include <torch/optim/sgd.h>
 
+#include <cmath>
+
 namespace mixprec::testing {
 namespace MIXPREC_UNITY_ID {  // anonymous outside unity builds (tests/CMakeLists.txt)
 
@@ -72,8 +74,8 @@ struct OffloadTrainer {
   }
 };
 
-// Bitwise, or (`bitwise` false) within the rounding that differs between two processors'
-// arithmetic: a few units in the last place of the tensor's dtype.
+// Bitwise, or (`bitwise` false) within what two processors' different rounding leaves after a
+// few steps: 1e-5 relative in FP32, 2e-2 in a half dtype (a few BF16 units in the last place).
 bool matches(const at::Tensor& a, const at::Tensor& b, bool bitwise) {
   if (bitwise) return bitwise_equal(a, b);
   const double rtol = a.scalar_type() == at::kFloat ? 1e-5 : 2e-2;
@@ -114,11 +116,11 @@ TEST(DistributedOptimizer, OffloadedShardsStepBitwiseAsWithoutOffloading) {
           const optim::StepResult z = zero.step(x), o = offloaded.step(x);
           single.step(x);
           EXPECT_EQ(z.success, o.success);
-          if (same_processor) {
-            EXPECT_EQ(z.grad_norm, o.grad_norm);
-          } else {
-            EXPECT_NEAR(z.grad_norm, o.grad_norm, 1e-6 * z.grad_norm);
-          }
+          // (Equal also covers the infinite norm of a skipped FP16 step.)
+          EXPECT_TRUE(z.grad_norm == o.grad_norm ||
+                      (!same_processor &&
+                       std::abs(z.grad_norm - o.grad_norm) <= 1e-6 * std::abs(z.grad_norm)))
+              << z.grad_norm << " vs " << o.grad_norm;
         }
         expect_same_model(offloaded.model, zero.model, "offloaded vs plain ZeRO-1", same_processor);
         if ((n & (n - 1)) == 0) {
