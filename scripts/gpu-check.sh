@@ -1,16 +1,18 @@
 #!/usr/bin/env bash
 # The device checks, in one script for a machine with an NVIDIA GPU: builds mixprec against the
-# CUDA LibTorch of whatever Python there has a CUDA torch (nothing is downloaded), then runs,
-# each required to run rather than skip:
+# CUDA LibTorch of whatever Python there has a CUDA torch (nothing is downloaded), then runs
+# these, each required to pass at least one case (and, where it says so, to skip none):
 #   - the optimizer's CUDA cases (offloading from GPU parameters: the CUDA copy engine, pinned
-#     staging, side streams), then every offloading and remainder case;
+#     staging, side streams; none may skip), then every offloading and remainder case;
 #   - training-state checkpoints, which hold each CUDA device's generator state;
-#   - a one-rank NCCL group on device and host tensors (tests/distributed/init_test.cpp);
+#   - a one-rank NCCL group on device and host tensors (tests/distributed/init_test.cpp; may
+#     not skip);
 #   - the multi-process suites (collectives, gradient reducer, model check, ZeRO-1 against one
 #     process and plain data parallelism, ZeRO-1 following its model, its state dict and
-#     collective checkpoints) in one process on NCCL with the models on the GPU
-#     (MIXPREC_TEST_BACKEND=nccl). One GPU allows one NCCL rank: NCCL refuses two ranks on one
-#     device.
+#     collective checkpoints) in one process on NCCL (MIXPREC_TEST_BACKEND=nccl): their MixedNet
+#     models and batches live on the GPU, and their host tensors take the communicator's copy
+#     through the GPU. One GPU allows one NCCL rank: NCCL refuses two ranks on one device, and
+#     the cases that need two ranks skip.
 #
 #   scripts/gpu-check.sh            build in build-gpu/ and run
 #   MIXPREC_PYTHON=/path/python     the Python whose torch to use (else: .venv, python3, python)
@@ -98,11 +100,15 @@ if [[ -z "$cuda_root" ]]; then
   exit 3
 fi
 say "CUDA toolkit: $cuda_root"
-# NCCL's header: the toolkit's, or the pip nvidia-nccl package's beside this torch.
+# NCCL's header: first the one of the pip nvidia-nccl package this torch was built with (an
+# inline constructor in ProcessGroupNCCL.hpp sizes NCCL's config struct from the header we
+# compile with, so another NCCL version's header could disagree with libtorch), then the
+# toolkit's or the system's.
 nccl_include=""
-for header in "$cuda_root/include/nccl.h" /usr/include/nccl.h $(find "$site/nvidia" -name nccl.h 2>/dev/null); do
+while IFS= read -r header; do
   [[ -f "$header" ]] && nccl_include="$(dirname "$header")" && break
-done
+done < <(find "$site/nvidia" -name nccl.h 2>/dev/null; echo "$cuda_root/include/nccl.h"
+  echo /usr/include/nccl.h)
 nccl_args=()
 if [[ -n "$nccl_include" ]]; then
   say "NCCL header: $nccl_include/nccl.h"
@@ -144,10 +150,13 @@ if ! cmake --build "$build" --target "${targets[@]}" -j "$jobs" "${keep_going[@]
 fi
 say "built in $((SECONDS - start)) s"
 
-# 4. The checks. `required` runs a filter that must run at least one case and pass, and skip
-# none unless ALLOW_SKIPS=1 (a multi-process suite skips its cases that need two ranks).
+# 4. The checks. `required [--allow-skips] NAME COMMAND...` runs a filter that must run at
+# least one case and pass, and skip none unless --allow-skips (a multi-process suite skips its
+# cases that need two ranks).
 status=0
 required() {
+  local allow_skips=0
+  [[ "$1" == --allow-skips ]] && allow_skips=1 && shift
   local name="$1" log="$build/check-$1.log"
   shift
   say "$name: $*"
@@ -155,7 +164,7 @@ required() {
   local rc=$?
   grep -E -A4 '^\[  (PASSED|FAILED|SKIPPED) |^\[==========\]|Failure|error' "$log" | head -60
   if [[ $rc -ne 0 ]] || ! grep -q '^\[  PASSED  \] [1-9]' "$log" ||
-    { [[ "${ALLOW_SKIPS:-0}" != 1 ]] && grep -q '^\[  SKIPPED \]' "$log"; }; then
+    { [[ $allow_skips -eq 0 ]] && grep -q '^\[  SKIPPED \]' "$log"; }; then
     say "FAIL: $name (log: $log)"
     status=1
   fi
@@ -164,7 +173,7 @@ required offload-cuda "$build/tests/optim_tests" --gtest_filter='OffloadCuda.*'
 required offload "$build/tests/optim_tests" \
   --gtest_filter='Offload*:*Offload*:Remainder*:*Remainders*:*Holdings*:SnapshotChecks*:-OffloadCuda.*'
 # Training-state checkpoints save and restore each CUDA device's generator where CUDA is.
-ALLOW_SKIPS=1 required training-state env MIXPREC_RESUME_WORKER="$build/tests/resume_worker" \
+required --allow-skips training-state env MIXPREC_RESUME_WORKER="$build/tests/resume_worker" \
   "$build/tests/checkpoint_tests" \
   --gtest_filter='TrainingState.*:AsyncSave.*:*ResumeTest*'
 required nccl-group "$build/tests/distributed_tests" \
@@ -172,7 +181,7 @@ required nccl-group "$build/tests/distributed_tests" \
 # Under torchrun (some cases use its agent's store), one process.
 for suite in Collectives GradReducer ModelCheck DistributedOptimizer ZeroStateDict CollectiveCheckpoint \
   ZeroFollowsModel; do
-  ALLOW_SKIPS=1 required "nccl-$suite" env MIXPREC_TEST_BACKEND=nccl \
+  required --allow-skips "nccl-$suite" env MIXPREC_TEST_BACKEND=nccl \
     "$python" -m torch.distributed.run --standalone --nproc-per-node 1 --no-python \
     "$build/tests/distributed_mp_tests" --gtest_filter="$suite.*:$suite/*"
 done

@@ -21,7 +21,12 @@ set_source_files_properties(${CMAKE_CURRENT_LIST_DIR}/gloo_backend.cpp PROPERTIE
 # ProcessGroupNCCL exists only in a CUDA LibTorch. Exactly one of nccl_backend.cpp and
 # nccl_unavailable.cpp is compiled; the other is kept out of the build (the library globs
 # every source).
-find_path(MIXPREC_NCCL_INCLUDE_DIR nccl.h HINTS ${CUDAToolkit_INCLUDE_DIRS} ${TORCH_INSTALL_PREFIX}/include)
+# NCCL's header: first the pip nvidia-nccl package's beside the wheel's LibTorch (the NCCL
+# that LibTorch was built with; ProcessGroupNCCL.hpp's inline code sizes NCCL's config struct
+# from the header we compile with), then the toolkit's and the system's.
+find_path(MIXPREC_NCCL_INCLUDE_DIR nccl.h
+  HINTS ${TORCH_INSTALL_PREFIX}/../nvidia/nccl/include ${TORCH_INSTALL_PREFIX}/include
+        ${CUDAToolkit_INCLUDE_DIRS})
 if(TORCH_CUDA_LIBRARIES AND MIXPREC_NCCL_INCLUDE_DIR)
   message(STATUS "mixprec: CUDA LibTorch found; building the NCCL backend")
   set_source_files_properties(${CMAKE_CURRENT_LIST_DIR}/nccl_backend.cpp PROPERTIES
