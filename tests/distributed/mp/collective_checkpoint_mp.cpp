@@ -219,8 +219,10 @@ TEST(CollectiveCheckpoint, SingleProcessCheckpointLoadsIntoZero) {
 
 // Offloading (masters and moments on the host) changes where the state lives, not the
 // checkpoint: a plain ZeRO-1 checkpoint loads into an offloaded one and the reverse, and both
-// continue bitwise alike.
+// continue bitwise alike. (With the models on a GPU the plain run steps there and the offloaded
+// one on the host, which round differently: there the two continue alike within rounding.)
 TEST(CollectiveCheckpoint, OffloadedAndPlainZeroLoadEachOthersCheckpoints) {
+  const bool same_processor = test_device().is_cpu();
   SharedTempDir root;
   const auto offloaded = optim::Float16OptimizerOptions().offload(
       optim::OffloadOptions().chunk_bytes(256).chunks_in_flight(2));
@@ -229,7 +231,7 @@ TEST(CollectiveCheckpoint, OffloadedAndPlainZeroLoadEachOthersCheckpoints) {
     const ShardedStateDict sb = b.optimizer->sharded_state_dict();
     EXPECT_EQ(sa.tensors.size(), sb.tensors.size()) << what;
     for (const auto& [key, piece] : sa.tensors) {
-      EXPECT_TRUE(sb.tensors.count(key) && at::equal(piece.local, sb.at(key).local))
+      EXPECT_TRUE(sb.tensors.count(key) && bitwise_equal(piece.local, sb.at(key).local))
           << what << ": " << key;
     }
     EXPECT_EQ(sa.common, sb.common) << what;
@@ -249,12 +251,12 @@ TEST(CollectiveCheckpoint, OffloadedAndPlainZeroLoadEachOthersCheckpoints) {
     plain.step(step);
     off.step(step);
   }
-  expect_params_equal(*off.model, *plain.model, "continued offloaded vs plain");
+  expect_params_equal(*off.model, *plain.model, "continued offloaded vs plain", same_processor);
   distributed::save_training_state(root.path(), "offloaded", *off.model, *off.optimizer);
   ZeroRun back;
   distributed::load_training_state(root.path() / "offloaded", *back.model, *back.optimizer);
-  expect_same_state(back, plain, "offloaded -> plain");
-  expect_params_equal(*back.model, *plain.model, "offloaded -> plain");
+  expect_same_state(back, off, "offloaded -> plain");
+  expect_params_equal(*back.model, *off.model, "offloaded -> plain");
 }
 
 // Everything a rank's model and optimizer hold, to tell that a failed load changed nothing.

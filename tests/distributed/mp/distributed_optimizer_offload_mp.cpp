@@ -2,6 +2,7 @@
 // the chunked pipeline. Bitwise the same as ZeRO-1 without offloading (and, for power-of-two
 // N, as the offloaded single-process Float16Optimizer), in real processes.
 #include "distributed/mp/mp_support.h"
+#include "distributed/mp/zero_support.h"
 #include "mixprec/distributed/distributed_optimizer.h"
 #include "optim/support_optim.h"
 #include "support/error_message.h"
@@ -74,22 +75,6 @@ struct OffloadTrainer {
   }
 };
 
-// Bitwise, or (`bitwise` false) within what two processors' different rounding leaves after a
-// few steps: 1e-5 relative in FP32, 2e-2 in a half dtype (a few BF16 units in the last place).
-bool matches(const at::Tensor& a, const at::Tensor& b, bool bitwise) {
-  if (bitwise) return bitwise_equal(a, b);
-  const double rtol = a.scalar_type() == at::kFloat ? 1e-5 : 2e-2;
-  return a.scalar_type() == b.scalar_type() && a.sizes() == b.sizes() &&
-         at::allclose(a.cpu().to(at::kFloat), b.cpu().to(at::kFloat), rtol, 1e-6);
-}
-
-void expect_same_model(MixedNet& a, MixedNet& b, const std::string& what, bool bitwise = true) {
-  auto theirs = b->named_parameters();
-  for (const auto& item : a->named_parameters()) {
-    EXPECT_TRUE(matches(item.value(), theirs[item.key()], bitwise)) << what << ": " << item.key();
-  }
-}
-
 TEST(DistributedOptimizer, OffloadedShardsStepBitwiseAsWithoutOffloading) {
   const int n = world().size();
   // The offloaded step runs on the host. With the model there too, that is the arithmetic of
@@ -122,9 +107,10 @@ TEST(DistributedOptimizer, OffloadedShardsStepBitwiseAsWithoutOffloading) {
                        std::abs(z.grad_norm - o.grad_norm) <= 1e-6 * std::abs(z.grad_norm)))
               << z.grad_norm << " vs " << o.grad_norm;
         }
-        expect_same_model(offloaded.model, zero.model, "offloaded vs plain ZeRO-1", same_processor);
+        expect_params_equal(*offloaded.model, *zero.model, "offloaded vs plain ZeRO-1",
+                            same_processor);
         if ((n & (n - 1)) == 0) {
-          expect_same_model(offloaded.model, single.model, "vs offloaded single process");
+          expect_params_equal(*offloaded.model, *single.model, "vs offloaded single process");
         }
         auto& z = static_cast<DistributedOptimizer&>(*zero.optimizer);
         auto& o = static_cast<DistributedOptimizer&>(*offloaded.optimizer);
@@ -135,14 +121,14 @@ TEST(DistributedOptimizer, OffloadedShardsStepBitwiseAsWithoutOffloading) {
         for (size_t i = 0; i < o_shards.size(); ++i) {
           const auto& a = o_shards[i];
           const auto& b = z_shards[i];
-          EXPECT_TRUE(matches(a.master.defined() ? a.master : a.param,
-                              b.master.defined() ? b.master : b.param, same_processor))
+          EXPECT_TRUE(equal_or_close(a.master.defined() ? a.master : a.param,
+                                     b.master.defined() ? b.master : b.param, same_processor))
               << a.shard.fqn;
           ASSERT_EQ(a.state.size(), b.state.size());
           for (size_t k = 0; k < a.state.size(); ++k) {
             EXPECT_EQ(a.state[k].defined(), b.state[k].defined()) << a.shard.fqn;
             if (a.state[k].defined()) {
-              EXPECT_TRUE(matches(a.state[k], b.state[k], same_processor)) << a.shard.fqn;
+              EXPECT_TRUE(equal_or_close(a.state[k], b.state[k], same_processor)) << a.shard.fqn;
             }
           }
         }

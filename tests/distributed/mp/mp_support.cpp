@@ -40,6 +40,14 @@ c10::intrusive_ptr<c10d::Store> test_store(const std::string& prefix,
   return c10::make_intrusive<c10d::PrefixStore>("mixprec-test/" + prefix, store);
 }
 
+bool equal_or_close(const at::Tensor& a, const at::Tensor& b, bool bitwise) {
+  if (a.scalar_type() != b.scalar_type() || a.sizes() != b.sizes()) return false;
+  const at::Tensor x = a.cpu(), y = b.cpu();
+  if (bitwise) return at::equal(x, y);
+  const double rtol = a.scalar_type() == at::kFloat ? 1e-5 : 2e-2;
+  return at::allclose(x.to(at::kFloat), y.to(at::kFloat), rtol, 1e-6);
+}
+
 bool same_on_all_ranks(const at::Tensor& t) {
   const at::Tensor bytes = t.cpu().contiguous().view(at::kByte).view({-1});
   std::string description = std::string(c10::toString(t.scalar_type())) + " [";

@@ -31,6 +31,12 @@ c10::Device test_device();
 c10::intrusive_ptr<c10d::Store> test_store(
     const std::string& prefix, std::chrono::milliseconds timeout = std::chrono::seconds(10));
 
+// Bitwise (wherever each tensor lives), or with `bitwise` false within what two processors'
+// different rounding leaves after a few steps: 1e-5 relative in FP32, 2e-2 in a half dtype
+// (a few BF16 units in the last place). The offloaded optimizer steps on the host; with the
+// models on a GPU, comparisons against a run that steps there use the second form.
+bool equal_or_close(const at::Tensor& a, const at::Tensor& b, bool bitwise);
+
 // True on every rank iff `t` has the same dtype, shape and bytes on every rank (collective).
 bool same_on_all_ranks(const at::Tensor& t);
 

@@ -105,12 +105,11 @@ void expect_zero_state_equals(const distributed::DistributedOptimizer& zero,
   EXPECT_EQ(pieces.common.at(field).dump(), whole.common.at(field).dump()) << what;
 }
 
-void expect_params_equal(torch::nn::Module& a, torch::nn::Module& b, const std::string& what) {
+void expect_params_equal(torch::nn::Module& a, torch::nn::Module& b, const std::string& what,
+                         bool bitwise) {
   auto theirs = b.named_parameters();
   for (const auto& item : a.named_parameters()) {
-    const at::Tensor& x = item.value();
-    const at::Tensor& y = theirs[item.key()];
-    EXPECT_TRUE(x.scalar_type() == y.scalar_type() && at::equal(x, y))
+    EXPECT_TRUE(equal_or_close(item.value(), theirs[item.key()], bitwise))
         << what << ": " << item.key();
   }
 }

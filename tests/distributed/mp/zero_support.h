@@ -58,7 +58,8 @@ class SharedTempDir {
 void expect_zero_state_equals(const distributed::DistributedOptimizer& zero,
                               const ShardedStateDict& whole, const std::string& what);
 // Every parameter of `a` equals `b`'s, bitwise, with the same dtype.
-void expect_params_equal(torch::nn::Module& a, torch::nn::Module& b, const std::string& what);
+void expect_params_equal(torch::nn::Module& a, torch::nn::Module& b, const std::string& what,
+                         bool bitwise = true);
 
 // An environment variable, or "".
 std::string env_or_empty(const char* name);
