@@ -60,12 +60,12 @@ bool lies_apart(const at::Tensor& whole, const at::Tensor& part, int rank, const
   return apart;
 }
 
-// What wait() does after a collective that ran on `staged`, a device copy of `host`: copy the
-// result back (wait() has ordered the current stream after the backend's). Nothing when the
-// collective ran on the tensor itself.
-std::function<void()> copy_back(const at::Tensor& host, const at::Tensor& staged) {
-  if (!staged.defined()) return nullptr;
-  return [host, staged] { host.copy_(staged); };
+// What wait() does after a collective that ran on `ran_on`: where that is a device copy of
+// `host`, copy the result back (wait() has ordered the current stream after the backend's).
+// Nothing when the collective ran on the tensor itself.
+std::function<void()> copy_back(const at::Tensor& host, const at::Tensor& ran_on) {
+  if (ran_on.is_same(host)) return nullptr;
+  return [host, ran_on] { host.copy_(ran_on); };
 }
 
 // Children of `rank` in Gloo's binomial broadcast tree rooted at `root` (gloo/broadcast.cc):
@@ -249,15 +249,15 @@ PendingCollective Communicator::all_reduce(const at::Tensor& tensor, int op, con
   const double n = size_, bytes = static_cast<double>(tensor.nbytes());
   count(Collective::kAllReduce, static_cast<int64_t>(tensor.nbytes()), bytes * 2 * (n - 1) / n);
   const std::optional<c10::Device> device = staging_device(tensor);
-  const at::Tensor staged = device ? tensor.to(*device) : at::Tensor();
-  std::vector<at::Tensor> tensors{staged.defined() ? staged : tensor};
+  const at::Tensor on = device ? tensor.to(*device) : tensor;
+  std::vector<at::Tensor> tensors{on};
   c10d::AllreduceOptions options;
   options.reduceOp = c10d::ReduceOp(static_cast<c10d::ReduceOp::RedOpType>(op));
   options.timeout = timeout_;
   return {{backend_->allreduce(tensors, options)},
           std::string(name) + " of " + describe(tensor),
           this,
-          copy_back(tensor, staged)};
+          copy_back(tensor, on)};
 }
 
 PendingCollective Communicator::all_reduce_sum(const at::Tensor& tensor) {
@@ -295,17 +295,14 @@ PendingCollective Communicator::reduce_scatter_sum(const at::Tensor& input,
   at::Tensor in = input.view({-1});
   at::Tensor out = output.view({-1});
   const std::optional<c10::Device> device = staging_device(in);
-  const at::Tensor staged_in = device ? in.to(*device) : at::Tensor();
-  const at::Tensor staged_out =
-      device ? at::empty_like(out, out.options().device(*device)) : at::Tensor();
+  at::Tensor from = device ? in.to(*device) : in;
+  at::Tensor to = device ? at::empty_like(out, out.options().device(*device)) : out;
   c10d::ReduceScatterOptions options;
   options.timeout = timeout_;
-  at::Tensor to = staged_out.defined() ? staged_out : out;
-  at::Tensor from = staged_in.defined() ? staged_in : in;
   return {{backend_->_reduce_scatter_base(to, from, options)},
           "reduce_scatter_sum of " + describe(input),
           this,
-          copy_back(out, staged_out)};
+          copy_back(out, to)};
 }
 
 int Communicator::next_exchange_tag() {
@@ -392,18 +389,14 @@ PendingCollective Communicator::all_gather(const at::Tensor& input, const at::Te
   // Host tensors on NCCL: this rank's chunk goes into the device copy of the output, and the
   // gather runs in place there.
   const std::optional<c10::Device> device = staging_device(out);
-  const at::Tensor staged_out =
-      device ? at::empty_like(out, out.options().device(*device)) : at::Tensor();
-  const at::Tensor staged_in =
-      device ? staged_out.narrow(0, rank_ * in.numel(), in.numel()).copy_(in) : at::Tensor();
+  at::Tensor to = device ? at::empty_like(out, out.options().device(*device)) : out;
+  at::Tensor from = device ? to.narrow(0, rank_ * in.numel(), in.numel()).copy_(in) : in;
   c10d::AllgatherOptions options;
   options.timeout = timeout_;
-  at::Tensor to = staged_out.defined() ? staged_out : out;
-  at::Tensor from = staged_in.defined() ? staged_in : in;
   return {{backend_->_allgather_base(to, from, options)},
           "all_gather of " + describe(output),
           this,
-          copy_back(out, staged_out)};
+          copy_back(out, to)};
 }
 
 PendingCollective Communicator::broadcast(const at::Tensor& tensor, int root) {
@@ -417,11 +410,11 @@ PendingCollective Communicator::broadcast(const at::Tensor& tensor, int root) {
   count(Collective::kBroadcast, static_cast<int64_t>(tensor.nbytes()),
         bytes * binomial_tree_sends(rank_, root, size_));
   const std::optional<c10::Device> device = staging_device(tensor);
-  const at::Tensor staged = !device ? at::Tensor()
-                            : rank_ == root
-                                ? tensor.to(*device)
-                                : at::empty_like(tensor, tensor.options().device(*device));
-  std::vector<at::Tensor> tensors{staged.defined() ? staged : tensor};
+  // Only the root's bytes matter on the way in.
+  const at::Tensor on = !device         ? tensor
+                        : rank_ == root ? tensor.to(*device)
+                                        : at::empty_like(tensor, tensor.options().device(*device));
+  std::vector<at::Tensor> tensors{on};
   c10d::BroadcastOptions options;
   options.rootRank = root;
   options.rootTensor = 0;
@@ -429,7 +422,7 @@ PendingCollective Communicator::broadcast(const at::Tensor& tensor, int root) {
   return {{backend_->broadcast(tensors, options)},
           "broadcast from rank " + std::to_string(root) + " of " + describe(tensor),
           this,
-          copy_back(tensor, staged)};
+          copy_back(tensor, on)};
 }
 
 std::vector<std::string> Communicator::all_gather_strings(const std::string& mine) {
