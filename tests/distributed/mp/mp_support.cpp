@@ -1,6 +1,7 @@
 #include "distributed/mp/mp_support.h"
 
 #include "mixprec/distributed/init.h"
+#include "optim/support_optim.h"
 
 #include <c10/util/Exception.h>
 #include <limits>
@@ -41,11 +42,10 @@ c10::intrusive_ptr<c10d::Store> test_store(const std::string& prefix,
 }
 
 bool equal_or_close(const at::Tensor& a, const at::Tensor& b, bool bitwise) {
+  if (bitwise) return bitwise_equal(a, b);
   if (a.scalar_type() != b.scalar_type() || a.sizes() != b.sizes()) return false;
-  const at::Tensor x = a.cpu(), y = b.cpu();
-  if (bitwise) return at::equal(x, y);
   const double rtol = a.scalar_type() == at::kFloat ? 1e-5 : 2e-2;
-  return at::allclose(x.to(at::kFloat), y.to(at::kFloat), rtol, 1e-6);
+  return at::allclose(a.cpu().to(at::kFloat), b.cpu().to(at::kFloat), rtol, 1e-6);
 }
 
 bool same_on_all_ranks(const at::Tensor& t) {
