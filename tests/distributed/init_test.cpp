@@ -177,6 +177,26 @@ TEST(SingleProcess, NcclIsRefusedClearlyWithoutCuda) {
             std::string::npos);
 }
 
+// Input and output of one reduce-scatter or all-gather on two devices: refused at the call,
+// naming both devices, with the input untouched (a meta tensor stands for the second device).
+TEST(SingleProcess, CollectiveWithInputAndOutputOnTwoDevicesIsRefused) {
+  auto comm = init_single_process();
+  const at::Tensor host = at::arange(4, at::kFloat);
+  const at::Tensor elsewhere = at::empty({4}, at::TensorOptions(at::kFloat).device(at::kMeta));
+  EXPECT_NE(error_of([&] {
+              comm->reduce_scatter_sum(host, elsewhere).wait();
+            }).find("[mixprec::distributed::reduce_scatter_sum] input is on cpu, output on meta"),
+            std::string::npos);
+  EXPECT_NE(error_of([&] {
+              comm->all_gather(host, elsewhere).wait();
+            }).find("[mixprec::distributed::all_gather] input is on cpu, output on meta"),
+            std::string::npos);
+  EXPECT_TRUE(at::equal(host, at::arange(4, at::kFloat)));
+  EXPECT_FALSE(comm->failed());  // refused before anything was sent: the group goes on
+  at::Tensor t = at::ones({2});
+  comm->all_reduce_sum(t).wait();
+}
+
 // On a GPU machine (scripts/gpu-check.sh): a one-rank NCCL group runs every collective on
 // device tensors, and on host tensors through a device copy (the library's agreements are host
 // tensors). Skipped elsewhere. With one rank most collectives leave their data as it was; the

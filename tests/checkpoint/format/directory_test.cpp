@@ -2,6 +2,7 @@
 // link (even to a valid copy outside the root), a FIFO or a device node in place of a data
 // file, the manifest, common.json, the checkpoint directory or `latest` is refused with a
 // FormatError naming the path. Nothing outside the root is read or written, nothing blocks.
+#include "mixprec/checkpoint/format/directory.h"
 #include "mixprec/checkpoint/format/latest.h"
 #include "mixprec/checkpoint/format/retention.h"
 #include "mixprec/checkpoint/format/safetensors_reader.h"
@@ -74,6 +75,24 @@ TEST_F(HostileRoot, LinkedCheckpointDirectoryIsRefusedAndNeverDeleted) {
   testing::write_sample_checkpoint(root_, "other", 2, 2);
   EXPECT_TRUE(apply_retention(root_, RetentionOptions(1)).empty());
   EXPECT_TRUE(fs::is_symlink(dir_));
+}
+
+// Directory::remove_tree removes links, never what they point to; a name that is not one
+// plain entry is refused naming it, before anything is removed; a missing entry is no error.
+TEST_F(HostileRoot, RemoveTreeRemovesLinksNotTheirTargetsAndRefusesPaths) {
+  fs::create_directories(dir_ / "nested" / "deeper");
+  testing::write_file(dir_ / "nested" / "deeper" / "file", "x");
+  fs::create_directory_symlink(outside_ / "ckpt", dir_ / "nested" / "to-outside-dir");
+  fs::create_symlink(outside_ / "victim", dir_ / "to-outside-file");
+  const Directory root = Directory::open(root_);
+  EXPECT_FORMAT_ERROR(root.remove_tree("ckpt/nested"), "ckpt/nested");
+  EXPECT_FORMAT_ERROR(root.remove_tree(".."), "..");
+  EXPECT_TRUE(fs::exists(dir_ / "nested" / "deeper" / "file"));
+  root.remove_tree("ckpt");
+  EXPECT_EQ(fs::symlink_status(dir_).type(), fs::file_type::not_found);
+  root.remove_tree("ckpt");  // already gone
+  EXPECT_TRUE(fs::exists(outside_ / "ckpt" / "manifest.json"));
+  // TearDown: nothing outside the root was read or written.
 }
 
 TEST_F(HostileRoot, LinkedLatestIsRefused) {
