@@ -15,6 +15,10 @@
 #     the cases that need two ranks skip.
 #
 #   scripts/gpu-check.sh            build in build-gpu/ and run
+#   scripts/gpu-check.sh --bench    also build the CPU benchmarks there and, after the checks,
+#                                   run bench_dist and bench_train on that machine's cores:
+#                                   data parallelism where every rank and its transfers have a
+#                                   core of their own (the development machine has two)
 #   MIXPREC_PYTHON=/path/python     the Python whose torch to use (else: .venv, python3, python)
 #   MIXPREC_GPU_DEPS=/path/prefix   a prefix holding the Debian packages' files (GoogleTest,
 #                                   nlohmann-json, highway, xxhash, gloo headers) for a machine
@@ -35,7 +39,7 @@ say() { echo "gpu-check: $*"; }
 # --stage-deps: copy the installed Debian packages' files that the build needs into
 # .gpu-deps/usr (run here, before carrying .gpu-deps to a GPU machine).
 deps_packages=(libgtest-dev libgmock-dev nlohmann-json3-dev libhwy-dev libhwy1 libxxhash-dev
-  libxxhash0 libgloo-dev)
+  libxxhash0 libgloo-dev libbenchmark-dev libbenchmark1debian)
 if [[ "${1:-}" == "--stage-deps" ]]; then
   rm -rf "$root/.gpu-deps"
   for pkg in "${deps_packages[@]}"; do
@@ -50,6 +54,8 @@ if [[ "${1:-}" == "--stage-deps" ]]; then
   say "staged ${deps_packages[*]} in .gpu-deps ($(du -sh "$root/.gpu-deps" | cut -f1))"
   exit 0
 fi
+bench=0
+[[ "${1:-}" == "--bench" ]] && bench=1
 
 # 1. A Python whose torch has CUDA and sees a device.
 probe='import torch, sys
@@ -115,7 +121,8 @@ if [[ -n "$nccl_include" ]]; then
   nccl_args=(-DMIXPREC_NCCL_INCLUDE_DIR="$nccl_include")
 fi
 
-# 3. Configure (only the library and its tests) and build the test binaries the checks run.
+# 3. Configure (the library and its tests; with --bench, the benchmarks and the main job too)
+# and build the test binaries the checks run.
 deps="${MIXPREC_GPU_DEPS:-}"
 [[ -z "$deps" && -d "$root/.gpu-deps/usr" ]] && deps="$root/.gpu-deps/usr"
 [[ -n "$deps" ]] && say "build dependencies from $deps" && prefix="$prefix;$deps"
@@ -123,11 +130,14 @@ generator=()
 keep_going=()  # every compile error in one run: device time is short
 command -v ninja >/dev/null && generator=(-G Ninja) && keep_going=(-- -k 0)
 mkdir -p "$build"
+# torchrun of this Python, wherever its scripts were installed (the tests and benchmarks run it).
+printf '#!/bin/sh\nexec %q -m torch.distributed.run "$@"\n' "$python" >"$build/torchrun"
+chmod +x "$build/torchrun"
 jobs="${GPU_CHECK_JOBS:-$(nproc)}"
 if ! cmake -S "$root" -B "$build" "${generator[@]}" -DCMAKE_BUILD_TYPE=Release \
-  -DCMAKE_PREFIX_PATH="$prefix" -DMIXPREC_PYTHON="$python" \
+  -DCMAKE_PREFIX_PATH="$prefix" -DMIXPREC_PYTHON="$python" -DMIXPREC_TORCHRUN="$build/torchrun" \
   -DCUDAToolkit_ROOT="$cuda_root" -DCMAKE_CUDA_COMPILER="$cuda_root/bin/nvcc" "${nccl_args[@]}" \
-  -DMIXPREC_BUILD_BENCH=OFF -DMIXPREC_BUILD_EXAMPLES=OFF -DMIXPREC_FUZZ_IN_TESTS=OFF \
+  -DMIXPREC_BUILD_BENCH="$bench" -DMIXPREC_BUILD_EXAMPLES="$bench" -DMIXPREC_FUZZ_IN_TESTS=OFF \
   >"$build/check-configure.log" 2>&1; then
   tail -25 "$build/check-configure.log" | sed 's/^/gpu-check:   /'
   say "CANNOT BUILD: configuring failed (log: $build/check-configure.log); the build needs the"
@@ -186,4 +196,27 @@ for suite in Collectives GradReducer ModelCheck DistributedOptimizer ZeroStateDi
     "$build/tests/distributed_mp_tests" --gtest_filter="$suite.*:$suite/*"
 done
 [[ $status -eq 0 ]] && say "PASS" || say "FAIL"
+
+# 5. --bench: the data-parallel and main-job benchmarks on this machine's CPU cores (Gloo; the
+# GPU is not used), after the checks so that a benchmark's failure cannot hide their result.
+if [[ $bench -eq 1 ]]; then
+  say "building bench_dist bench_train"
+  start=$SECONDS
+  if ! cmake --build "$build" --target bench_dist bench_train -j "$jobs" "${keep_going[@]}" \
+    >"$build/check-bench-build.log" 2>&1; then
+    grep -E -A3 "error:|Error " "$build/check-bench-build.log" | head -40 | sed 's/^/gpu-check:   /'
+    say "FAIL: building the benchmarks failed (log: $build/check-bench-build.log)"
+    exit 1
+  fi
+  say "built in $((SECONDS - start)) s; $(nproc) cores"
+  for run in "bench_dist" \
+    "bench_train --repeats 2 --ranks 2"; do
+    say "$run"
+    # shellcheck disable=SC2086
+    if ! timeout 240 "$build/bench/"$run 2>&1 | tee "$build/check-${run%% *}.log"; then
+      say "FAIL: ${run%% *} (log: $build/check-${run%% *}.log)"
+      status=1
+    fi
+  done
+fi
 exit $status
