@@ -33,6 +33,9 @@ std::string describe(const at::Tensor& t) {
   return std::to_string(t.numel()) + " x " + std::string(c10::toString(t.scalar_type()));
 }
 
+// The largest all-reduce sum two Gloo ranks run as an exchange (see Communicator::all_reduce).
+constexpr size_t kExchangedAllReduceMaxBytes = size_t{1} << 20;
+
 void check_tensor(const at::Tensor& t, const char* op, const char* arg) {
   TORCH_CHECK(t.defined(), "[mixprec::distributed::", op, "] ", arg, " is undefined");
   const auto dtype = t.scalar_type();
@@ -248,6 +251,22 @@ PendingCollective Communicator::all_reduce(const at::Tensor& tensor, int op, con
   if (tensor.numel() == 0) return {};
   const double n = size_, bytes = static_cast<double>(tensor.nbytes());
   count(Collective::kAllReduce, static_cast<int64_t>(tensor.nbytes()), bytes * 2 * (n - 1) / n);
+  if (op == c10d::ReduceOp::SUM && exchanges_pairwise() && tensor.is_cpu() &&
+      tensor.nbytes() <= kExchangedAllReduceMaxBytes) {
+    // Two ranks: one round trip, each sending its tensor whole and adding the peer's in wait().
+    // As many bytes as Gloo's ring, without its chain of dependent steps (its all-reduce of a
+    // hundred floats takes 1.3-2 ms on two loopback ranks, an exchange 0.2), and the same sum
+    // on both ranks bit for bit: a + b is b + a. Larger sums, where bandwidth and not latency
+    // sets the time, stay on the ring: its temporaries are chunks, not a copy of the tensor.
+    at::Tensor flat = tensor.view({-1});
+    at::Tensor received = take_scratch(flat);
+    return exchange(received, flat,
+                    std::string(name) + " (two-rank exchange) of " + describe(tensor),
+                    [this, flat, received]() mutable {
+                      flat.add_(received);
+                      return_scratch(std::move(received));
+                    });
+  }
   const std::optional<c10::Device> device = staging_device(tensor);
   const at::Tensor on = device ? tensor.to(*device) : tensor;
   std::vector<at::Tensor> tensors{on};
@@ -331,6 +350,27 @@ PendingCollective Communicator::exchange(at::Tensor receive, at::Tensor send, st
   return {std::move(works), std::move(what), this, std::move(then)};
 }
 
+at::Tensor Communicator::take_scratch(const at::Tensor& like) {
+  {
+    std::lock_guard<std::mutex> lock(exchange_mutex_);
+    auto it = std::find_if(free_scratch_.begin(), free_scratch_.end(), [&](const at::Tensor& t) {
+      return t.numel() == like.numel() && t.scalar_type() == like.scalar_type() &&
+             t.device() == like.device();
+    });
+    if (it != free_scratch_.end()) {
+      at::Tensor found = std::move(*it);
+      free_scratch_.erase(it);
+      return found;
+    }
+  }
+  return at::empty({like.numel()}, like.options());
+}
+
+void Communicator::return_scratch(at::Tensor scratch) {
+  std::lock_guard<std::mutex> lock(exchange_mutex_);
+  free_scratch_.push_back(std::move(scratch));
+}
+
 PendingCollective Communicator::exchange_halves(const at::Tensor& input, const at::Tensor& output) {
   const int peer = 1 - rank_;
   const int64_t half = output.numel();
@@ -338,26 +378,13 @@ PendingCollective Communicator::exchange_halves(const at::Tensor& input, const a
         static_cast<double>(input.nbytes()) / 2);
   at::Tensor flat = input.view({-1});
   at::Tensor mine = flat.narrow(0, rank_ * half, half);
-  at::Tensor received;
-  {
-    std::lock_guard<std::mutex> lock(exchange_mutex_);
-    auto it = std::find_if(free_scratch_.begin(), free_scratch_.end(), [&](const at::Tensor& t) {
-      return t.numel() == half && t.scalar_type() == input.scalar_type() &&
-             t.device() == input.device();
-    });
-    if (it != free_scratch_.end()) {
-      received = std::move(*it);
-      free_scratch_.erase(it);
-    }
-  }
-  if (!received.defined()) received = at::empty({half}, input.options());
+  at::Tensor received = take_scratch(mine);
   at::Tensor out = output.view({-1});
   return exchange(received, flat.narrow(0, peer * half, half),
                   "reduce_scatter_sum (two-rank exchange) of " + describe(input),
                   [this, out, mine, received]() mutable {
                     at::add_out(out, mine, received);
-                    std::lock_guard<std::mutex> lock(exchange_mutex_);
-                    free_scratch_.push_back(std::move(received));
+                    return_scratch(std::move(received));
                   });
 }
 

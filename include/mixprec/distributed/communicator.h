@@ -111,7 +111,10 @@ class Communicator {
   std::string backend_name() const;
   const c10::intrusive_ptr<c10d::Backend>& backend() const { return backend_; }
 
-  // In place: `tensor` becomes the element-wise sum (or max/min) over ranks.
+  // In place: `tensor` becomes the element-wise sum (or max/min) over ranks. On Gloo with two
+  // ranks a sum of a CPU tensor up to 1 MiB is an exchange: each rank sends its tensor and
+  // adds the one it receives in wait(); the bytes of Gloo's ring in one round trip, the same
+  // sum on both ranks bit for bit (a + b is b + a).
   PendingCollective all_reduce_sum(const at::Tensor& tensor);
   PendingCollective all_reduce_max(const at::Tensor& tensor);
   PendingCollective all_reduce_min(const at::Tensor& tensor);
@@ -162,13 +165,18 @@ class Communicator {
  private:
   friend class PendingCollective;
   PendingCollective all_reduce(const at::Tensor& tensor, int op, const char* name);
-  // Gloo with two ranks: reduce-scatter and all-gather of CPU tensors are exchanges.
+  // Gloo with two ranks: all-reduce sums, reduce-scatter and all-gather of CPU tensors are
+  // exchanges.
   bool exchanges_pairwise() const;
   // Gloo, two ranks: receive into `receive` from the other rank while sending it `send`, one
   // tag for both; `then` completes the collective in wait().
   PendingCollective exchange(at::Tensor receive, at::Tensor send, std::string what,
                              std::function<void()> then);
   PendingCollective exchange_halves(const at::Tensor& input, const at::Tensor& output);
+  // A receive buffer shaped as `like` (1-D), reused from the pool when one is free: a steady
+  // state's exchanges allocate nothing. Given back by the exchange's completion.
+  at::Tensor take_scratch(const at::Tensor& like);
+  void return_scratch(at::Tensor scratch);
   int next_exchange_tag();
   void keep_until_done(std::vector<c10::intrusive_ptr<c10d::Work>> works) noexcept;
   void count(Collective collective, int64_t payload_bytes, double bytes_sent);

@@ -79,26 +79,51 @@ TEST(Collectives, ReduceScatterEveryDtypeAndSizeWithPadding) {
   }
 }
 
-// Two ranks on Gloo reduce-scatter by exchanging halves: what it sums must be the all-reduce's
-// sum bit for bit (rounded BF16 sums included), the other half must stay this rank's own, and
-// the receive buffer must be reused, so a steady-state step allocates nothing.
-TEST(Collectives, TwoRankExchangeSumsAsTheAllReduceAndReusesItsBuffer) {
+// Gloo's own all-reduce, past the communicator's two-rank exchanges: their reference.
+at::Tensor gloo_sum(distributed::Communicator& comm, const at::Tensor& t) {
+  std::vector<at::Tensor> tensors{t.clone()};
+  comm.backend()->allreduce(tensors)->wait();
+  return tensors[0];
+}
+
+// Two ranks on Gloo reduce-scatter by exchanging halves, and all-reduce small sums by
+// exchanging the whole tensor: what they sum must be Gloo's all-reduce's sum bit for bit
+// (rounded BF16 and FP16 sums, wrapped bytes), the other half must stay this rank's own, and
+// the receive buffers must be reused, so a steady-state step allocates nothing.
+TEST(Collectives, TwoRankExchangesSumAsGlooAndReuseTheirBuffers) {
   distributed::Communicator& comm = world();
   if (comm.size() != 2 || comm.backend_name() != "gloo") GTEST_SKIP() << "Gloo, two ranks";
   ASSERT_TRUE(comm.has_native_reduce_scatter());
   const int rank = comm.rank(), peer = 1 - rank;
   at::manual_seed(7 + rank);  // different data on each rank
-  for (at::ScalarType dtype : {at::kFloat, at::kBFloat16, at::kHalf}) {
-    const at::Tensor mine = at::randn({2 * 513}, at::kFloat).to(dtype);
-    at::Tensor summed = mine.clone();
-    comm.all_reduce_sum(summed).wait();
+  for (at::ScalarType dtype : {at::kFloat, at::kBFloat16, at::kHalf, at::kLong, at::kByte}) {
+    const at::Tensor mine = at::isIntegralType(dtype, /*includeBool=*/false)
+                                ? at::randint(0, 200, {2 * 513}, dtype)  // byte sums wrap
+                                : (at::randn({2 * 513}, at::kFloat) * 100).to(dtype);
+    const at::Tensor summed = gloo_sum(comm, mine);
     at::Tensor input = mine.clone();
     comm.reduce_scatter_sum(input, input.narrow(0, rank * 513, 513)).wait();
     EXPECT_TRUE(at::equal(input.narrow(0, rank * 513, 513), summed.narrow(0, rank * 513, 513)))
         << c10::toString(dtype);
     EXPECT_TRUE(at::equal(input.narrow(0, peer * 513, 513), mine.narrow(0, peer * 513, 513)))
         << c10::toString(dtype) << ": the peer's half changed";
+    at::Tensor all = mine.clone();
+    comm.all_reduce_sum(all).wait();
+    EXPECT_TRUE(at::equal(all, summed)) << c10::toString(dtype);
   }
+  // Past 1 MiB a sum runs on Gloo's ring: the same sums either way.
+  const at::Tensor large = at::randn({(int64_t{1} << 18) + 1}, at::kFloat);
+  at::Tensor large_sum = large.clone();
+  comm.all_reduce_sum(large_sum).wait();
+  EXPECT_TRUE(at::equal(large_sum, gloo_sum(comm, large)));
+  at::Tensor small = at::ones({102}, at::kFloat);
+  comm.all_reduce_sum(small).wait();  // warm
+  {
+    const CountingAllocatorGuard counting;
+    for (int i = 0; i < 3; ++i) comm.all_reduce_sum(small).wait();
+    EXPECT_EQ(counting.allocations(), 0);
+  }
+  EXPECT_EQ(small[101].item<float>(), 16.0f);  // doubled four times
   at::Tensor input = at::ones({2 * 4096}, at::kFloat);
   comm.reduce_scatter_sum(input, input.narrow(0, rank * 4096, 4096)).wait();  // warm
   const CountingAllocatorGuard counting;
@@ -201,8 +226,9 @@ TEST(Collectives, MissingRankInCollectiveTimesOut) {
   if (rank == 0) {
     at::Tensor t = at::ones({5});
     const std::string message = error_of([&] { group->all_reduce_sum(t).wait(); });
-    EXPECT_NE(message.find("all_reduce_sum of 5 x Float failed on rank 0 of"), std::string::npos)
-        << message;
+    // (Two Gloo ranks sum as an exchange, and the message says so.)
+    EXPECT_EQ(message.find("[mixprec::distributed] all_reduce_sum "), 0u) << message;
+    EXPECT_NE(message.find("of 5 x Float failed on rank 0 of"), std::string::npos) << message;
   }
   world().barrier();
 }
