@@ -117,6 +117,17 @@ StepOutcome train_step(const TrainConfig& config, MixedModel& model, TrainingOpt
     optimizer.finish_reduction();
   }
   out.phases.reduce_s = seconds_since(phase);
+  // Aux-loss-free balancing uses the load of this step's tokens, whether or not it was skipped:
+  // every rank's tokens, so the biases stay identical on every rank. A signal may reach the
+  // ranks between different steps; they agree here, so all stop after the same one. This
+  // comes before the update: the update starts the gather of the new parameters, and a small
+  // collective behind it on the same connections would wait for all of it (on two Gloo ranks,
+  // 2-3 ms of each step).
+  const StepAgreement agreed =
+      agree_on_step(ranks, {out.loss, out.aux_loss, stop_requested}, model.gpt->expert_loads());
+  out.loss = agreed.loss;
+  out.aux_loss = agreed.aux_loss;
+  out.stop = agreed.stop;
   // Forward and backward only read the state; an async save's copy overlapped them.
   phase = Clock::now();
   if (before_update) {
@@ -130,14 +141,6 @@ StepOutcome train_step(const TrainConfig& config, MixedModel& model, TrainingOpt
     out.result = optimizer.step();
   }
   out.phases.optimizer_s = seconds_since(phase);
-  // Aux-loss-free balancing uses the load of this step's tokens, whether or not it was skipped:
-  // every rank's tokens, so the biases stay identical on every rank. A signal may reach the
-  // ranks between different steps; they agree here, so all stop after the same one.
-  const StepAgreement agreed =
-      agree_on_step(ranks, {out.loss, out.aux_loss, stop_requested}, model.gpt->expert_loads());
-  out.loss = agreed.loss;
-  out.aux_loss = agreed.aux_loss;
-  out.stop = agreed.stop;
   model.gpt->update_expert_biases(config.bias_update_rate);
   out.phases.other_s = std::max(0.0, seconds_since(start) - out.phases.timed_s());
   if (counted != nullptr) out.peak_bytes = counted->peak_bytes() - live_at_start;
