@@ -19,6 +19,7 @@
 #                                   run bench_dist and bench_train on that machine's cores:
 #                                   data parallelism where every rank and its transfers have a
 #                                   core of their own (the development machine has two)
+#   scripts/gpu-check.sh --bench-only   the benchmarks alone, without the checks
 #   MIXPREC_PYTHON=/path/python     the Python whose torch to use (else: .venv, python3, python)
 #   MIXPREC_GPU_DEPS=/path/prefix   a prefix holding the Debian packages' files (GoogleTest,
 #                                   nlohmann-json, highway, xxhash, gloo headers) for a machine
@@ -54,8 +55,9 @@ if [[ "${1:-}" == "--stage-deps" ]]; then
   say "staged ${deps_packages[*]} in .gpu-deps ($(du -sh "$root/.gpu-deps" | cut -f1))"
   exit 0
 fi
-bench=0
-[[ "${1:-}" == "--bench" ]] && bench=1
+bench=0 checks=1
+[[ "${1:-}" == --bench* ]] && bench=1
+[[ "${1:-}" == --bench-only ]] && checks=0
 
 # 1. A Python whose torch has CUDA and sees a device.
 probe='import torch, sys
@@ -151,6 +153,7 @@ for feature in "CUDA offload copy engine" "NCCL backend"; do
   fi
 done
 targets=(optim_tests checkpoint_tests resume_worker distributed_tests distributed_mp_tests)
+[[ $checks -eq 0 ]] && targets=(bench_dist bench_train)
 say "building ${targets[*]} with $jobs jobs"
 start=$SECONDS
 if ! cmake --build "$build" --target "${targets[@]}" -j "$jobs" "${keep_going[@]}" >"$build/check-build.log" 2>&1; then
@@ -179,23 +182,25 @@ required() {
     status=1
   fi
 }
-required offload-cuda "$build/tests/optim_tests" --gtest_filter='OffloadCuda.*'
-required offload "$build/tests/optim_tests" \
-  --gtest_filter='Offload*:*Offload*:Remainder*:*Remainders*:*Holdings*:SnapshotChecks*:-OffloadCuda.*'
-# Training-state checkpoints save and restore each CUDA device's generator where CUDA is.
-required --allow-skips training-state env MIXPREC_RESUME_WORKER="$build/tests/resume_worker" \
-  "$build/tests/checkpoint_tests" \
-  --gtest_filter='TrainingState.*:AsyncSave.*:*ResumeTest*'
-required nccl-group "$build/tests/distributed_tests" \
-  --gtest_filter='SingleProcess.NcclRunsEveryCollectiveOnDeviceAndHostTensors'
-# Under torchrun (some cases use its agent's store), one process.
-for suite in Collectives GradReducer ModelCheck DistributedOptimizer ZeroStateDict CollectiveCheckpoint \
-  ZeroFollowsModel; do
-  required --allow-skips "nccl-$suite" env MIXPREC_TEST_BACKEND=nccl \
-    "$python" -m torch.distributed.run --standalone --nproc-per-node 1 --no-python \
-    "$build/tests/distributed_mp_tests" --gtest_filter="$suite.*:$suite/*"
-done
-[[ $status -eq 0 ]] && say "PASS" || say "FAIL"
+if [[ $checks -eq 1 ]]; then
+  required offload-cuda "$build/tests/optim_tests" --gtest_filter='OffloadCuda.*'
+  required offload "$build/tests/optim_tests" \
+    --gtest_filter='Offload*:*Offload*:Remainder*:*Remainders*:*Holdings*:SnapshotChecks*:-OffloadCuda.*'
+  # Training-state checkpoints save and restore each CUDA device's generator where CUDA is.
+  required --allow-skips training-state env MIXPREC_RESUME_WORKER="$build/tests/resume_worker" \
+    "$build/tests/checkpoint_tests" \
+    --gtest_filter='TrainingState.*:AsyncSave.*:*ResumeTest*'
+  required nccl-group "$build/tests/distributed_tests" \
+    --gtest_filter='SingleProcess.NcclRunsEveryCollectiveOnDeviceAndHostTensors'
+  # Under torchrun (some cases use its agent's store), one process.
+  for suite in Collectives GradReducer ModelCheck DistributedOptimizer ZeroStateDict CollectiveCheckpoint \
+    ZeroFollowsModel; do
+    required --allow-skips "nccl-$suite" env MIXPREC_TEST_BACKEND=nccl \
+      "$python" -m torch.distributed.run --standalone --nproc-per-node 1 --no-python \
+      "$build/tests/distributed_mp_tests" --gtest_filter="$suite.*:$suite/*"
+  done
+  [[ $status -eq 0 ]] && say "PASS" || say "FAIL"
+fi
 
 # 5. --bench: the data-parallel and main-job benchmarks on this machine's CPU cores (Gloo; the
 # GPU is not used), after the checks so that a benchmark's failure cannot hide their result.
@@ -209,8 +214,7 @@ if [[ $bench -eq 1 ]]; then
     exit 1
   fi
   say "built in $((SECONDS - start)) s; $(nproc) cores"
-  for run in "bench_dist" \
-    "bench_train --repeats 2 --ranks 2"; do
+  for run in "bench_train --repeats 2 --ranks 2" "bench_dist"; do
     say "$run"
     # shellcheck disable=SC2086
     if ! timeout 240 "$build/bench/"$run 2>&1 | tee "$build/check-${run%% *}.log"; then
