@@ -328,7 +328,10 @@ void compare(const Options& o, const std::vector<std::pair<std::string, std::str
 int parent(const Options& o, const char* self) {
   std::string common = " --steps " + std::to_string(o.steps) + " --warmup " +
                        std::to_string(o.warmup) + " --threads " + std::to_string(o.threads);
-  for (const std::string& flag : o.model) common += " " + shell_quote(flag);
+  for (const std::string& flag : o.model) {
+    common += ' ';  // appended, not " " + ...: GCC 12 warns falsely (-Wstringop-overflow) there
+    common += shell_quote(flag);
+  }
   std::string policy = o.omp_wait;
   for (char& c : policy) c = static_cast<char>(std::toupper(static_cast<unsigned char>(c)));
   const std::string env = "OMP_WAIT_POLICY=" + policy + " ";
