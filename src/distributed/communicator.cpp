@@ -35,6 +35,9 @@ std::string describe(const at::Tensor& t) {
 
 // The largest all-reduce sum two Gloo ranks run as an exchange (see Communicator::all_reduce).
 constexpr size_t kExchangedAllReduceMaxBytes = size_t{1} << 20;
+// The most Gloo ranks whose all-gather is a direct exchange, 2 (N - 1) transfers posted at once
+// by each rank; larger groups use Gloo's own.
+constexpr int kDirectGatherMaxRanks = 16;
 
 void check_tensor(const at::Tensor& t, const char* op, const char* arg) {
   TORCH_CHECK(t.defined(), "[mixprec::distributed::", op, "] ", arg, " is undefined");
@@ -219,7 +222,10 @@ std::optional<c10::Device> Communicator::staging_device(const at::Tensor& t) con
 
 bool Communicator::exchanges_pairwise() const { return gloo_ && size_ == 2; }
 bool Communicator::has_native_reduce_scatter() const { return !gloo_ || exchanges_pairwise(); }
-bool Communicator::has_native_all_gather() const { return !gloo_ || exchanges_pairwise(); }
+bool Communicator::gathers_directly() const {
+  return gloo_ && size_ >= 2 && size_ <= kDirectGatherMaxRanks;
+}
+bool Communicator::has_native_all_gather() const { return !gloo_ || gathers_directly(); }
 
 Communicator::~Communicator() = default;
 
@@ -260,7 +266,7 @@ PendingCollective Communicator::all_reduce(const at::Tensor& tensor, int op, con
     // sets the time, stay on the ring: its temporaries are chunks, not a copy of the tensor.
     at::Tensor flat = tensor.view({-1});
     at::Tensor received = take_scratch(flat);
-    return exchange(received, flat,
+    return exchange({{1 - rank_, received, flat}},
                     std::string(name) + " (two-rank exchange) of " + describe(tensor),
                     [this, flat, received]() mutable {
                       flat.add_(received);
@@ -330,16 +336,17 @@ int Communicator::next_exchange_tag() {
   return static_cast<int>(exchange_count_.fetch_add(1) % kTags) + 1;
 }
 
-PendingCollective Communicator::exchange(at::Tensor receive, at::Tensor send, std::string what,
+PendingCollective Communicator::exchange(std::vector<Transfer> transfers, std::string what,
                                          std::function<void()> then) {
-  const int peer = 1 - rank_;
   const int tag = next_exchange_tag();
   std::vector<c10::intrusive_ptr<c10d::Work>> works;
   try {
-    std::vector<at::Tensor> into{std::move(receive)};
-    std::vector<at::Tensor> from{std::move(send)};
-    works.push_back(backend_->recv(into, peer, tag));
-    works.push_back(backend_->send(from, peer, tag));
+    for (Transfer& t : transfers) {
+      std::vector<at::Tensor> into{std::move(t.receive)};
+      std::vector<at::Tensor> from{std::move(t.send)};
+      works.push_back(backend_->recv(into, t.peer, tag));
+      works.push_back(backend_->send(from, t.peer, tag));
+    }
   } catch (const std::exception& e) {
     // This rank's tag count has moved on and a receive may be posted: the ranks no longer
     // agree, so the group is done.
@@ -380,7 +387,7 @@ PendingCollective Communicator::exchange_halves(const at::Tensor& input, const a
   at::Tensor mine = flat.narrow(0, rank_ * half, half);
   at::Tensor received = take_scratch(mine);
   at::Tensor out = output.view({-1});
-  return exchange(received, flat.narrow(0, peer * half, half),
+  return exchange({{peer, received, flat.narrow(0, peer * half, half)}},
                   "reduce_scatter_sum (two-rank exchange) of " + describe(input),
                   [this, out, mine, received]() mutable {
                     at::add_out(out, mine, received);
@@ -407,11 +414,17 @@ PendingCollective Communicator::all_gather(const at::Tensor& input, const at::Te
   count(Collective::kAllGather, static_cast<int64_t>(output.nbytes()), bytes * (n - 1) / n);
   at::Tensor in = input.view({-1});
   at::Tensor out = output.view({-1});
-  if (exchanges_pairwise() && in.is_cpu()) {
-    // Two ranks: send this rank's chunk, receive the other's in place.
+  if (gathers_directly() && in.is_cpu()) {
+    // Gloo: send this rank's chunk to every other rank and receive theirs in place, all at
+    // once; what Gloo's own gather sends, without its copy out or its chain of steps.
     if (apart) out.narrow(0, rank_ * in.numel(), in.numel()).copy_(in);
-    return exchange(out.narrow(0, (1 - rank_) * in.numel(), in.numel()), in,
-                    "all_gather (two-rank exchange) of " + describe(output), nullptr);
+    std::vector<Transfer> transfers;
+    for (int peer = 0; peer < size_; ++peer) {
+      if (peer != rank_)
+        transfers.push_back({peer, out.narrow(0, peer * in.numel(), in.numel()), in});
+    }
+    return exchange(std::move(transfers), "all_gather (direct exchange) of " + describe(output),
+                    nullptr);
   }
   // Host tensors on NCCL: this rank's chunk goes into the device copy of the output, and the
   // gather runs in place there.
