@@ -1,9 +1,9 @@
 // GradReducer's parameter gathers (ZeRO-1): after a step, every rank's updated shard of each
 // bucket reaches every rank, in place in the parameter buffers that the parameters are views
-// of. With an in-place all-gather (NCCL's; on Gloo with two ranks an exchange of shards), one
-// all-gather per bucket; on Gloo with more ranks, whose all-gather gathers into a new tensor
-// and copies out, each owner broadcasts its shard in place (a binomial tree: in total the
-// bytes of a ring all-gather, and no copy).
+// of. With an in-place all-gather (NCCL's; on Gloo with up to 16 ranks a direct exchange of
+// shards), one all-gather per bucket; on larger Gloo groups, whose all-gather gathers into a
+// new tensor and copies out, each owner broadcasts its shard in place (a binomial tree: in
+// total the bytes of a ring all-gather, and no copy).
 #include "mixprec/distributed/grad_reducer.h"
 
 #include "distributed/grad_reducer_state.h"
