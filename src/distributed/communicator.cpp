@@ -35,9 +35,6 @@ std::string describe(const at::Tensor& t) {
 
 // The largest all-reduce sum two Gloo ranks run as an exchange (see Communicator::all_reduce).
 constexpr size_t kExchangedAllReduceMaxBytes = size_t{1} << 20;
-// The most Gloo ranks whose all-gather is a direct exchange, 2 (N - 1) transfers posted at once
-// by each rank; larger groups use Gloo's own.
-constexpr int kDirectGatherMaxRanks = 16;
 
 void check_tensor(const at::Tensor& t, const char* op, const char* arg) {
   TORCH_CHECK(t.defined(), "[mixprec::distributed::", op, "] ", arg, " is undefined");
@@ -222,10 +219,6 @@ std::optional<c10::Device> Communicator::staging_device(const at::Tensor& t) con
 
 bool Communicator::exchanges_pairwise() const { return gloo_ && size_ == 2; }
 bool Communicator::has_native_reduce_scatter() const { return !gloo_ || exchanges_pairwise(); }
-bool Communicator::gathers_directly() const {
-  return gloo_ && size_ >= 2 && size_ <= kDirectGatherMaxRanks;
-}
-bool Communicator::has_native_all_gather() const { return !gloo_ || gathers_directly(); }
 
 Communicator::~Communicator() = default;
 
@@ -414,9 +407,9 @@ PendingCollective Communicator::all_gather(const at::Tensor& input, const at::Te
   count(Collective::kAllGather, static_cast<int64_t>(output.nbytes()), bytes * (n - 1) / n);
   at::Tensor in = input.view({-1});
   at::Tensor out = output.view({-1});
-  if (gathers_directly() && in.is_cpu()) {
+  if (gloo_ && in.is_cpu()) {
     // Gloo: send this rank's chunk to every other rank and receive theirs in place, all at
-    // once; what Gloo's own gather sends, without its copy out or its chain of steps.
+    // once: what a ring all-gather sends, without Gloo's copy out or its chain of steps.
     if (apart) out.narrow(0, rank_ * in.numel(), in.numel()).copy_(in);
     std::vector<Transfer> transfers;
     for (int peer = 0; peer < size_; ++peer) {

@@ -107,7 +107,7 @@ void GradReducer::State::on_grad_ready(size_t i) {
   std::lock_guard<std::mutex> lock(mutex);
   comm->check_usable(kReducer);
   const size_t b = bucket_id[i];
-  TORCH_CHECK(gathers[b].empty() || gather_waited[b], "[", kReducer, "] the gradient of '",
+  TORCH_CHECK(!gathers[b].pending() || gather_waited[b], "[", kReducer, "] the gradient of '",
               layout.params[i].fqn,
               "' arrived while its all-gather was never waited for: forward read it as it was "
               "being written. Call wait_for_params(module) before a module's forward, or turn "
@@ -299,7 +299,6 @@ GradReducer::GradReducer(std::shared_ptr<Communicator> comm, torch::nn::Module& 
   s.flights.resize(s.buckets.size());
   s.launched_at.assign(s.buckets.size(), -1);
   s.gathers.resize(s.buckets.size());
-  for (auto& g : s.gathers) g.reserve(static_cast<size_t>(world));
   s.gather_waited.assign(s.buckets.size(), 1);
   s.reset_step();
   s.timing.buckets = static_cast<int64_t>(s.buckets.size());

@@ -72,8 +72,8 @@ struct GradReducer::State {
   ReductionTiming timing;
 
   // Parameter gathers (param_gather.cpp).
-  std::vector<std::vector<PendingCollective>> gathers;  // per bucket
-  std::vector<char> gather_waited;                      // per bucket: waited since started
+  std::vector<PendingCollective> gathers;  // per bucket
+  std::vector<char> gather_waited;         // per bucket: waited since started
   std::unordered_map<const void*, std::vector<size_t>> module_buckets;  // cache by module
 
   void count_waiting();

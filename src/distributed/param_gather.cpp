@@ -1,9 +1,6 @@
 // GradReducer's parameter gathers (ZeRO-1): after a step, every rank's updated shard of each
 // bucket reaches every rank, in place in the parameter buffers that the parameters are views
-// of. With an in-place all-gather (NCCL's; on Gloo with up to 16 ranks a direct exchange of
-// shards), one all-gather per bucket; on larger Gloo groups, whose all-gather gathers into a
-// new tensor and copies out, each owner broadcasts its shard in place (a binomial tree: in
-// total the bytes of a ring all-gather, and no copy).
+// of: one in-place all-gather per bucket (Communicator::all_gather).
 #include "mixprec/distributed/grad_reducer.h"
 
 #include "distributed/grad_reducer_state.h"
@@ -17,10 +14,9 @@
 namespace mixprec::distributed {
 
 void GradReducer::State::wait_bucket_gather(size_t bucket) {
-  if (gathers[bucket].empty()) return;
+  if (!gathers[bucket].pending()) return;
   const auto t0 = std::chrono::steady_clock::now();
-  for (PendingCollective& work : gathers[bucket]) work.wait();
-  gathers[bucket].clear();
+  gathers[bucket].wait();
   gather_waited[bucket] = 1;
   timing.param_gather_wait_seconds +=
       std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();
@@ -49,14 +45,8 @@ void GradReducer::start_param_gather() {
   // order holds the first layers.
   for (auto it = s.order.rbegin(); it != s.order.rend(); ++it) {
     State::Bucket& bucket = s.buckets[*it];
-    if (comm.has_native_all_gather()) {
-      s.gathers[*it].push_back(
-          comm.all_gather(bucket.shards[static_cast<size_t>(comm.rank())], bucket.params_range));
-    } else {
-      for (int r = 0; r < comm.size(); ++r) {
-        s.gathers[*it].push_back(comm.broadcast(bucket.shards[static_cast<size_t>(r)], r));
-      }
-    }
+    s.gathers[*it] =
+        comm.all_gather(bucket.shards[static_cast<size_t>(comm.rank())], bucket.params_range);
     s.gather_waited[*it] = 0;
   }
   if (!s.options.overlap_param_gather()) s.wait_all_gathers();

@@ -130,8 +130,11 @@ class Communicator {
   PendingCollective reduce_scatter_sum(const at::Tensor& input, const at::Tensor& output);
   // output = the concatenation of every rank's `input` in rank order (1-D flattening).
   // output.numel() must equal size() * input.numel(), same dtype; `input` is either apart
-  // from `output` or exactly this rank's chunk of it (in place). On Gloo (CPU tensors, up to
-  // 16 ranks) a direct exchange: see has_native_all_gather.
+  // from `output` or exactly this rank's chunk of it (in place). In place on every backend:
+  // NCCL's own (of device tensors; host tensors go through a device copy, see the top of
+  // this file), and on Gloo (CPU tensors) a direct exchange: each rank sends its chunk to
+  // every other rank and receives theirs in place, all posted at once (Gloo's own gathers
+  // into a new tensor and copies out).
   PendingCollective all_gather(const at::Tensor& input, const at::Tensor& output);
   // In place: every rank's `tensor` becomes rank `root`'s.
   PendingCollective broadcast(const at::Tensor& tensor, int root);
@@ -141,12 +144,6 @@ class Communicator {
   // sum in another order than Gloo's all-reduce, and plain data parallelism would no longer
   // match ZeRO-1 bit for bit.)
   bool has_native_reduce_scatter() const;
-  // True when all_gather runs in place without a staging copy: NCCL's (of device tensors;
-  // host tensors go through a device copy, see the top of this file), and on Gloo with up to
-  // 16 ranks a direct exchange (each sends its chunk to every other rank and receives theirs
-  // in place, all posted at once). Gloo's own gathers into a new tensor and copies out;
-  // broadcasts from each owner are in place there.
-  bool has_native_all_gather() const;
 
   // Synchronous helpers built on the above.
   // Every rank's string, in rank order (lengths all-gathered as int64, then the bytes).
@@ -169,8 +166,6 @@ class Communicator {
   PendingCollective all_reduce(const at::Tensor& tensor, int op, const char* name);
   // Gloo with two ranks: all-reduce sums and reduce-scatters of CPU tensors are exchanges.
   bool exchanges_pairwise() const;
-  // Gloo with up to 16 ranks: all-gathers of CPU tensors are direct exchanges.
-  bool gathers_directly() const;
   // Point to point on Gloo: for each transfer, receive into `receive` from `peer` while
   // sending it `send`, one tag for the whole exchange; `then` completes the collective in
   // wait().
