@@ -69,8 +69,9 @@ struct TrafficStats {
 // c10::Error naming the collective, its size and this rank if the backend reports an error or
 // the timeout passes. Destroying an unwaited PendingCollective does not cancel the transfers
 // (the communicator keeps them until they finish), but what only wait() does is not done: a
-// two-rank exchange's sum (reduce_scatter_sum on Gloo) leaves the output as it was, and so
-// does any collective of CPU tensors on NCCL (the result stays in its device copy).
+// two-rank exchange's sum (reduce_scatter_sum, and all_reduce_sum up to 1 MiB, on Gloo) leaves
+// the output as it was, and so does any collective of CPU tensors on NCCL (the result stays in
+// its device copy).
 class Communicator;
 
 class [[nodiscard]] PendingCollective {
