@@ -69,7 +69,7 @@ struct TrafficStats {
 // c10::Error naming the collective, its size and this rank if the backend reports an error or
 // the timeout passes. Destroying an unwaited PendingCollective does not cancel the transfers
 // (the communicator keeps them until they finish), but what only wait() does is not done: a
-// two-rank exchange's sum (reduce_scatter_sum, and all_reduce_sum up to 1 MiB, on Gloo) leaves
+// two-rank exchange's sum (reduce_scatter_sum, and all_reduce_sum up to 64 KiB, on Gloo) leaves
 // the output as it was, and so does any collective of CPU tensors on NCCL (the result stays in
 // its device copy).
 class Communicator;
@@ -113,7 +113,7 @@ class Communicator {
   const c10::intrusive_ptr<c10d::Backend>& backend() const { return backend_; }
 
   // In place: `tensor` becomes the element-wise sum (or max/min) over ranks. On Gloo with two
-  // ranks a sum of a CPU tensor up to 1 MiB is an exchange: each rank sends its tensor and
+  // ranks a sum of a CPU tensor up to 64 KiB is an exchange: each rank sends its tensor and
   // adds the one it receives in wait(); the bytes of Gloo's ring in one round trip, the same
   // sum on both ranks bit for bit (a + b is b + a).
   PendingCollective all_reduce_sum(const at::Tensor& tensor);
