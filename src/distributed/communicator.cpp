@@ -259,14 +259,9 @@ PendingCollective Communicator::all_reduce(const at::Tensor& tensor, int op, con
     // bandwidth and not latency sets the time, stay on the ring: Gloo's threads add there,
     // during backward, where an exchange adds in wait(), and its temporaries are chunks, not a
     // copy of the tensor.
-    at::Tensor flat = tensor.view({-1});
-    at::Tensor received = take_scratch(flat);
-    return exchange({{1 - rank_, received, flat}},
-                    std::string(name) + " (two-rank exchange) of " + describe(tensor),
-                    [this, flat, received]() mutable {
-                      flat.add_(received);
-                      return_scratch(std::move(received));
-                    });
+    const at::Tensor flat = tensor.view({-1});
+    return exchange_and_add(flat, flat, flat,
+                            std::string(name) + " (two-rank exchange) of " + describe(tensor));
   }
   const std::optional<c10::Device> device = staging_device(tensor);
   const at::Tensor on = device ? tensor.to(*device) : tensor;
@@ -378,13 +373,17 @@ PendingCollective Communicator::exchange_halves(const at::Tensor& input, const a
   const int64_t half = output.numel();
   count(Collective::kReduceScatter, static_cast<int64_t>(input.nbytes()),
         static_cast<double>(input.nbytes()) / 2);
-  at::Tensor flat = input.view({-1});
-  at::Tensor mine = flat.narrow(0, rank_ * half, half);
+  const at::Tensor flat = input.view({-1});
+  return exchange_and_add(output.view({-1}), flat.narrow(0, rank_ * half, half),
+                          flat.narrow(0, peer * half, half),
+                          "reduce_scatter_sum (two-rank exchange) of " + describe(input));
+}
+
+PendingCollective Communicator::exchange_and_add(at::Tensor out, at::Tensor mine, at::Tensor send,
+                                                 std::string what) {
   at::Tensor received = take_scratch(mine);
-  at::Tensor out = output.view({-1});
-  return exchange({{peer, received, flat.narrow(0, peer * half, half)}},
-                  "reduce_scatter_sum (two-rank exchange) of " + describe(input),
-                  [this, out, mine, received]() mutable {
+  return exchange({{1 - rank_, received, std::move(send)}}, std::move(what),
+                  [this, out = std::move(out), mine = std::move(mine), received]() mutable {
                     at::add_out(out, mine, received);
                     return_scratch(std::move(received));
                   });

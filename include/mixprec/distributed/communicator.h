@@ -177,6 +177,10 @@ class Communicator {
   PendingCollective exchange(std::vector<Transfer> transfers, std::string what,
                              std::function<void()> then);
   PendingCollective exchange_halves(const at::Tensor& input, const at::Tensor& output);
+  // Gloo, two ranks: sends `send` to the other rank and receives as many elements into a
+  // pooled buffer; wait() sets out = mine + received (the sums of both two-rank exchanges).
+  PendingCollective exchange_and_add(at::Tensor out, at::Tensor mine, at::Tensor send,
+                                     std::string what);
   // A receive buffer shaped as `like` (1-D), reused from the pool when one is free: a steady
   // state's exchanges allocate nothing. Given back by the exchange's completion.
   at::Tensor take_scratch(const at::Tensor& like);
