@@ -15,17 +15,21 @@
 //   libtorch fp32          the same model, FP32 parameters, torch::optim::AdamW
 //   pytorch autocast bf16  bench/train_bench.py: the same model in PyTorch, torch.autocast
 //                          (bfloat16) and AdamW(fused=True) — what a Python user would write
+// LibTorch and PyTorch run twice: as their users run them (glibc's malloc defaults) and with
+// the malloc thresholds mixprec-train sets by default (--malloc keep, host_memory.h, given to
+// them through GLIBC_TUNABLES), so that what the allocator alone gives shows as such.
 // and, with --ranks N (N >= 2), data parallel on N ranks under torchrun, one thread each:
 //   mixprec ZeRO-1         mixprec-train's step on N ranks (make_data_parallel_optimizer: BF16
 //                          + FP8 as by default, gradients reduced in buckets during backward,
 //                          the FP32 masters and moments sharded)
 //   pytorch DDP + ZeRO     bench/train_bench.py on N ranks: DistributedDataParallel (gloo) and
 //                          ZeroRedundancyOptimizer over AdamW(fused=True), autocast BF16, the
-//                          same expert padding
+//                          same expert padding (and again with --malloc keep's thresholds)
 // and prints one table: tokens/s from the median step time, a forward/backward/optimizer
 // split, resident memory once everything is built ("setup": runtime, data, model, optimizer),
 // its peak over training (VmHWM), and the difference ("training": activations, gradients,
-// optimizer state created on the first step, kernel caches). The model is mixprec-train's default
+// optimizer state created on the first step, kernel caches), and page faults per timed step
+// (pages malloc had to get from the system). The model is mixprec-train's default
 // (2 layers, d_model 128, 4 experts top-2, batch 16 x 128 bytes of Python's pydoc topics).
 //
 // Every child runs with the same OMP_WAIT_POLICY: --omp-wait, default active — what
@@ -37,6 +41,7 @@
 #include "data.h"
 #include "data_parallel.h"
 #include "gpt.h"
+#include "host_memory.h"
 #include "loop.h"
 #include "optimizer.h"
 #include "plan.h"
@@ -108,7 +113,10 @@ void measure(const Options& o, const std::string& name, const TrainConfig& confi
   PhaseTimes warm, timed;
   const double before_mib = status_mib("VmRSS");  // runtime, data, model and optimizer built
   for (int64_t i = 0; i < o.warmup; ++i) step(i, warm);
+  const int64_t faults_before = train::minor_page_faults();
   for (int64_t i = 0; i < o.steps; ++i) step(o.warmup + i, timed);
+  const double faults_per_step = static_cast<double>(train::minor_page_faults() - faults_before) /
+                                 static_cast<double>(std::max<int64_t>(1, o.steps));
   const double step_s = median(timed.total);
   const nlohmann::json out = {
       {"config", name},
@@ -119,6 +127,7 @@ void measure(const Options& o, const std::string& name, const TrainConfig& confi
       {"optimizer_ms", median(timed.optimizer) * 1e3},
       {"peak_rss_mib", status_mib("VmHWM")},
       {"setup_rss_mib", before_mib},
+      {"faults_per_step", faults_per_step},
       {"threads", at::get_num_threads()}};
   if (config.rank == 0) std::printf("%s\n", out.dump().c_str());
 }
@@ -279,8 +288,9 @@ std::optional<nlohmann::json> run_child(const std::string& command) {
 // their table; then the first `ours` rows' ratios to every later row.
 void compare(const Options& o, const std::vector<std::pair<std::string, std::string>>& children,
              size_t ours) {
-  std::printf("%-48s %9s %8s %7s %7s %8s %10s %10s %10s\n", "configuration", "tokens/s", "step ms",
-              "fwd ms", "bwd ms", "optim ms", "setup RSS", "peak RSS", "training");
+  std::printf("%-44s %9s %8s %7s %7s %8s %10s %10s %10s %7s\n", "configuration", "tokens/s",
+              "step ms", "fwd ms", "bwd ms", "optim ms", "setup RSS", "peak RSS", "training",
+              "faults");
   std::vector<std::optional<nlohmann::json>> best(children.size());
   for (int64_t rep = 0; rep < o.repeats; ++rep) {
     for (size_t c = 0; c < children.size(); ++c) {
@@ -294,17 +304,18 @@ void compare(const Options& o, const std::vector<std::pair<std::string, std::str
   std::vector<nlohmann::json> results;
   for (size_t c = 0; c < children.size(); ++c) {
     if (!best[c]) {
-      std::printf("%-48s failed: %s\n", children[c].first.c_str(), children[c].second.c_str());
+      std::printf("%-44s failed: %s\n", children[c].first.c_str(), children[c].second.c_str());
       continue;
     }
-    const nlohmann::json& r = *best[c];
+    nlohmann::json r = *best[c];
+    r["config"] = children[c].first;  // the row's name: the same program runs several rows
     const double setup = r.at("setup_rss_mib").get<double>(),
                  peak = r.at("peak_rss_mib").get<double>();
-    std::printf("%-48s %9.0f %8.1f %7.1f %7.1f %8.1f %6.0f MiB %6.0f MiB %6.0f MiB\n",
-                r.at("config").get<std::string>().c_str(), r.at("tokens_per_s").get<double>(),
+    std::printf("%-44s %9.0f %8.1f %7.1f %7.1f %8.1f %6.0f MiB %6.0f MiB %6.0f MiB %7.0f\n",
+                children[c].first.c_str(), r.at("tokens_per_s").get<double>(),
                 r.at("step_ms").get<double>(), r.at("forward_ms").get<double>(),
                 r.at("backward_ms").get<double>(), r.at("optimizer_ms").get<double>(), setup, peak,
-                peak - setup);
+                peak - setup, r.at("faults_per_step").get<double>());
     results.push_back(r);
   }
   if (results.size() <= ours) return;
@@ -335,6 +346,9 @@ int parent(const Options& o, const char* self) {
   std::string policy = o.omp_wait;
   for (char& c : policy) c = static_cast<char>(std::toupper(static_cast<unsigned char>(c)));
   const std::string env = "OMP_WAIT_POLICY=" + policy + " ";
+  // The peers once as their users run them and once with the malloc thresholds mixprec-train
+  // sets (--malloc keep), so that what the allocator gives is not counted as mixprec's.
+  const std::string kept = env + "GLIBC_TUNABLES=" + train::keep_malloc_tunables() + " ";
   const std::string peer_script =
       shell_quote(std::string(mixprec::bench::kSourceDir) + "/bench/train_bench.py");
   const std::string peer = std::string(mixprec::bench::kPython).empty()
@@ -343,9 +357,14 @@ int parent(const Options& o, const char* self) {
   std::vector<std::pair<std::string, std::string>> children = {
       {"mixprec bf16 + fp8 hybrid", env + shell_quote(self) + " --child mixprec-fp8" + common},
       {"mixprec bf16", env + shell_quote(self) + " --child mixprec" + common},
-      {"libtorch fp32", env + shell_quote(self) + " --child fp32" + common},
+      {"libtorch fp32 + AdamW", env + shell_quote(self) + " --child fp32" + common},
+      {"libtorch fp32 + AdamW, malloc kept", kept + shell_quote(self) + " --child fp32" + common},
   };
-  if (!peer.empty()) children.emplace_back("pytorch autocast bf16", env + peer + common);
+  if (!peer.empty()) {
+    children.emplace_back("pytorch autocast bf16 + AdamW(fused)", env + peer + common);
+    children.emplace_back("pytorch autocast bf16 + AdamW(fused), malloc kept",
+                          kept + peer + common);
+  }
   const TrainConfig& defaults = o.config;
   std::printf(
       "training step of mixprec-train's model: %s, batch %lld x %lld tokens; "
@@ -369,8 +388,9 @@ int parent(const Options& o, const char* self) {
     return 0;
   }
   // One thread per rank, as ranks x threads must fit the cores; memory is rank 0's.
-  const std::string launch = env + "OMP_NUM_THREADS=1 " + shell_quote(torchrun) +
-                             " --standalone --nproc-per-node " + std::to_string(o.ranks) + " ";
+  const std::string launcher = "OMP_NUM_THREADS=1 " + shell_quote(torchrun) +
+                               " --standalone --nproc-per-node " + std::to_string(o.ranks) + " ";
+  const std::string launch = env + launcher, launch_kept = kept + launcher;
   std::string dp_common = " --steps " + std::to_string(o.steps) + " --warmup " +
                           std::to_string(o.warmup) + " --threads 1";
   for (const std::string& flag : o.model) dp_common += " " + shell_quote(flag);
@@ -381,7 +401,9 @@ int parent(const Options& o, const char* self) {
   compare(o,
           {{"mixprec ZeRO-1",
             launch + "--no-python " + shell_quote(self) + " --child mixprec-dp" + dp_common},
-           {"pytorch DDP + ZeroRedundancyOptimizer", launch + peer_script + " --ddp" + dp_common}},
+           {"pytorch DDP + ZeroRedundancyOptimizer", launch + peer_script + " --ddp" + dp_common},
+           {"pytorch DDP + ZeroRedundancyOptimizer, malloc kept",
+            launch_kept + peer_script + " --ddp" + dp_common}},
           1);
   return 0;
 }
@@ -422,6 +444,8 @@ int main(int argc, char** argv) {
     return 2;
   }
   if (o.threads > 0) at::set_num_threads(static_cast<int>(o.threads));
+  // mixprec's rows run as mixprec-train does by default.
+  if (o.child.starts_with("mixprec")) train::set_malloc_policy("keep");
   if (o.child.empty()) return parent(o, std::filesystem::read_symlink("/proc/self/exe").c_str());
   if (o.child == "mixprec-fp8")
     run_mixprec(o, "hybrid");

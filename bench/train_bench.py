@@ -19,6 +19,7 @@ does); rank 0 prints.
 import argparse
 import json
 import math
+import resource
 import statistics
 import time
 
@@ -178,7 +179,10 @@ def main():
 
     setup_mib = status_mib("VmRSS")
     forward, backward, optim, total = [], [], [], []
+    faults_before = 0
     for step in range(args.warmup + args.steps):
+        if step == args.warmup:  # page faults of the timed steps: pages malloc got from the system
+            faults_before = resource.getrusage(resource.RUSAGE_SELF).ru_minflt
         starts = torch.randint(0, data.numel() - SEQ - 1, (BATCH,))[rank * rows:(rank + 1) * rows]
         window = data[starts.unsqueeze(1) + torch.arange(SEQ + 1)].long()
         x, y = window[:, :-1], window[:, 1:]
@@ -204,6 +208,7 @@ def main():
             forward.append(t1 - t0), backward.append(t2 - t1), optim.append(t3 - t2), total.append(t3 - t0)
 
     step_s = statistics.median(total)
+    faults = resource.getrusage(resource.RUSAGE_SELF).ru_minflt - faults_before
     if args.ddp:
         dist.destroy_process_group()
     if rank != 0:
@@ -218,6 +223,7 @@ def main():
         "optimizer_ms": statistics.median(optim) * 1e3,
         "peak_rss_mib": status_mib("VmHWM"),
         "setup_rss_mib": setup_mib,
+        "faults_per_step": faults / args.steps,
         "threads": torch.get_num_threads(),
     }))
 

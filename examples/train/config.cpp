@@ -73,6 +73,11 @@ const std::vector<Flag>& flags() {
        "sleeps (spinning where threads outnumber cores makes steps up to 10x slower); auto is "
        "active when local ranks x threads fit the usable CPUs; an OMP_WAIT_POLICY in the "
        "environment wins over auto"},
+      {"training", "malloc", &C::malloc_policy, "keep|system",
+       "what glibc's malloc does with the memory a step frees: keep holds it for the next step "
+       "(no new pages to fault in; peak RSS unchanged), system gives it back and the next step "
+       "faults it in again (about 1,400 page faults a step here); a GLIBC_TUNABLES that sets a "
+       "glibc.malloc threshold wins unless the flag is given"},
       {"evaluation and output", "eval-every", &C::eval_every, "N", "validation loss every N steps"},
       {"evaluation and output", "eval-batches", &C::eval_batches, "N",
        "batches of the validation split per evaluation"},
@@ -291,6 +296,8 @@ void validate(const TrainConfig& c) {
   }
   check(c.omp_wait == "auto" || c.omp_wait == "passive" || c.omp_wait == "active",
         "--omp-wait must be auto, active or passive, not '" + c.omp_wait + "'");
+  check(c.malloc_policy == "keep" || c.malloc_policy == "system",
+        "--malloc must be keep or system, not '" + c.malloc_policy + "'");
   check(c.sample_tokens >= 0, "--sample-tokens must not be negative");
   check(c.temperature >= 0, "--temperature must not be negative");
   check(c.batch % c.world_size == 0 && (c.batch / c.world_size) % c.grad_accum == 0,

@@ -87,6 +87,8 @@ struct TrainConfig {
   int64_t threads = 0;            // intra-op threads; 0: LibTorch's default
   std::string omp_wait = "auto";  // OMP_WAIT_POLICY, set before OpenMP starts (main.cpp)
   std::string profile_steps;      // "A:B": trace steps A..B (profile.h); "": no trace
+  // --malloc: what glibc does with freed memory, set first thing in main (host_memory.h).
+  std::string malloc_policy = "keep";
 
   // Data parallelism: this process's rank and the number of ranks (1 without a launcher).
   int64_t rank = 0;

@@ -1,5 +1,6 @@
 #include "loop.h"
 
+#include "host_memory.h"
 #include "memory.h"
 #include "schedule.h"
 
@@ -69,6 +70,7 @@ StepOutcome train_step(const TrainConfig& config, MixedModel& model, TrainingOpt
                        mixprec::distributed::Communicator* ranks, bool stop_requested,
                        const std::function<void()>& before_update) {
   const auto start = Clock::now();
+  const int64_t faults_at_start = minor_page_faults();
   const int64_t rank_rows = config.batch / config.world_size;
   const int64_t micro_rows = rank_rows / config.grad_accum;
   optimizer.set_lr(lr);
@@ -144,6 +146,7 @@ StepOutcome train_step(const TrainConfig& config, MixedModel& model, TrainingOpt
   model.gpt->update_expert_biases(config.bias_update_rate);
   out.phases.other_s = std::max(0.0, seconds_since(start) - out.phases.timed_s());
   if (counted != nullptr) out.peak_bytes = counted->peak_bytes() - live_at_start;
+  out.page_faults = minor_page_faults() - faults_at_start;
   return out;
 }
 
@@ -167,6 +170,8 @@ LoopOutcome Loop::run(RunState& state) {
         outcome.step_extra_peak_bytes = done.peak_bytes;
         outcome.activation_peak_bytes = std::min(done.activation_bytes, done.peak_bytes);
       }
+      outcome.steady_page_faults += done.page_faults;
+      outcome.steady_steps += 1;
     }
     const mixprec::optim::StepResult& result = done.result;
     const double step_s = seconds_since(start);

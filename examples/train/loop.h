@@ -53,6 +53,9 @@ struct LoopOutcome {
   // peak was activations; 0 without a LiveBytesAllocator (memory.h).
   int64_t step_extra_peak_bytes = 0;
   int64_t activation_peak_bytes = 0;
+  // Minor page faults in the same steps (StepOutcome::page_faults), summed, and their count.
+  int64_t steady_page_faults = 0;
+  int64_t steady_steps = 0;
 };
 
 // One optimizer step on global batch `index`: this rank's rows, in config.grad_accum
@@ -72,6 +75,9 @@ struct StepOutcome {
   // loss; the most over micro-batches).
   int64_t peak_bytes = 0;
   int64_t activation_bytes = 0;
+  // Pages the process touched for the first time during the step, all threads (an async
+  // save's included): memory the allocator had to get from the system (host_memory.h).
+  int64_t page_faults = 0;
 };
 // `before_update`, if set, runs between backward and the optimizer step: the last moment
 // before the step writes the model and optimizer state (an async save's copy must be done).

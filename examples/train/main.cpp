@@ -16,6 +16,7 @@
 #include "data_parallel.h"
 #include "flops.h"
 #include "gpt.h"
+#include "host_memory.h"
 #include "init_from.h"
 #include "loop.h"
 #include "memory.h"
@@ -71,6 +72,10 @@ RunReport::Memory memory_report(const torch::nn::Module& model, const OptimizerM
   m.optimizer_state = optimizer.state_bytes;
   m.step_extra = outcome.step_extra_peak_bytes;
   m.activations = outcome.activation_peak_bytes;
+  if (outcome.steady_steps > 0) {
+    m.page_faults_per_step =
+        static_cast<double>(outcome.steady_page_faults) / static_cast<double>(outcome.steady_steps);
+  }
   std::ifstream status("/proc/self/status");
   for (std::string line; std::getline(status, line);) {
     if (line.rfind("VmHWM:", 0) == 0) m.peak_rss = std::stoll(line.substr(6)) * 1024;
@@ -78,7 +83,8 @@ RunReport::Memory memory_report(const torch::nn::Module& model, const OptimizerM
   return m;
 }
 
-int run(int argc, char** argv) {
+// `malloc_policy`: what set_malloc_policy put in force, for the start-up lines.
+int run(int argc, char** argv, const std::string& malloc_policy) {
   // Every tensor allocated from here on is counted, for the summary's memory line (memory.h).
   LiveBytesAllocator::install();
   // 1. Configuration: flags, the launcher's rank, and where the run lives. With --resume the
@@ -159,6 +165,7 @@ int run(int argc, char** argv) {
     std::printf("threads      %d intra-op per rank, OpenMP waits %s (--omp-wait %s)\n",
                 at::get_num_threads(), wait_policy != nullptr ? wait_policy : "(libgomp default)",
                 config.omp_wait.c_str());
+    std::printf("malloc       %s\n", malloc_policy.c_str());
     if (initial)
       std::printf("weights      %zu tensors from %s\n", initial->tensors, initial->source.c_str());
     if (paths.resume_from) {
@@ -293,8 +300,9 @@ void set_openmp_wait_policy(int argc, char** argv) {
 
 int main(int argc, char** argv) {
   set_openmp_wait_policy(argc, argv);
+  const std::string malloc_policy = set_malloc_policy(flag_value(argc, argv, "--malloc"));
   try {
-    return run(argc, argv);
+    return run(argc, argv, malloc_policy);
   } catch (const UsageError& e) {
     std::fprintf(stderr, "mixprec-train: %s\n", first_line(e.what()).c_str());
     return 2;

@@ -307,6 +307,13 @@ std::string summary(const RunReport& r) {
       << "\n            a step's peak over parameters and optimizer state " << mib(m.step_extra)
       << ": activations kept for backward " << mib(m.activations)
       << " + gradients, temporaries and workspaces " << mib(m.step_extra - m.activations) << "\n";
+    if (m.page_faults_per_step >= 0) {
+      std::snprintf(line, sizeof line,
+                    "            %.1f page faults per step (pages the allocator had to get from "
+                    "the system; --malloc)\n",
+                    m.page_faults_per_step);
+      s << line;
+    }
   }
   if (r.saves.saves > 0) {
     std::snprintf(line, sizeof line,

@@ -59,6 +59,8 @@ TEST(TrainConfig, BadValuesNameTheFlag) {
                 .find("--grad-accum 4 does not divide --batch 6"),
             std::string::npos);
   EXPECT_NE(usage_error({"--layers", "0"}).find("--layers must be at least 1"), std::string::npos);
+  EXPECT_NE(usage_error({"--malloc", "fast"}).find("--malloc must be keep or system, not 'fast'"),
+            std::string::npos);
 }
 
 TEST(TrainConfig, HelpListsEveryFlagWithItsDefault) {

@@ -88,6 +88,9 @@ TEST(TrainRun, LossFallsAndMetricsHaveTheDocumentedFields) {
       << run.out;
   // The test environment asks for passive waits (ctest runs tests side by side); no flag.
   EXPECT_NE(run.out.find("OpenMP waits PASSIVE (--omp-wait auto)"), std::string::npos) << run.out;
+  EXPECT_NE(run.out.find("malloc       freed memory kept for the next step (--malloc keep)"),
+            std::string::npos)
+      << run.out;
   // Memory: the tensors that live between steps and what a step adds, counted.
   EXPECT_TRUE(std::regex_search(
       run.out, std::regex("memory +peak RSS [0-9.]+ MiB; tensors between steps: parameters "
@@ -110,6 +113,10 @@ TEST(TrainRun, LossFallsAndMetricsHaveTheDocumentedFields) {
     EXPECT_GT(activations, 0) << run.out;
     EXPECT_NEAR(activations + rest, peak, 0.01 * peak + 1.0) << run.out;
   }
+  EXPECT_TRUE(std::regex_search(
+      run.out, std::regex("\n +[0-9.]+ page faults per step \\(pages the allocator had to get "
+                          "from the system; --malloc\\)\n")))
+      << run.out;
   // The step's breakdown and its model FLOPs utilisation.
   EXPECT_TRUE(
       std::regex_search(run.out, std::regex("step +[0-9.]+ ms: forward [0-9.]+ \\([0-9]+%\\) · "
