@@ -288,7 +288,7 @@ std::optional<nlohmann::json> run_child(const std::string& command) {
 // their table; then the first `ours` rows' ratios to every later row.
 void compare(const Options& o, const std::vector<std::pair<std::string, std::string>>& children,
              size_t ours) {
-  std::printf("%-44s %9s %8s %7s %7s %8s %10s %10s %10s %7s\n", "configuration", "tokens/s",
+  std::printf("%-52s %9s %8s %7s %7s %8s %10s %10s %10s %7s\n", "configuration", "tokens/s",
               "step ms", "fwd ms", "bwd ms", "optim ms", "setup RSS", "peak RSS", "training",
               "faults");
   std::vector<std::optional<nlohmann::json>> best(children.size());
@@ -304,14 +304,14 @@ void compare(const Options& o, const std::vector<std::pair<std::string, std::str
   std::vector<nlohmann::json> results;
   for (size_t c = 0; c < children.size(); ++c) {
     if (!best[c]) {
-      std::printf("%-44s failed: %s\n", children[c].first.c_str(), children[c].second.c_str());
+      std::printf("%-52s failed: %s\n", children[c].first.c_str(), children[c].second.c_str());
       continue;
     }
     nlohmann::json r = *best[c];
     r["config"] = children[c].first;  // the row's name: the same program runs several rows
     const double setup = r.at("setup_rss_mib").get<double>(),
                  peak = r.at("peak_rss_mib").get<double>();
-    std::printf("%-44s %9.0f %8.1f %7.1f %7.1f %8.1f %6.0f MiB %6.0f MiB %6.0f MiB %7.0f\n",
+    std::printf("%-52s %9.0f %8.1f %7.1f %7.1f %8.1f %6.0f MiB %6.0f MiB %6.0f MiB %7.0f\n",
                 children[c].first.c_str(), r.at("tokens_per_s").get<double>(),
                 r.at("step_ms").get<double>(), r.at("forward_ms").get<double>(),
                 r.at("backward_ms").get<double>(), r.at("optimizer_ms").get<double>(), setup, peak,
