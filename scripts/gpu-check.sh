@@ -27,6 +27,9 @@
 #                                   when it exists; `scripts/gpu-check.sh --stage-deps` fills it
 #                                   from this machine's installed packages)
 #   GPU_CHECK_JOBS=N                build parallelism (default: all cores)
+#   GPU_CHECK_BENCH_RUNS="a;b"      --bench: the benchmark command lines to run, ';'-separated
+#                                   (default "bench_train --repeats 2 --ranks 2;bench_dist");
+#                                   empty: build them (and the main job) and run none
 #
 # Exit status: 0 checks passed, or skipped because no Python here has a CUDA torch with a
 # visible device (the message says which); 1 a check failed; 3 the build cannot be set up on
@@ -214,7 +217,8 @@ if [[ $bench -eq 1 ]]; then
     exit 1
   fi
   say "built in $((SECONDS - start)) s; $(nproc) cores"
-  for run in "bench_train --repeats 2 --ranks 2" "bench_dist"; do
+  IFS=';' read -r -a runs <<<"${GPU_CHECK_BENCH_RUNS-bench_train --repeats 2 --ranks 2;bench_dist}"
+  for run in "${runs[@]}"; do
     say "$run"
     # shellcheck disable=SC2086
     if ! timeout 240 "$build/bench/"$run 2>&1 | tee "$build/check-${run%% *}.log"; then
