@@ -7,11 +7,11 @@
 // block once it is freed. A training step frees megabytes of activations and temporaries and
 // asks for them again in the next step, so with glibc's defaults every step maps fresh pages
 // and the kernel zeroes each one on first touch: about 1,400 page faults a step on
-// mixprec-train's default model, 3–9% of the step on the 2-core development machine. "keep"
-// serves every block up to 32 MiB (glibc's largest mmap threshold) from the heap and never
-// trims it, as a caching allocator would: a steady step then touches no new pages (about 7
-// faults a step), and peak RSS is unchanged, since the heap only keeps what the worst step
-// needed. Blocks over 32 MiB are still mapped per allocation.
+// mixprec-train's default model, 3–9% of the step on the 2-core development machine and 8–10%
+// on a 16-core one. "keep" serves every block up to 32 MiB (glibc's largest mmap threshold)
+// from the heap and never trims it, as a caching allocator would: a steady step then touches
+// no new pages (0 faults in the median step), and peak RSS is unchanged, since the heap only
+// keeps what the worst step needed. Blocks over 32 MiB are still mapped per allocation.
 #pragma once
 
 #include <cstdint>

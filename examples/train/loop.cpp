@@ -170,8 +170,7 @@ LoopOutcome Loop::run(RunState& state) {
         outcome.step_extra_peak_bytes = done.peak_bytes;
         outcome.activation_peak_bytes = std::min(done.activation_bytes, done.peak_bytes);
       }
-      outcome.steady_page_faults += done.page_faults;
-      outcome.steady_steps += 1;
+      outcome.page_faults.push_back(done.page_faults);
     }
     const mixprec::optim::StepResult& result = done.result;
     const double step_s = seconds_since(start);

@@ -53,9 +53,8 @@ struct LoopOutcome {
   // peak was activations; 0 without a LiveBytesAllocator (memory.h).
   int64_t step_extra_peak_bytes = 0;
   int64_t activation_peak_bytes = 0;
-  // Minor page faults in the same steps (StepOutcome::page_faults), summed, and their count.
-  int64_t steady_page_faults = 0;
-  int64_t steady_steps = 0;
+  // Minor page faults of each of the same steps (StepOutcome::page_faults).
+  std::vector<int64_t> page_faults;
 };
 
 // One optimizer step on global batch `index`: this rank's rows, in config.grad_accum

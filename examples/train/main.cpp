@@ -41,9 +41,11 @@
 #include <cstdio>
 #include <cstdlib>
 #include <fstream>
+#include <numeric>
 #include <set>
 #include <string>
 #include <string_view>
+#include <vector>
 
 namespace {
 
@@ -72,9 +74,13 @@ RunReport::Memory memory_report(const torch::nn::Module& model, const OptimizerM
   m.optimizer_state = optimizer.state_bytes;
   m.step_extra = outcome.step_extra_peak_bytes;
   m.activations = outcome.activation_peak_bytes;
-  if (outcome.steady_steps > 0) {
-    m.page_faults_per_step =
-        static_cast<double>(outcome.steady_page_faults) / static_cast<double>(outcome.steady_steps);
+  if (!outcome.page_faults.empty()) {
+    std::vector<int64_t> faults = outcome.page_faults;
+    const auto middle = faults.begin() + static_cast<std::ptrdiff_t>(faults.size() / 2);
+    std::nth_element(faults.begin(), middle, faults.end());
+    m.page_faults_median = static_cast<double>(*middle);
+    m.page_faults_mean = static_cast<double>(std::accumulate(faults.begin(), faults.end(), 0L)) /
+                         static_cast<double>(faults.size());
   }
   std::ifstream status("/proc/self/status");
   for (std::string line; std::getline(status, line);) {

@@ -307,11 +307,11 @@ std::string summary(const RunReport& r) {
       << "\n            a step's peak over parameters and optimizer state " << mib(m.step_extra)
       << ": activations kept for backward " << mib(m.activations)
       << " + gradients, temporaries and workspaces " << mib(m.step_extra - m.activations) << "\n";
-    if (m.page_faults_per_step >= 0) {
+    if (m.page_faults_median >= 0) {
       std::snprintf(line, sizeof line,
-                    "            %.1f page faults per step (pages the allocator had to get from "
-                    "the system; --malloc)\n",
-                    m.page_faults_per_step);
+                    "            page faults per step %.0f (median), %.1f (mean, with the steps in "
+                    "which the heap grew): pages the allocator got from the system (--malloc)\n",
+                    m.page_faults_median, m.page_faults_mean);
       s << line;
     }
   }

@@ -28,13 +28,16 @@ struct RunReport {
   double gemm_peak_flops = 0;  // this rank's BF16 GEMM rate, measured at start (flops.h); 0: none
   // Rank 0's memory at the end, in bytes: counted from the tensors (memory.h).
   struct Memory {
-    int64_t parameters = 0;            // the model's parameters and buffers
-    int64_t gradients = 0;             // their .grad tensors
-    int64_t optimizer_state = 0;       // masters and moments (this rank's shard)
-    int64_t step_extra = 0;            // the most a step added to parameters and optimizer state
-    int64_t activations = 0;           // of which activations kept for backward (LoopOutcome)
-    int64_t peak_rss = 0;              // the process's peak resident set (VmHWM)
-    double page_faults_per_step = -1;  // minor page faults per step, as step_extra; -1: none
+    int64_t parameters = 0;       // the model's parameters and buffers
+    int64_t gradients = 0;        // their .grad tensors
+    int64_t optimizer_state = 0;  // masters and moments (this rank's shard)
+    int64_t step_extra = 0;       // the most a step added to parameters and optimizer state
+    int64_t activations = 0;      // of which activations kept for backward (LoopOutcome)
+    int64_t peak_rss = 0;         // the process's peak resident set (VmHWM)
+    // Minor page faults per step, over the steps step_extra is: the median (a steady step) and
+    // the mean (with the steps in which the heap still grew); -1: none.
+    double page_faults_median = -1;
+    double page_faults_mean = -1;
   } memory;
 };
 

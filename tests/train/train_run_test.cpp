@@ -114,8 +114,9 @@ TEST(TrainRun, LossFallsAndMetricsHaveTheDocumentedFields) {
     EXPECT_NEAR(activations + rest, peak, 0.01 * peak + 1.0) << run.out;
   }
   EXPECT_TRUE(std::regex_search(
-      run.out, std::regex("\n +[0-9.]+ page faults per step \\(pages the allocator had to get "
-                          "from the system; --malloc\\)\n")))
+      run.out, std::regex("\n +page faults per step [0-9]+ \\(median\\), [0-9.]+ \\(mean, "
+                          "with the steps in which the heap grew\\): pages the allocator got "
+                          "from the system \\(--malloc\\)\n")))
       << run.out;
   // The step's breakdown and its model FLOPs utilisation.
   EXPECT_TRUE(
