@@ -208,15 +208,18 @@ fi
 # 5. --bench: the data-parallel and main-job benchmarks on this machine's CPU cores (Gloo; the
 # GPU is not used), after the checks so that a benchmark's failure cannot hide their result.
 if [[ $bench -eq 1 ]]; then
-  say "building bench_dist bench_train"
-  start=$SECONDS
-  if ! cmake --build "$build" --target bench_dist bench_train -j "$jobs" "${keep_going[@]}" \
-    >"$build/check-bench-build.log" 2>&1; then
-    grep -E -A3 "error:|Error " "$build/check-bench-build.log" | head -40 | sed 's/^/gpu-check:   /'
-    say "FAIL: building the benchmarks failed (log: $build/check-bench-build.log)"
-    exit 1
+  if [[ $checks -eq 1 ]]; then  # --bench-only built them in step 3
+    say "building bench_dist bench_train"
+    start=$SECONDS
+    if ! cmake --build "$build" --target bench_dist bench_train -j "$jobs" "${keep_going[@]}" \
+      >"$build/check-bench-build.log" 2>&1; then
+      grep -E -A3 "error:|Error " "$build/check-bench-build.log" | head -40 | sed 's/^/gpu-check:   /'
+      say "FAIL: building the benchmarks failed (log: $build/check-bench-build.log)"
+      exit 1
+    fi
+    say "built in $((SECONDS - start)) s"
   fi
-  say "built in $((SECONDS - start)) s; $(nproc) cores"
+  say "$(nproc) cores"
   IFS=';' read -r -a runs <<<"${GPU_CHECK_BENCH_RUNS-bench_train --repeats 2 --ranks 2;bench_dist}"
   for run in "${runs[@]}"; do
     say "$run"
