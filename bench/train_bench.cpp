@@ -15,22 +15,25 @@
 //   libtorch fp32          the same model, FP32 parameters, torch::optim::AdamW
 //   pytorch autocast bf16  bench/train_bench.py: the same model in PyTorch, torch.autocast
 //                          (bfloat16) and AdamW(fused=True) — what a Python user would write
-// LibTorch and PyTorch run twice: as their users run them (glibc's malloc defaults) and with
-// the malloc thresholds mixprec-train sets by default (--malloc keep, host_memory.h, given to
-// them through GLIBC_TUNABLES), so that what the allocator alone gives shows as such.
 // and, with --ranks N (N >= 2), data parallel on N ranks under torchrun, one thread each:
 //   mixprec ZeRO-1         mixprec-train's step on N ranks (make_data_parallel_optimizer: BF16
 //                          + FP8 as by default, gradients reduced in buckets during backward,
 //                          the FP32 masters and moments sharded)
 //   pytorch DDP + ZeRO     bench/train_bench.py on N ranks: DistributedDataParallel (gloo) and
 //                          ZeroRedundancyOptimizer over AdamW(fused=True), autocast BF16, the
-//                          same expert padding (and again with --malloc keep's thresholds)
+//                          same expert padding
 // and prints one table: tokens/s from the median step time, a forward/backward/optimizer
 // split, resident memory once everything is built ("setup": runtime, data, model, optimizer),
 // its peak over training (VmHWM), and the difference ("training": activations, gradients,
 // optimizer state created on the first step, kernel caches), and page faults per timed step
-// (pages malloc had to get from the system). The model is mixprec-train's default
+// (pages malloc got from the system; a mean, with the steps in which the heap still grows).
+// The model is mixprec-train's default
 // (2 layers, d_model 128, 4 experts top-2, batch 16 x 128 bytes of Python's pydoc topics).
+//
+// The peers run twice: as their users run them (glibc's malloc defaults) and with the malloc
+// thresholds mixprec-train sets by default (--malloc keep, host_memory.h, given to them through
+// GLIBC_TUNABLES), so that what the allocator alone gives shows as such; mixprec's rows run
+// with --malloc keep.
 //
 // Every child runs with the same OMP_WAIT_POLICY: --omp-wait, default active — what
 // mixprec-train's --omp-wait auto picks on a machine with a core per thread, and close to what
