@@ -193,6 +193,7 @@ LoopOutcome Loop::run(RunState& state) {
     r.step_s = step_s;
     r.elapsed_s = state.elapsed_s;
     r.phases = done.phases;
+    r.page_faults = done.page_faults;
     if (state.step % config.eval_every == 0 || state.step == config.steps) {
       r.val_loss = validation_loss();
     }

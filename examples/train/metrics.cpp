@@ -34,7 +34,8 @@ nlohmann::json StepRecord::to_json() const {
           {"reduce_s", phases.reduce_s},
           {"optimizer_s", phases.optimizer_s},
           {"checkpoint_s", phases.checkpoint_s},
-          {"other_s", phases.other_s}};
+          {"other_s", phases.other_s},
+          {"page_faults", page_faults}};
 }
 
 StepRecord StepRecord::from_json(const nlohmann::json& j) {
@@ -56,6 +57,7 @@ StepRecord StepRecord::from_json(const nlohmann::json& j) {
   const auto phase = [&](const char* name) { return j.value(name, 0.0); };
   r.phases = {phase("forward_s"),   phase("backward_s"),   phase("reduce_s"),
               phase("optimizer_s"), phase("checkpoint_s"), phase("other_s")};
+  r.page_faults = j.value("page_faults", int64_t{0});  // added later still
   return r;
 }
 

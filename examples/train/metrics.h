@@ -16,6 +16,10 @@
 //   tokens_per_s   float        this step's throughput, all ranks
 //   step_s         float        wall time of this step: forward, backward, optimizer
 //   elapsed_s      float        training wall time so far (continues across --resume)
+//   forward_s, backward_s, reduce_s, optimizer_s, checkpoint_s, other_s
+//                  float        where step_s went (StepPhases below)
+//   page_faults    int          minor page faults of this rank's process during the step: pages
+//                               the allocator got from the system (--malloc, host_memory.h)
 // Non-finite floats are written as null (JSON has no NaN).
 #pragma once
 
@@ -71,6 +75,7 @@ struct StepRecord {
   double step_s = 0;
   double elapsed_s = 0;
   StepPhases phases;
+  int64_t page_faults = 0;
 
   nlohmann::json to_json() const;
   // Throws nlohmann::json::exception if a field is missing or has the wrong type.

@@ -33,12 +33,13 @@ TEST(TrainRun, LossFallsAndMetricsHaveTheDocumentedFields) {
   for (std::string line; std::getline(in, line);) {
     const nlohmann::json j = nlohmann::json::parse(line);
     for (const char* field :
-         {"step", "loss", "aux_loss", "val_loss", "lr", "grad_norm", "loss_scale", "skipped",
-          "skipped_total", "tokens", "tokens_per_s", "step_s", "elapsed_s", "forward_s",
-          "backward_s", "reduce_s", "optimizer_s", "checkpoint_s", "other_s"}) {
+         {"step",         "loss",        "aux_loss",     "val_loss",      "lr",
+          "grad_norm",    "loss_scale",  "skipped",      "skipped_total", "tokens",
+          "tokens_per_s", "step_s",      "elapsed_s",    "forward_s",     "backward_s",
+          "reduce_s",     "optimizer_s", "checkpoint_s", "other_s",       "page_faults"}) {
       EXPECT_TRUE(j.contains(field)) << field << " missing in " << line;
     }
-    EXPECT_EQ(j.size(), 19u) << "undocumented fields in " << line;
+    EXPECT_EQ(j.size(), 20u) << "undocumented fields in " << line;
     const StepRecord r = StepRecord::from_json(j);
     // The phases are parts of the step: none negative, together no more than the step.
     const StepPhases& p = r.phases;
@@ -53,6 +54,7 @@ TEST(TrainRun, LossFallsAndMetricsHaveTheDocumentedFields) {
     EXPECT_LE(p.forward_s + p.backward_s + p.reduce_s + p.optimizer_s + p.checkpoint_s + p.other_s,
               r.step_s * 1.0001)
         << line;
+    EXPECT_GE(r.page_faults, 0) << line;
     EXPECT_EQ(r.step, ++expected_step);
     EXPECT_EQ(r.tokens, r.step * 8 * 32);
     EXPECT_EQ(r.loss_scale, 1.0) << "BF16 needs no loss scaling";
