@@ -1,3 +1,5 @@
+// --malloc: the kept thresholds serve a freed block again without page faults, and who decides
+// (the flag, else a GLIBC_TUNABLES threshold, else keep).
 #include "host_memory.h"
 
 #include <gtest/gtest.h>
@@ -8,7 +10,7 @@
 #include <string>
 
 namespace train {
-namespace {
+namespace MIXPREC_UNITY_ID {  // anonymous outside unity builds (tests/CMakeLists.txt)
 
 constexpr const char* kKept = "freed memory kept for the next step (--malloc keep)";
 
@@ -71,5 +73,5 @@ TEST(HostMemory, AnEnvironmentThresholdWinsUnlessTheFlagIsGiven) {
             "glibc.malloc.mmap_threshold=33554432:glibc.malloc.trim_threshold=1073741824");
 }
 
-}  // namespace
+}  // namespace MIXPREC_UNITY_ID
 }  // namespace train
