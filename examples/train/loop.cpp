@@ -162,7 +162,7 @@ LoopOutcome Loop::run(RunState& state) {
         train_step(config, model, optimizer, train_batches, state.step, lr, ranks, stop.requested(),
                    [this] { checkpointer.before_state_changes(); });
     if (profiler != nullptr) profiler->after_step(state.step + 1);
-    if (outcome.records.size() >= 2) {
+    if (outcome.records.size() >= LoopOutcome::kFirstStepsLeftOut) {
       // One step's pair, so that the split adds up: the activations of the step with the peak.
       // (They are within it unless another thread, an async save's, freed memory between the
       // two counts: then the peak bounds them.)
@@ -170,7 +170,6 @@ LoopOutcome Loop::run(RunState& state) {
         outcome.step_extra_peak_bytes = done.peak_bytes;
         outcome.activation_peak_bytes = std::min(done.activation_bytes, done.peak_bytes);
       }
-      outcome.page_faults.push_back(done.page_faults);
     }
     const mixprec::optim::StepResult& result = done.result;
     const double step_s = seconds_since(start);

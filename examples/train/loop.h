@@ -53,8 +53,8 @@ struct LoopOutcome {
   // peak was activations; 0 without a LiveBytesAllocator (memory.h).
   int64_t step_extra_peak_bytes = 0;
   int64_t activation_peak_bytes = 0;
-  // Minor page faults of each of the same steps (StepOutcome::page_faults).
-  std::vector<int64_t> page_faults;
+  // How many of the first records those leave out (each record has its step's page faults).
+  static constexpr size_t kFirstStepsLeftOut = 2;
 };
 
 // One optimizer step on global batch `index`: this rank's rows, in config.grad_accum

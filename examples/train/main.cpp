@@ -74,8 +74,10 @@ RunReport::Memory memory_report(const torch::nn::Module& model, const OptimizerM
   m.optimizer_state = optimizer.state_bytes;
   m.step_extra = outcome.step_extra_peak_bytes;
   m.activations = outcome.activation_peak_bytes;
-  if (!outcome.page_faults.empty()) {
-    std::vector<int64_t> faults = outcome.page_faults;
+  if (outcome.records.size() > LoopOutcome::kFirstStepsLeftOut) {
+    std::vector<int64_t> faults;
+    for (size_t i = LoopOutcome::kFirstStepsLeftOut; i < outcome.records.size(); ++i)
+      faults.push_back(outcome.records[i].page_faults);
     const auto middle = faults.begin() + static_cast<std::ptrdiff_t>(faults.size() / 2);
     std::nth_element(faults.begin(), middle, faults.end());
     m.page_faults_median = static_cast<double>(*middle);
