@@ -29,7 +29,8 @@
 #   GPU_CHECK_JOBS=N                build parallelism (default: all cores)
 #   GPU_CHECK_BENCH_RUNS="a;b"      --bench: the benchmark command lines to run, ';'-separated
 #                                   (default "bench_train --repeats 2 --ranks 2;bench_dist");
-#                                   empty: build them (and the main job) and run none
+#                                   empty: build them and run none (the main job is configured
+#                                   too: cmake --build build-gpu --target mixprec-train)
 #
 # Exit status: 0 checks passed, or skipped because no Python here has a CUDA torch with a
 # visible device (the message says which); 1 a check failed; 3 the build cannot be set up on
