@@ -9,6 +9,7 @@
 #include <ATen/core/grad_mode.h>
 #include <ATen/record_function.h>
 #include <c10/util/Exception.h>
+#include <c10/util/strides.h>
 #include <torch/csrc/autograd/variable.h>
 #include <torch/nn/module.h>
 
@@ -46,6 +47,15 @@ void broadcast_in_place(Communicator& comm, const at::Tensor& t) {
   if (!dense.is_same(t)) t.copy_(dense);
 }
 
+// A tensor of `shape` on `buffer`'s storage from element `begin`: the same memory as a view,
+// but not an autograd view (see grad_views).
+at::Tensor alias_of(const at::Tensor& buffer, int64_t begin, at::IntArrayRef shape) {
+  at::Tensor alias = at::empty({0}, buffer.options());
+  alias.set_(buffer.storage(), buffer.storage_offset() + begin, shape,
+             c10::contiguous_strides(shape));
+  return alias;
+}
+
 }  // namespace
 
 void GradReducer::State::count_waiting() {
@@ -65,14 +75,18 @@ void GradReducer::State::reset_step() {
   counted = false;  // counted at the step's first gradient: freezing may change before it
 }
 
-// Makes params[i].grad its buffer view again, keeping the value it has (or zero).
+bool GradReducer::State::grad_is_adopted(size_t i) const {
+  const at::Tensor& grad = params[i].grad();
+  const at::Tensor& view = grad_views[i];
+  return grad.defined() && grad.data_ptr() == view.data_ptr() && grad.sizes() == view.sizes() &&
+         grad.strides() == view.strides() && grad.scalar_type() == view.scalar_type();
+}
+
+// Makes params[i].grad its buffer range again, keeping the value it has (or zero).
 void GradReducer::State::adopt_grad(size_t i) {
+  if (grad_is_adopted(i)) return;
   at::Tensor& grad = params[i].mutable_grad();
   const at::Tensor& view = grad_views[i];
-  if (grad.defined() && grad.data_ptr() == view.data_ptr() && grad.sizes() == view.sizes() &&
-      grad.strides() == view.strides() && grad.scalar_type() == view.scalar_type()) {
-    return;
-  }
   at::NoGradGuard no_grad;
   if (grad.defined()) {
     view.copy_(grad);
@@ -82,18 +96,55 @@ void GradReducer::State::adopt_grad(size_t i) {
   grad = view;
 }
 
-void GradReducer::State::accumulate_fp32(size_t i) {
+void GradReducer::State::accumulate_fp32(size_t i, bool restart) {
   at::NoGradGuard no_grad;
   at::Tensor converted = scratch.narrow(0, 0, fp32_views[i].numel());
   converted.copy_(grad_views[i].view({-1}));
-  fp32_views[i].add_(converted);
+  if (restart || rounded[i]) {
+    fp32_views[i].copy_(converted);
+  } else {
+    fp32_views[i].add_(converted);
+  }
+  rounded[i] = 0;
   grad_views[i].zero_();
+}
+
+// What one process's optimizer would see: no .grad (cleared from outside, e.g. by an
+// optimizer's zero_grad() setting it to none) is no gradient, and its range sends zeros; a
+// .grad set from outside is a gradient; the buffer's own .grad keeps what it had.
+void GradReducer::State::settle(size_t i) {
+  const bool cleared = !params[i].grad().defined();
+  const bool replaced = !cleared && !grad_is_adopted(i);
+  if (cleared) got[i] = 0;
+  if (replaced) got[i] = 1;
+  adopt_grad(i);
+  if (fp32_views[i].defined() && options.accumulate_in_fp32()) {
+    if (cleared) {
+      fp32_views[i].zero_();
+      rounded[i] = 0;
+    } else {
+      accumulate_fp32(i, /*restart=*/replaced);
+    }
+  }
+}
+
+void GradReducer::State::clear_unused_everywhere() {
+  const int64_t n = static_cast<int64_t>(params.size());
+  uint8_t* flags = any_rank_got.mutable_data_ptr<uint8_t>();
+  for (int64_t i = 0; i < n; ++i) flags[i] = got[i];
+  if (comm->size() > 1) comm->all_reduce_max(any_rank_got).wait();
+  for (int64_t i = 0; i < n; ++i) {
+    if (!flags[i]) params[i].mutable_grad().reset();
+  }
 }
 
 void GradReducer::State::start(size_t position) {
   RECORD_USER_SCOPE("mixprec::bucket_start");  // a named range in profiler traces
   Bucket& bucket = buckets[order[position]];
   at::NoGradGuard no_grad;
+  for (size_t i : bucket.params) {
+    if (!ready[i]) settle(i);
+  }
   if (bucket.copy_in) bucket.send.copy_(bucket.grads);
   PendingCollective& flight = flights[order[position]];
   if (options.mode() == ReduceMode::kAllReduce || !comm->has_native_reduce_scatter()) {
@@ -112,8 +163,11 @@ void GradReducer::State::on_grad_ready(size_t i) {
               "' arrived while its all-gather was never waited for: forward read it as it was "
               "being written. Call wait_for_params(module) before a module's forward, or turn "
               "overlap_param_gather off");
+  // Not the buffer's range: autograd made a new .grad, so it had been cleared (or replaced)
+  // since the last backward, and whatever was accumulated before is gone, as in one process.
+  const bool restart = !grad_is_adopted(i);
   adopt_grad(i);
-  if (fp32_views[i].defined() && options.accumulate_in_fp32()) accumulate_fp32(i);
+  if (fp32_views[i].defined() && options.accumulate_in_fp32()) accumulate_fp32(i, restart);
   got[i] = 1;
   finished = false;
   if (!sync) return;
@@ -225,7 +279,7 @@ GradReducer::GradReducer(std::shared_ptr<Communicator> comm, torch::nn::Module& 
       const auto& shape = s.layout.params[span.param].shape;
       const int64_t length = span.end - span.begin;
       s.param_views[span.param] = s.param_buffers[b].narrow(0, span.begin, length).view(shape);
-      s.grad_views[span.param] = s.grad_buffers[b].narrow(0, span.begin, length).view(shape);
+      s.grad_views[span.param] = alias_of(s.grad_buffers[b], span.begin, shape);
       if (fp32) s.fp32_views[span.param] = s.fp32_buffers[b].narrow(0, span.begin, length);
     }
   }
@@ -265,10 +319,12 @@ GradReducer::GradReducer(std::shared_ptr<Communicator> comm, torch::nn::Module& 
       const bool fp32 = s.fp32_buffers[b].defined();
       bucket.send = fp32 ? s.fp32_buffers[b].narrow(0, span.begin, span.numel()) : bucket.grads;
       bucket.copy_in = fp32 && !s.options.accumulate_in_fp32();
+      // kAllReduce serves any optimizer, which reads .grad: the FP32 average is rounded back
+      // into it even when accumulating in FP32 (DistributedOptimizer reads main_grad()).
       const auto [lo, hi] = s.layout.shard_range(b, k, rank);
       const bool shard_only = options.mode() == ReduceMode::kReduceScatter;
       bucket.reduced = shard_only ? bucket.send.narrow(0, lo - span.begin, hi - lo) : bucket.send;
-      if (bucket.copy_in) {
+      if (bucket.copy_in || (fp32 && !shard_only)) {
         bucket.round_to =
             shard_only ? bucket.grads.narrow(0, lo - span.begin, hi - lo) : bucket.grads;
       }
@@ -293,6 +349,8 @@ GradReducer::GradReducer(std::shared_ptr<Communicator> comm, torch::nn::Module& 
   }
 
   s.got.assign(n, 0);
+  s.rounded.assign(n, 0);
+  s.any_rank_got = at::zeros({static_cast<int64_t>(n)}, at::kByte);
   s.ready.assign(n, 0);
   s.arrival.assign(n, -1);
   s.waiting.assign(s.buckets.size(), 0);
@@ -331,6 +389,7 @@ void GradReducer::zero_grad() {
   }
   for (size_t i = 0; i < s.params.size(); ++i) s.adopt_grad(i);
   std::fill(s.got.begin(), s.got.end(), 0);
+  std::fill(s.rounded.begin(), s.rounded.end(), 0);
   s.reset_step();
   s.finished = false;
 }
@@ -346,14 +405,7 @@ void GradReducer::finish() {
   s.wait_all_gathers();
   if (!s.counted) s.count_waiting();
   at::NoGradGuard no_grad;
-  for (size_t i = 0; i < s.params.size(); ++i) {
-    if (s.ready[i] || !s.params[i].requires_grad()) continue;
-    s.adopt_grad(i);  // a .grad set from outside without backward still counts
-    if (s.fp32_views[i].defined() && s.options.accumulate_in_fp32()) s.accumulate_fp32(i);
-    s.ready[i] = 1;
-    --s.waiting[s.bucket_id[i]];
-  }
-  while (s.next < s.order.size()) s.start(s.next++);
+  while (s.next < s.order.size()) s.start(s.next++);  // settles what no backward reached
   const int n = s.comm->size();
   int64_t during_backward = 0;
   for (size_t id = 0; id < s.buckets.size(); ++id) {
@@ -362,6 +414,12 @@ void GradReducer::finish() {
     if (n > 1) bucket.reduced.div_(bucket.world_size);
     if (bucket.round_to.defined()) bucket.round_to.copy_(bucket.reduced);
     if (s.launched_at[id] >= 0 && s.launched_at[id] < s.arrivals) ++during_backward;
+  }
+  if (s.options.mode() == ReduceMode::kAllReduce) {
+    if (s.options.accumulate_in_fp32()) {
+      for (size_t i = 0; i < s.params.size(); ++i) s.rounded[i] = s.fp32_views[i].defined();
+    }
+    s.clear_unused_everywhere();
   }
   s.timing.launched_during_backward = during_backward;
   if (!s.order_agreed) s.agree_on_order();

@@ -21,10 +21,13 @@ struct GradReducer::State {
   // Per parameter, in layout.params order.
   std::vector<at::Tensor> params;       // the model's own tensors
   std::vector<at::Tensor> param_views;  // its range of the parameter buffer, in its shape
-  std::vector<at::Tensor> grad_views;   // its range of the gradient buffer, in its shape
-  std::vector<at::Tensor> fp32_views;   // its range of the FP32 buffer, flat; or undefined
-  std::vector<FlatRange> pieces;        // this rank's part of its elements
-  std::vector<size_t> bucket_id;        // the flat id of its bucket (below)
+  // Its range of the gradient buffer, in its shape: an alias of the buffer's storage, not an
+  // autograd view of it, so that torch::optim::Optimizer::zero_grad() (which detaches .grad in
+  // place, refused for views) works on it.
+  std::vector<at::Tensor> grad_views;
+  std::vector<at::Tensor> fp32_views;  // its range of the FP32 buffer, flat; or undefined
+  std::vector<FlatRange> pieces;       // this rank's part of its elements
+  std::vector<size_t> bucket_id;       // the flat id of its bucket (below)
   std::unordered_map<const c10::TensorImpl*, size_t> index;
   std::vector<const torch::autograd::PostAccumulateGradHook*> hooks;  // ours
 
@@ -56,7 +59,15 @@ struct GradReducer::State {
   std::mutex mutex;
   bool sync = true;
   bool finished = false;  // finish() ran and no gradient arrived since (nor zero_grad())
-  std::vector<char> got;  // per parameter: a gradient arrived since zero_grad()
+  // Per parameter: it has a gradient, as it would in one process: one arrived (or .grad was
+  // set) since zero_grad(), and .grad was not cleared since.
+  std::vector<char> got;
+  // Per parameter: its .grad holds the FP32 average rounded back (kAllReduce with
+  // accumulate_in_fp32) and no backward has accumulated on it since: the next one carries on
+  // from that .grad, not from the FP32 average again.
+  std::vector<char> rounded;
+  // kAllReduce: per parameter, whether any rank has a gradient (all-reduced in finish()).
+  at::Tensor any_rank_got;
 
   // One step's reduction.
   std::vector<size_t> order;  // launch order: flat bucket ids (agreed on every rank)
@@ -78,9 +89,16 @@ struct GradReducer::State {
 
   void count_waiting();
   void reset_step();
+  // True if params[i].grad is its buffer range.
+  bool grad_is_adopted(size_t i) const;
   void adopt_grad(size_t i);
-  // accumulate_in_fp32: adds parameter i's .grad to its FP32 range and zeroes the .grad.
-  void accumulate_fp32(size_t i);
+  // accumulate_in_fp32: adds parameter i's .grad to its FP32 range (or, with `restart`, makes
+  // the range that .grad) and zeroes the .grad.
+  void accumulate_fp32(size_t i, bool restart);
+  // A parameter no backward reached in this step, as its bucket starts: its .grad decides.
+  void settle(size_t i);
+  // kAllReduce, after the buckets: a parameter no rank has a gradient for gets none.
+  void clear_unused_everywhere();
   void start(size_t position);
   bool bucket_complete(size_t position) const { return waiting[order[position]] == 0; }
   void on_grad_ready(size_t i);

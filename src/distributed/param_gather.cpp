@@ -55,6 +55,7 @@ void GradReducer::start_param_gather() {
 void GradReducer::wait_for_params(const torch::nn::Module& module) {
   State& s = *state_;
   std::lock_guard<std::mutex> lock(s.mutex);
+  s.comm->check_usable("mixprec::distributed::GradReducer::wait_for_params");
   auto cached = s.module_buckets.find(&module);
   if (cached == s.module_buckets.end()) {
     std::vector<size_t> ids;
@@ -72,6 +73,7 @@ void GradReducer::wait_for_params(const torch::nn::Module& module) {
 void GradReducer::wait_param_gather() {
   State& s = *state_;
   std::lock_guard<std::mutex> lock(s.mutex);
+  s.comm->check_usable("mixprec::distributed::GradReducer::wait_param_gather");
   s.wait_all_gathers();
 }
 

@@ -10,13 +10,13 @@
 //      gets a range of its dtype's contiguous buffers (distributed/buffer_layout.h): freezing or
 //      unfreezing a parameter later needs no new layout. Parameters become views into a
 //      parameter buffer (set_data: the module keeps its tensors and their identities) and
-//      their .grad views into a gradient buffer, keeping any gradient they had;
+//      their .grad aliases of ranges of a gradient buffer, keeping any gradient they had;
 //   3. with broadcast_from_rank0 (the default, as DDP does), rank 0's parameters and buffers
 //      are sent to every rank, so that every rank starts from the same weights whatever it
 //      was initialised or loaded with.
 //
 // A step. A post-accumulate-grad hook per parameter notes that its gradient arrived (this
-// rank's `got_gradient`, kept until zero_grad()) and counts what its bucket still waits for;
+// rank's `got_gradient`) and counts what its bucket still waits for;
 // a bucket whose trainable parameters have all arrived starts its collective at once, while
 // backward goes on. Every rank starts buckets in one agreed order, so collectives match even
 // when backward visits parameters differently: at first the layout's (reverse model order),
@@ -24,6 +24,18 @@
 // rebuilt order): a bucket waits only for the buckets that complete before it, and one whose
 // parameters did not all arrive in the first step goes last. finish() starts what is left (a
 // parameter without a gradient contributes zeros), waits, and averages by the world size.
+//
+// Which parameters have a gradient: the same as in one process, whatever clears or sets .grad.
+// A parameter has one if a backward reached it, or .grad was set from outside, since it was
+// last cleared — by zero_grad() here, or by setting .grad to none (torch's
+// Optimizer::zero_grad(), which works on these .grad tensors). A parameter that no backward
+// reached keeps the .grad it had: cleared, it has none; not cleared (no zero_grad between
+// steps), it keeps the last one, as in one process. Frozen parameters are treated alike (a
+// parameter frozen after construction keeps its optimizer role). In kAllReduce mode finish()
+// agrees on it over ranks (one small all-reduce, as DDP's find_unused_parameters does): a
+// parameter that has a gradient on no rank gets .grad none, so any optimizer skips it as in
+// one process (its momentum and weight decay do not move it). DistributedOptimizer agrees on
+// got_gradient() in its own collective.
 //
 // Modes:
 //   kAllReduce     every rank ends with every averaged gradient (plain data parallelism: then
@@ -42,8 +54,10 @@
 //     the buffer, then rounded back once (why: see Numerics);
 //   * accumulate_in_fp32 (Megatron's main_grad): each backward's BF16/FP16 gradient is added to
 //     that FP32 buffer at once (main_grad()) and .grad is zeroed, so micro-batches accumulate in
-//     FP32 instead of rounding to 8 bits at every one; the optimizer steps on the FP32 averages.
-//     .grad is scratch then: read main_grad() instead.
+//     FP32 instead of rounding to 8 bits at every one. DistributedOptimizer steps on the FP32
+//     averages; in kAllReduce mode finish() also rounds them back into .grad, once, for an
+//     optimizer that reads .grad. A backward after finish() without zero_grad() carries on
+//     from that rounded .grad (the FP32 average is not counted twice).
 //   * on two Gloo ranks, kReduceScatter's exchange receives the other rank's half of each
 //     bucket into a buffer of its own (the communicator keeps one per bucket for the next
 //     step): half the size of the buckets, 2 bytes per parameter for BF16 summed in FP32.
@@ -58,8 +72,8 @@
 // buckets.
 //
 // A bucket's gradients are read when its collective starts, during backward: changing .grad
-// between backward and finish() does not reach the reduction. Do it in backward, or after
-// finish().
+// between backward and finish() does not reach the reduction (nor whether it has a gradient). Do it
+// in backward, or after finish().
 //
 // Failures. A collective that fails makes the group unusable (distributed/communicator.h): the
 // backend may still write into the buffers, and ranks may hold partial sums. Every later call
@@ -134,16 +148,17 @@ class GradReducer {
   GradReducer(const GradReducer&) = delete;
   GradReducer& operator=(const GradReducer&) = delete;
 
-  // Zeroes the gradient buffers (and FP32 buffers) and makes every .grad its buffer view
-  // again; forgets which gradients arrived. Throws c10::Error if a reduction is in flight
-  // (call finish() first) or the group failed.
+  // Zeroes the gradient buffers (and FP32 buffers) and makes every .grad its buffer range
+  // again; no parameter has a gradient until the next backward. Throws c10::Error if a reduction is
+  // in flight (call finish() first) or the group failed.
   void zero_grad();
   // Collective. Starts every bucket not started yet, waits (at most the communicator's timeout
   // each) for them and for any parameter gather still in flight, averages. A .grad that is not
-  // the buffer view any more (set to none, or replaced) is copied into its view first, or its
-  // range zeroed when undefined. Idempotent: a second call with no backward and no zero_grad()
-  // in between returns at once (every rank must then skip it alike). Throws c10::Error inside a
-  // NoSyncGuard, and if the group failed.
+  // the buffer's range any more (set to none, or replaced) is copied into its range first, or
+  // its range zeroed when none (see "Which parameters have a gradient"). In kAllReduce mode a
+  // parameter with a gradient on no rank gets .grad none. Idempotent: a second call with no
+  // backward and no zero_grad() in between returns at once (every rank must then skip it alike).
+  // Throws c10::Error inside a NoSyncGuard, and if the group failed.
   void finish();
 
   // While alive, backward only accumulates into the buffers (gradient accumulation over
@@ -176,7 +191,8 @@ class GradReducer {
   // This rank's part [begin, end) of parameter `index`'s elements (kReduceScatter; all of
   // them in kAllReduce mode).
   FlatRange piece_of(size_t index) const;
-  // True if parameter `index` received a gradient on this rank since the last zero_grad().
+  // True if parameter `index` has a gradient on this rank (see "Which parameters have a
+  // gradient"); final after finish().
   bool got_gradient(size_t index) const;
   // Parameter `index`'s reduced gradient after finish(), flat: its FP32 main_grad range with
   // accumulate_in_fp32 (BF16/FP16 parameters), else its gradient buffer range. In

@@ -161,8 +161,9 @@ TEST(GradReducer, NoSyncAccumulatesThenReducesTheSum) {
   }
 }
 
-// An optimizer's zero_grad() sets .grad to none: the hooks put the views back, and finish()
-// still reduces everything (a parameter without a gradient contributes zeros).
+// An optimizer's zero_grad() sets .grad to none: the hooks put the buffer's ranges back, and
+// finish() still reduces everything (a parameter without a gradient contributes zeros). One
+// that no rank has a gradient for is left without one, as in one process.
 TEST(GradReducer, GradsSetToNoneAreAdoptedAgain) {
   const int rank = world().rank();
   ThreeDtypes model;
@@ -174,14 +175,31 @@ TEST(GradReducer, GradsSetToNoneAreAdoptedAgain) {
   for (auto& item : model->named_parameters()) {
     ++salt;
     const at::Tensor& p = item.value();
+    if (item.key() == "c") {
+      EXPECT_FALSE(p.grad().defined());
+      continue;
+    }
     ASSERT_TRUE(p.grad().defined()) << item.key();
-    const at::Tensor expected =
-        item.key() == "c" ? at::zeros_like(p) : expected_average(p, salt, true);
-    EXPECT_TRUE(at::equal(p.grad(), expected)) << item.key();
+    EXPECT_TRUE(at::equal(p.grad(), expected_average(p, salt, true))) << item.key();
   }
-  // .grad is a view of the buffer again: zero_grad() reaches it.
+  // .grad is the buffer's range again: zero_grad() reaches it.
   reducer.zero_grad();
   for (auto& p : model->parameters()) EXPECT_EQ(p.grad().abs().sum().item<double>(), 0.0);
+}
+
+// Skipped on some ranks only: every rank gets the average (zeros from the ranks that skipped).
+TEST(GradReducer, AGradientOnOneRankIsAGradientOnEvery) {
+  const int rank = world().rank();
+  ThreeDtypes model;
+  GradReducer reducer(world_ptr(), *model, GradReducerOptions().bucket_numel(64));
+  reducer.zero_grad();
+  backward_weighted(model, rank, /*skip=*/rank == 0 ? "" : "c");
+  reducer.finish();
+  const at::Tensor& c = model->c;
+  ASSERT_TRUE(c.grad().defined());
+  at::Tensor sum = weight_for(c, 0, /*salt=*/3).to(at::kFloat);
+  if (world().size() > 1) sum.div_(world().size());
+  EXPECT_TRUE(at::equal(c.grad(), sum.to(c.scalar_type())));
 }
 
 TEST(GradReducer, SecondBackwardBeforeFinishIsAnErrorNamingTheParameter) {

@@ -63,23 +63,37 @@ torch::optim::AdamWOptions adamw() { return torch::optim::AdamWOptions(1e-2).wei
 
 // ZeRO-1 on every rank beside a single-process Float16Optimizer on the same data: with equal
 // gradients on every rank the average is each rank's gradient exactly (FP32 sums of N equal
-// BF16 values, N <= 4), so the two step bitwise alike.
+// BF16 values, N <= 4), so the two step bitwise alike. With a kAllReduce reducer, plain data
+// parallelism instead: a Float16Optimizer per rank on the reduced .grad.
 struct Pair {
   Toy zero_model, single_model;
   std::unique_ptr<GradReducer> reducer;
-  std::unique_ptr<DistributedOptimizer> zero;
+  std::unique_ptr<Float16Optimizer> zero;
   std::unique_ptr<Float16Optimizer> single;
+  // Clear gradients with the optimizers' own (torch's) zero_grad(), which sets .grad to none,
+  // instead of GradReducer::zero_grad().
+  bool torch_zero_grad = false;
 
-  explicit Pair(GradReducerOptions options = {}) {
-    reducer = std::make_unique<GradReducer>(
-        world_ptr(), *zero_model,
-        options.mode(ReduceMode::kReduceScatter).bucket_numel(64).shard_alignment(4));
-    zero = std::make_unique<DistributedOptimizer>(*reducer, *zero_model, adamw());
+  explicit Pair(
+      GradReducerOptions options = GradReducerOptions().mode(ReduceMode::kReduceScatter)) {
+    reducer = std::make_unique<GradReducer>(world_ptr(), *zero_model,
+                                            options.bucket_numel(64).shard_alignment(4));
+    if (options.mode() == ReduceMode::kReduceScatter) {
+      zero = std::make_unique<DistributedOptimizer>(*reducer, *zero_model, adamw());
+    } else {
+      zero = std::make_unique<Float16Optimizer>(*zero_model, adamw());
+    }
     single = std::make_unique<Float16Optimizer>(*single_model, adamw());
   }
+  DistributedOptimizer& zero1() { return dynamic_cast<DistributedOptimizer&>(*zero); }
   void step(int64_t step, bool use_expert = true) {
-    reducer->zero_grad();
+    if (torch_zero_grad) {
+      zero->zero_grad();
+    } else {
+      reducer->zero_grad();
+    }
     zero_model->loss(toy_batch(step), use_expert).backward();
+    if (!dynamic_cast<DistributedOptimizer*>(zero.get())) reducer->finish();
     zero->update();
     single->zero_grad();
     single_model->loss(toy_batch(step), use_expert).backward();
@@ -93,6 +107,20 @@ struct Pair {
     }
   }
 };
+
+// Both data-parallel modes, each with both ways of clearing gradients.
+struct FollowCase {
+  ReduceMode mode;
+  bool torch_zero_grad;
+  std::string name() const {
+    return std::string(mode == ReduceMode::kReduceScatter ? "ZeRO-1" : "plain data parallel") +
+           (torch_zero_grad ? ", torch's zero_grad()" : ", the reducer's zero_grad()");
+  }
+};
+const std::vector<FollowCase> kFollowCases = {{ReduceMode::kReduceScatter, false},
+                                              {ReduceMode::kReduceScatter, true},
+                                              {ReduceMode::kAllReduce, false},
+                                              {ReduceMode::kAllReduce, true}};
 
 TEST(ZeroFollowsModel, FrozenAfterConstructionIsNotStepped) {
   Pair pair;
@@ -271,8 +299,8 @@ TEST(ZeroFollowsModel, ExpertWithoutGradientIsNotSteppedAsInOneProcess) {
     if (info[k].fqn == "expert.weight") expert_weight = k;
   }
   ASSERT_LT(expert_weight, info.size());
-  EXPECT_EQ(pair.zero->param_step(expert_weight), 0);
-  EXPECT_EQ(pair.zero->param_step(0), 2);
+  EXPECT_EQ(pair.zero1().param_step(expert_weight), 0);
+  EXPECT_EQ(pair.zero1().param_step(0), 2);
   const int n = world().size();
   if ((n & (n - 1)) == 0) pair.expect_same("expert without gradient");
 
@@ -281,7 +309,7 @@ TEST(ZeroFollowsModel, ExpertWithoutGradientIsNotSteppedAsInOneProcess) {
   pair.zero_model->loss(toy_batch(2), /*use_expert=*/world().rank() == 0).backward();
   const at::Tensor before = pair.zero_model->expert->weight.clone();
   pair.zero->update();
-  EXPECT_EQ(pair.zero->param_step(expert_weight), 1);
+  EXPECT_EQ(pair.zero1().param_step(expert_weight), 1);
   EXPECT_FALSE(bitwise_equal(pair.zero_model->expert->weight, before));
   EXPECT_TRUE(same_on_all_ranks(pair.zero_model->expert->weight));
 }
@@ -354,6 +382,68 @@ TEST(ZeroFollowsModel, FailedCollectiveMakesEveryLaterCallAnError) {
   world().barrier();
 }
 
+// Which parameters have a gradient is what one process would say, in both modes and however
+// gradients are cleared: an expert no rank uses and a parameter frozen after construction are
+// not stepped (weight decay would move them), a .grad set without backward is stepped.
+TEST(ZeroFollowsModel, GradientsOnlyWhereOneProcessHasThemInBothModes) {
+  const int n = world().size();
+  if (n & (n - 1)) GTEST_SKIP() << "N = " << n << " is not a power of two";
+  for (const FollowCase& c : kFollowCases) {
+    SCOPED_TRACE(c.name());
+    Pair pair(GradReducerOptions().mode(c.mode));
+    pair.torch_zero_grad = c.torch_zero_grad;
+    pair.step(0);
+    for (Toy* model : {&pair.zero_model, &pair.single_model}) {
+      (*model)->down->weight.set_requires_grad(false);
+      (*model)->down->bias.set_requires_grad(false);
+    }
+    const at::Tensor down = pair.zero_model->down->weight.clone();
+    const at::Tensor expert = pair.zero_model->expert->weight.clone();
+    pair.step(1, /*use_expert=*/false);
+    pair.step(2, /*use_expert=*/false);
+    EXPECT_TRUE(bitwise_equal(pair.zero_model->down->weight, down));
+    EXPECT_TRUE(bitwise_equal(pair.zero_model->expert->weight, expert));
+    pair.expect_same("unused and frozen");
+
+    // The expert's .grad set from outside, no backward through it: stepped, as in one process.
+    for (Float16Optimizer* o : {pair.zero.get(), pair.single.get()}) o->zero_grad();
+    if (!c.torch_zero_grad) pair.reducer->zero_grad();
+    for (Toy* model : {&pair.zero_model, &pair.single_model}) {
+      (*model)->loss(toy_batch(3), /*use_expert=*/false).backward();
+      (*model)->expert->weight.mutable_grad() = at::full_like((*model)->expert->weight, 0.5);
+    }
+    if (c.mode == ReduceMode::kAllReduce) pair.reducer->finish();
+    pair.zero->update();
+    pair.single->update();
+    EXPECT_FALSE(bitwise_equal(pair.zero_model->expert->weight, expert));
+    pair.expect_same(".grad set from outside");
+  }
+}
+
+// Plain data parallelism with FP32 accumulation: the optimizer reads .grad, which holds the FP32
+// average rounded once; a backward after finish() without zero_grad() carries on from it.
+TEST(ZeroFollowsModel, PlainDataParallelWithFp32AccumulationStepsOnTheAverage) {
+  const int n = world().size();
+  if (n & (n - 1)) GTEST_SKIP() << "N = " << n << " is not a power of two";
+  Pair pair(GradReducerOptions().mode(ReduceMode::kAllReduce).accumulate_in_fp32(true));
+  for (int64_t s = 0; s < 3; ++s) pair.step(s);
+  pair.expect_same("three steps");
+  // Two backwards, finish() between them, no zero_grad(): both sides hold g3 + g4 in BF16.
+  pair.zero->zero_grad();
+  pair.reducer->zero_grad();
+  pair.single->zero_grad();
+  pair.zero_model->loss(toy_batch(3)).backward();
+  pair.reducer->finish();
+  pair.zero_model->loss(toy_batch(4)).backward();
+  pair.reducer->finish();
+  for (int64_t s : {3, 4}) pair.single_model->loss(toy_batch(s)).backward();
+  auto theirs = pair.single_model->named_parameters();
+  for (const auto& item : pair.zero_model->named_parameters()) {
+    if (!item.value().requires_grad()) continue;
+    EXPECT_TRUE(bitwise_equal(item.value().grad(), theirs[item.key()].grad())) << item.key();
+  }
+}
+
 // A steady-state step of reducer and optimizer allocates no tensor memory: zero_grad() and
 // update() (reduction, agreement, step, parameter gather) none at all, and backward with the
 // reducer's hooks exactly what the same backward allocates without them.
@@ -391,9 +481,6 @@ TEST(ZeroFollowsModel, SteadyStateStepAllocatesNothing) {
         mark = counting.allocations();
         zero.update();
         if (measured) ours += counting.allocations() - mark + in_finish;
-        if (measured && std::getenv("MIXPREC_DEBUG_ALLOC"))
-          std::fprintf(stderr, "finish %ld update %ld\n", (long)in_finish,
-                       (long)(counting.allocations() - mark));
         for (auto& p : plain->parameters()) {
           if (p.grad().defined()) p.mutable_grad().zero_();
         }
