@@ -44,8 +44,10 @@ commands:
                 existing export.
   help          this text (also -h, --help)
 
-DIR, A, B and CKPT are checkpoint directories (holding manifest.json) or checkpoint roots,
-in which case the checkpoint named by their 'latest' file is used.
+DIR, A, B and CKPT are checkpoint directories (holding manifest.json), or links to them, or
+checkpoint roots, in which case the checkpoint a load takes is used: the one 'latest' names,
+unless a newer one is complete (a save that ended before updating 'latest'; a "note:" line on
+stderr says so).
 
 exit status:
   0  success; diff: the checkpoints are identical
@@ -83,7 +85,8 @@ int run(const std::vector<std::string>& args) {
                     "unknown command '" + args[0] + "' (commands: inspect, verify, diff, export)");
   }
   for (std::size_t i = 1; i < args.size(); ++i) {
-    if (is_help(args[i])) {
+    // "help" alone may be a checkpoint's name: only the flags ask for help after a command.
+    if (args[i] == "-h" || args[i] == "--help") {
       std::cout << "usage: mixprec-ckpt " << command->synopsis << "\n\n" << kUsage;
       return kExitOk;
     }

@@ -49,9 +49,12 @@ struct ToolRun {
   }
 };
 
-// Runs the tool with `args`, capturing stdout and stderr in files next to `scratch`.
-ToolRun run_tool(const fs::path& scratch, const std::vector<std::string>& args) {
-  std::string command = shell_quote(tool_path().string());
+// Runs the tool with `args` (in `cwd` if given), capturing stdout and stderr in files next to
+// `scratch`.
+ToolRun run_tool(const fs::path& scratch, const std::vector<std::string>& args,
+                 const fs::path& cwd = {}) {
+  std::string command = cwd.empty() ? "" : "cd " + shell_quote(cwd.string()) + " && ";
+  command += shell_quote(tool_path().string());
   for (const auto& a : args) command.append(" ").append(shell_quote(a));
   const fs::path out = scratch / "tool.out", err = scratch / "tool.err";
   command.append(" >").append(shell_quote(out.string()));
@@ -102,7 +105,9 @@ class CkptTool : public ::testing::Test {
     return save_training_state(dir_.path() / "root", name, *model_, *optimizer_, {{"epoch", 1}})
         .dir;
   }
-  ToolRun tool(const std::vector<std::string>& args) { return run_tool(dir_.path(), args); }
+  ToolRun tool(const std::vector<std::string>& args, const fs::path& cwd = {}) {
+    return run_tool(dir_.path(), args, cwd);
+  }
 
   TempDir dir_;
   mixprec::testing::Interleaved model_{nullptr};
@@ -222,8 +227,8 @@ TEST_F(CkptTool, DiffReportsMissingKeysAndMismatches) {
   b.tensors["shape"] = ShardedTensor::whole(at::zeros({2, 2}, at::kLong));
   a.tensors["gone"] = ShardedTensor::whole(at::ones({3}, at::kInt));
   b.tensors["new"] = ShardedTensor::whole(at::ones({1}, at::kBool));
-  a.common = {{"step", 1}};
-  b.common = {{"step", 1}, {"note", "x"}};
+  a.common = {{"step", 1}, {"list", {1}}};
+  b.common = {{"step", 1}, {"note", "x"}, {"list", {1, 2}}};
   const fs::path pa = save_checkpoint(dir_.path() / "ra", "a", a).dir;
   const fs::path pb = save_checkpoint(dir_.path() / "rb", "b", b).dir;
   const ToolRun run = tool({"diff", pa.string(), pb.string()});
@@ -235,10 +240,47 @@ TEST_F(CkptTool, DiffReportsMissingKeysAndMismatches) {
   EXPECT_TRUE(run.has_line("^only in A: gone \\(I32 \\[3\\]\\)$")) << run.out;
   EXPECT_TRUE(run.has_line("^only in B: new \\(BOOL \\[1\\]\\)$")) << run.out;
   EXPECT_TRUE(run.has_line("^  /note: \\(absent\\) -> \"x\"$")) << run.out;
+  // Added at an array's end: the pointer names no element, the value is still shown.
+  EXPECT_TRUE(run.has_line("^  /list/-: \\(absent\\) -> 2$")) << run.out;
   // No optimizer in the common state: inspect still describes the tensors.
   const ToolRun inspect = tool({"inspect", pa.string()});
   EXPECT_EQ(inspect.status, 0) << inspect.err;
   EXPECT_TRUE(inspect.has_line("^optimizer +none")) << inspect.out;
+}
+
+// However the user spells a checkpoint — a trailing slash, a link to it, a directory called
+// "help", a root whose `latest` lags or is missing — the tool takes the checkpoint a load would.
+TEST_F(CkptTool, PathsNameTheCheckpointALoadWould) {
+  const fs::path ckpt = save("step-2");
+  const ToolRun plain = tool({"inspect", ckpt.string()});
+  ASSERT_EQ(plain.status, 0) << plain.err;
+  const ToolRun slash = tool({"inspect", ckpt.string() + "/"});
+  EXPECT_EQ(slash.status, 0) << slash.err;
+  EXPECT_EQ(slash.out, plain.out);
+
+  fs::create_symlink(ckpt, dir_.path() / "link");
+  EXPECT_EQ(tool({"verify", (dir_.path() / "link").string()}).status, 0);
+
+  fs::create_directory(dir_.path() / "cwd");
+  fs::copy(ckpt, dir_.path() / "cwd" / "help");
+  const ToolRun help = tool({"verify", "help"}, dir_.path() / "cwd");
+  EXPECT_EQ(help.status, 0) << help.err;
+  EXPECT_EQ(help.out.find("usage:"), std::string::npos) << help.out;
+
+  step();
+  const fs::path newer = save("step-3");
+  const fs::path root = newer.parent_path();
+  testing::write_file(root / "latest", "step-2\n");  // as if the save died before the update
+  const ToolRun stale = tool({"inspect", root.string()});
+  EXPECT_EQ(stale.status, 0) << stale.err;
+  EXPECT_NE(stale.out.find("step-3"), std::string::npos) << stale.out;
+  EXPECT_NE(stale.err.find("note: 'latest' names 'step-2', but 'step-3' is newer"),
+            std::string::npos)
+      << stale.err;
+  fs::remove(root / "latest");
+  const ToolRun missing = tool({"verify", root.string()});
+  EXPECT_EQ(missing.status, 0) << missing.err;
+  EXPECT_NE(missing.err.find("there is no 'latest'"), std::string::npos) << missing.err;
 }
 
 TEST_F(CkptTool, BadArgumentsAndPathsAreOneLineErrors) {

@@ -293,6 +293,9 @@ TEST_F(Export, BadArgumentsAreOneLineAndLeaveOutAsItWas) {
                         "export: expected 2 arguments, got 1");
   expect_one_line_error(export_tool(scratch(), {root().string(), x, "--max-shard-size", "lots"}),
                         ckpt, "--max-shard-size 'lots'");
+  expect_one_line_error(
+      export_tool(scratch(), {root().string(), x, "--max-shard-size", "1" + std::string(400, '0')}),
+      ckpt, "below 2^63");
   expect_one_line_error(export_tool(scratch(), {root().string(), x, "--frobnicate"}), ckpt,
                         "unknown option '--frobnicate'");
   EXPECT_FALSE(fs::exists(x));

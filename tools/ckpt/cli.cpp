@@ -1,9 +1,9 @@
 #include "ckpt/cli.h"
 
 #include "mixprec/checkpoint/format/error.h"
-#include "mixprec/checkpoint/format/latest.h"
-#include "mixprec/checkpoint/format/manifest.h"
+#include "mixprec/checkpoint/load.h"
 
+#include <iostream>
 #include <system_error>
 
 namespace mixprec::tools {
@@ -12,7 +12,12 @@ namespace fs = std::filesystem;
 
 fs::path checkpoint_dir_from_arg(const std::string& arg) {
   if (arg.empty()) throw ToolError(kExitUsage, "empty checkpoint path");
-  const fs::path path(arg);
+  // "ckpt/", "ckpt/." and "ckpt" name one checkpoint, and must report it alike (export writes
+  // the directory's name into its metadata): no trailing separator.
+  fs::path path = fs::path(arg).lexically_normal();
+  if (!path.has_filename() && path.has_parent_path() && path != path.root_path()) {
+    path = path.parent_path();
+  }
   std::error_code ec;
   const fs::file_status status = fs::status(path, ec);
   // status() reports "not found" through the type, other failures (EACCES...) through ec.
@@ -24,21 +29,23 @@ fs::path checkpoint_dir_from_arg(const std::string& arg) {
     throw ToolError(kExitUsage,
                     arg + ": not a directory (expected a checkpoint directory or root)");
   }
-  if (fs::exists(path / checkpoint::kManifestFileName, ec)) return path;
-  // Not a checkpoint itself: a root, whose `latest` names the checkpoint. read_latest rejects
-  // a malformed pointer or one naming a missing directory; those are the caller's path
-  // problems, not corruption of a checkpoint, hence the usage status.
-  std::optional<std::string> latest;
+  // A link the user names is how they name the directory it points to. Inside a checkpoint the
+  // library refuses links (a file swapped for one is damage); the argument itself is not.
+  if (fs::is_symlink(fs::symlink_status(path, ec))) {
+    path = fs::canonical(path, ec);
+    if (ec) throw ToolError(kExitUsage, arg + ": " + ec.message());
+  }
+  // A root: the checkpoint loading it would take (the newest complete one, which `latest`
+  // names unless a save ended between its commit and the `latest` update). Those problems are
+  // the caller's path, not corruption of a checkpoint: the usage status.
   try {
-    latest = checkpoint::read_latest(path);
+    checkpoint::ResolvedCheckpoint resolved = checkpoint::find_checkpoint(path);
+    if (!resolved.note.empty())
+      std::cerr << "mixprec-ckpt: note: " << one_line(resolved.note) << "\n";
+    return resolved.dir;
   } catch (const checkpoint::FormatError& e) {
-    throw ToolError(kExitUsage, e.what());
+    throw ToolError(kExitUsage, one_line(e.what()));
   }
-  if (!latest) {
-    throw ToolError(kExitUsage, arg + ": neither a checkpoint (no manifest.json) nor a " +
-                                    "checkpoint root (no 'latest' file)");
-  }
-  return path / *latest;
 }
 
 std::string one_line(std::string_view message) {

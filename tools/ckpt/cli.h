@@ -28,10 +28,13 @@ class ToolError : public std::runtime_error {
   int code_;
 };
 
-// The checkpoint directory a command-line argument names: the directory itself if it holds
-// manifest.json, else the checkpoint its `latest` file points to (a checkpoint root).
-// Throws ToolError(kExitUsage) naming the path if it does not exist, is not a directory, or is
-// neither a checkpoint nor a root with a valid `latest` pointer. Never reads tensor data.
+// The checkpoint directory a command-line argument names (a trailing separator or a link to it
+// changes nothing): the directory itself if it holds manifest.json, else, for a checkpoint
+// root, the checkpoint loading it would take (checkpoint::find_checkpoint: the newest complete
+// one; when that is not what `latest` names, a "note:" line on stderr says why). Throws
+// ToolError(kExitUsage) naming the path if it does not exist, is not a directory, or is neither
+// a checkpoint nor a root holding one. Reads tensor data only to verify a checkpoint newer than
+// `latest`'s.
 std::filesystem::path checkpoint_dir_from_arg(const std::string& arg);
 
 // `message` as a single line: newlines (library messages may list several problems) become

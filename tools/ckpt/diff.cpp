@@ -119,7 +119,12 @@ int run_diff(const fs::path& a, const fs::path& b, std::ostream& out) {
   for (const auto& op : patch) {
     const nlohmann::json::json_pointer ptr(op.at("path").get<std::string>());
     const std::string before = ca.contains(ptr) ? short_json(ca.at(ptr), 80) : "(absent)";
-    const std::string after = cb.contains(ptr) ? short_json(cb.at(ptr), 80) : "(absent)";
+    // An "add" at an array's end has the pointer ".../-", which names no element: its value
+    // is in the operation.
+    const std::string after = op.contains("value") && op.at("op") == "add"
+                                  ? short_json(op.at("value"), 80)
+                              : cb.contains(ptr) ? short_json(cb.at(ptr), 80)
+                                                 : "(absent)";
     common_diffs.push_back(ptr.to_string() + ": " + before + " -> " + after);
   }
 

@@ -11,6 +11,8 @@
 #include "mixprec/checkpoint/load.h"
 #include "mixprec/checkpoint/tensor_dtype.h"
 
+#include <cstdlib>
+
 #include <ATen/ATen.h>
 #include <c10/util/Exception.h>
 
@@ -314,7 +316,9 @@ std::uint64_t parse_byte_size(std::string_view text) {
   const double base = unit.size() == 2 ? 1024.0 : 1000.0;
   const std::string prefixes = "kmgt";
   const double scale = unit.empty() ? 1.0 : std::pow(base, prefixes.find(unit[0]) + 1);
-  const double bytes = std::floor(std::stod(match[1].str()) * scale);
+  // The regex admits only digits, so strtod cannot fail; a number too large is HUGE_VAL,
+  // refused below.
+  const double bytes = std::floor(std::strtod(match[1].str().c_str(), nullptr) * scale);
   if (!(bytes >= 1) || bytes >= 9.2e18) {
     usage_error("--max-shard-size '" + copy + "' must be at least 1 byte and below 2^63");
   }

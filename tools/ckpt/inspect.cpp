@@ -37,7 +37,11 @@ void print_header(const fs::path& dir, const std::string& shown_as, const Manife
                   const nlohmann::json& common, const std::optional<SavedOptimizer>& opt,
                   std::ostream& out) {
   out << "checkpoint   " << dir.string();
-  if (fs::path(shown_as) != dir) out << "   (latest of " << shown_as << ")";
+  // Named through its root: say which root (a link or a trailing slash names the checkpoint).
+  std::error_code ec;
+  if (!fs::exists(fs::path(shown_as) / checkpoint::kManifestFileName, ec)) {
+    out << "   (newest of the root " << shown_as << ")";
+  }
   out << "\nformat       " << checkpoint::kManifestFormat << ", version "
       << checkpoint::manifest_version(manifest) << "\nsequence     " << manifest.sequence
       << "\nfiles        ";
