@@ -66,7 +66,7 @@ struct GradReducer::State {
   // accumulate_in_fp32) and no backward has accumulated on it since: the next one carries on
   // from that .grad, not from the FP32 average again.
   std::vector<char> rounded;
-  // kAllReduce: per parameter, whether any rank has a gradient (all-reduced in finish()).
+  // kAllReduce: per parameter, how many ranks have a gradient (all-reduced in finish()).
   at::Tensor any_rank_got;
 
   // One step's reduction.
