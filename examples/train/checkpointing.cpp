@@ -13,14 +13,17 @@
 #include "mixprec/distributed/init.h"
 
 #include <fcntl.h>
+#include <sys/file.h>
 #include <unistd.h>
 
 #include <c10/util/Exception.h>
 
+#include <algorithm>
 #include <chrono>
 #include <cstring>
 #include <fstream>
 #include <functional>
+#include <random>
 
 namespace train {
 namespace fs = std::filesystem;
@@ -53,6 +56,22 @@ std::string host_name() {
   return name;
 }
 
+// Host, pid and 64 random bits: containers on several machines may share a host name and,
+// in their own pid namespaces, a pid.
+std::string unique_suffix() {
+  std::random_device random;
+  const uint64_t bits = (uint64_t{random()} << 32) | random();
+  char hex[17];
+  std::snprintf(hex, sizeof hex, "%016llx", static_cast<unsigned long long>(bits));
+  return host_name() + "-" + std::to_string(::getpid()) + "-" + hex;
+}
+
+// The holder named by RunLock's error: another run, not a damaged directory.
+constexpr const char* kBusyReason = "another mixprec-train run is using this directory";
+
+// Signalled to the other ranks while rank 0 waits for a run lock.
+constexpr const char* kStillWaiting = "\x01waiting";
+
 }  // namespace
 
 std::string checkpoint_name(int64_t step) {
@@ -61,7 +80,8 @@ std::string checkpoint_name(int64_t step) {
   return buf;
 }
 
-std::optional<fs::path> newest_checkpoint(const fs::path& root, std::string* note) {
+std::optional<fs::path> newest_checkpoint(const fs::path& root, std::string* note,
+                                          std::vector<std::string>* unverified) {
   std::error_code ec;
   if (!fs::exists(root, ec)) return std::nullopt;
   try {
@@ -74,6 +94,12 @@ std::optional<fs::path> newest_checkpoint(const fs::path& root, std::string* not
     }
     if (!newest.name) return std::nullopt;
     if (note != nullptr) *note = mixprec::checkpoint::find_checkpoint(root).note;
+    if (unverified != nullptr) {
+      unverified->clear();
+      for (const std::string& skipped : newest.skipped) {  // "<name>: <error>"
+        unverified->push_back(skipped.substr(0, skipped.find(": ")));
+      }
+    }
     return root / *newest.name;
   } catch (const mixprec::checkpoint::FormatError& e) {
     throw UsageError(std::string("checkpoint root ") + root.string() + " is damaged: " + e.what());
@@ -110,9 +136,8 @@ void ensure_writable_dir(const fs::path& dir, const std::string& what) {
     throw UsageError(what + " " + dir.string() + " is not a directory");
   // access(2) answers "yes" to root on read-only directories and says nothing about read-only
   // mounts; creating a file is the only honest test.
-  // Named by host and pid: ranks on several machines may probe one shared directory at once.
-  const fs::path probe =
-      dir / (".mixprec-train-probe-" + host_name() + "-" + std::to_string(::getpid()));
+  // Ranks on several machines may probe one shared directory at once.
+  const fs::path probe = dir / (".mixprec-train-probe-" + unique_suffix());
   const int fd = ::open(probe.c_str(), O_CREAT | O_EXCL | O_WRONLY, 0600);
   if (fd < 0) {
     throw UsageError(what + " " + dir.string() + " is not writable: " + std::strerror(errno));
@@ -121,36 +146,94 @@ void ensure_writable_dir(const fs::path& dir, const std::string& what) {
   ::unlink(probe.c_str());
 }
 
-RunLock::RunLock(const fs::path& root, std::chrono::seconds wait) {
+bool held_by_another_run(const fs::path& dir) {
+  const fs::path file = dir / std::string(mixprec::checkpoint::kRunLockFileName);
+  const int fd = ::open(file.c_str(), O_RDONLY | O_CLOEXEC | O_NOFOLLOW);
+  if (fd < 0) return false;  // never locked (or not a directory yet)
+  // A shared lock conflicts with a holder's exclusive one; taken, it is released at once.
+  const bool held = ::flock(fd, LOCK_SH | LOCK_NB) != 0 && errno == EWOULDBLOCK;
+  ::close(fd);
+  return held;
+}
+
+RunLock::RunLock(const fs::path& dir, const std::string& what, std::chrono::milliseconds wait) {
   try {
     held_ = std::make_unique<mixprec::checkpoint::RootFileLock>(
-        mixprec::checkpoint::open_root(root, /*create=*/true),
-        mixprec::checkpoint::kRunLockFileName,
-        std::chrono::duration_cast<std::chrono::milliseconds>(wait),
-        "another mixprec-train run is using this checkpoint directory");
+        mixprec::checkpoint::open_root(dir, /*create=*/true), mixprec::checkpoint::kRunLockFileName,
+        wait, kBusyReason);
   } catch (const mixprec::checkpoint::FormatError& e) {
-    throw UsageError(std::string("checkpoint directory ") + root.string() + " is in use: " +
-                     e.what() + " (one run per checkpoint directory; --wait-for-ckpt-dir S waits)");
+    const std::string message = e.what();
+    if (message.find(kBusyReason) == std::string::npos) {
+      throw UsageError("cannot lock " + what + " " + dir.string() + " for this run: " + message);
+    }
+    throw Busy(what + " " + dir.string() + " is in use: " + message +
+               " (one run per directory; --wait-for-ckpt-dir S waits)");
   }
 }
 
 RunLock::~RunLock() = default;
 
-std::unique_ptr<RunLock> hold_checkpoint_root(const fs::path& root, std::chrono::seconds wait,
-                                              mixprec::distributed::Communicator* ranks) {
+std::unique_ptr<RunLock> hold_run_dir(const fs::path& dir, const std::string& what,
+                                      std::chrono::seconds wait,
+                                      mixprec::distributed::Communicator* ranks) {
+  using Clock = std::chrono::steady_clock;
+  const Clock::time_point deadline = Clock::now() + wait;
+  const bool several = ranks != nullptr && ranks->size() > 1;
+  const bool leader = ranks == nullptr || ranks->rank() == 0;
+  // The other ranks wait for rank 0 in a collective, which would time out on a long wait: rank
+  // 0 waits in slices well inside the collective timeout and tells them after each one whether
+  // it holds the lock, gave up (its error), or waits on.
+  const auto slice = several ? std::chrono::milliseconds(5000)
+                             : std::chrono::duration_cast<std::chrono::milliseconds>(wait);
   std::unique_ptr<RunLock> lock;
+  for (;;) {
+    std::string outcome;  // empty: held
+    if (leader) {
+      const auto left =
+          std::chrono::duration_cast<std::chrono::milliseconds>(deadline - Clock::now());
+      try {
+        lock = std::make_unique<RunLock>(dir, what,
+                                         std::clamp(left, std::chrono::milliseconds(0), slice));
+      } catch (const RunLock::Busy& e) {
+        outcome = several && Clock::now() < deadline ? kStillWaiting : e.what();
+      } catch (const UsageError& e) {
+        outcome = e.what();
+      }
+    }
+    if (several) outcome = ranks->all_gather_strings(outcome).front();
+    if (outcome.empty()) return lock;
+    if (outcome != kStillWaiting) throw UsageError(outcome);
+  }
+}
+
+void set_aside_unverified(const fs::path& root, const std::vector<std::string>& names,
+                          mixprec::distributed::Communicator* ranks,
+                          std::vector<std::string>* report) {
+  const bool several = ranks != nullptr && ranks->size() > 1;
+  // Every rank has looked at them (find_resume_point) before rank 0 moves them.
+  if (several) (void)ranks->all_gather_strings("");
   on_every_rank_or_none(ranks, [&] {
-    if (ranks == nullptr || ranks->rank() == 0) lock = std::make_unique<RunLock>(root, wait);
+    if (ranks != nullptr && ranks->rank() != 0) return;
+    for (const std::string& name : names) {
+      // A name starting with '.' is never a checkpoint: retention and lookups leave it alone.
+      const std::string aside = ".unverified-" + name + "-" + unique_suffix();
+      std::error_code ec;
+      fs::rename(root / name, root / aside, ec);
+      if (ec) {
+        throw UsageError("cannot set aside " + (root / name).string() +
+                         ", which does not verify, before the run saves its step again: " +
+                         ec.message() + " (move it out of " + root.string() + ")");
+      }
+      if (report != nullptr) report->push_back(name + " -> " + aside);
+    }
   });
-  if (ranks != nullptr && ranks->size() > 1) check_shared_root(root, *ranks);
-  return lock;
 }
 
 void check_shared_root(const fs::path& root, mixprec::distributed::Communicator& ranks) {
   // Rank 0 writes a token only this run can know; every rank must read it back.
   std::string token;
   if (ranks.rank() == 0) {
-    token = ".mixprec-train-shared-" + host_name() + "-" + std::to_string(::getpid());
+    token = ".mixprec-train-shared-" + unique_suffix();
     std::ofstream(root / token) << token << "\n";
   }
   token = ranks.all_gather_strings(token).front();

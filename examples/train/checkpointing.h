@@ -9,6 +9,7 @@
 // A resumed run checks "config" before it loads a single tensor.
 #pragma once
 
+#include "config.h"
 #include "mixprec/checkpoint/async_save.h"
 #include "mixprec/checkpoint/format/root_lock.h"
 #include "mixprec/sharded_state_dict.h"
@@ -20,6 +21,7 @@
 #include <memory>
 #include <optional>
 #include <string>
+#include <vector>
 
 namespace mixprec::distributed {
 class Communicator;
@@ -34,26 +36,39 @@ std::string checkpoint_name(int64_t step);
 // `latest` says (the library's lookup, checkpoint/load.h: find_checkpoint) — a save that died
 // between its commit and the `latest` update, or before the first `latest` existed, is found
 // again. nullopt if the root is missing or holds no checkpoint; UsageError naming the root if
-// it is damaged (an unusable `latest`). `note` receives why `latest` was not followed, if so.
-std::optional<std::filesystem::path> newest_checkpoint(const std::filesystem::path& root,
-                                                       std::string* note = nullptr);
+// it is damaged (an unusable `latest`). `note` receives why `latest` was not followed, if so;
+// `unverified` the names of newer checkpoints passed over because they do not verify.
+std::optional<std::filesystem::path> newest_checkpoint(
+    const std::filesystem::path& root, std::string* note = nullptr,
+    std::vector<std::string>* unverified = nullptr);
 
 // A checkpoint's user metadata, read from its common state without loading any tensor data.
 // Throws UsageError naming the checkpoint if it cannot be read.
 nlohmann::json read_user_metadata(const std::filesystem::path& checkpoint);
 
 // Creates `dir` (and parents) if missing and proves it writable by creating and removing a
-// probe file (named by host and pid: ranks on several machines may share the directory).
+// probe file (named by host, pid and random bits: ranks on several machines may share the
+// directory).
 // Throws UsageError naming `what` and the directory otherwise. Writes nothing else.
 void ensure_writable_dir(const std::filesystem::path& dir, const std::string& what);
 
-// One run per checkpoint root: held for the whole run (rank 0's process), so that a second
-// run started on the same --ckpt-dir cannot commit into it, move `latest` or delete this
-// run's checkpoints. `wait` bounds how long to wait for a holder; then UsageError naming the
-// directory and the holder (host and pid).
+// True if another process holds the run lock of `dir` now (a look, not a wait; writes
+// nothing: the answer may change at once).
+bool held_by_another_run(const std::filesystem::path& dir);
+
+// One run per directory, held for the whole run by rank 0's process: on the checkpoint root,
+// so that a second run started on the same --ckpt-dir cannot commit into it, move `latest` or
+// delete this run's checkpoints; on the directory of metrics.jsonl, which a second run would
+// truncate. Waits at most `wait` for a holder; then Busy naming the directory and the holder
+// (host and pid). UsageError if the directory cannot be created or locked.
 class RunLock {
  public:
-  RunLock(const std::filesystem::path& root, std::chrono::seconds wait);
+  struct Busy : UsageError {
+    using UsageError::UsageError;
+  };
+  // `what` names the directory in errors ("checkpoint directory").
+  RunLock(const std::filesystem::path& dir, const std::string& what,
+          std::chrono::milliseconds wait);
   ~RunLock();
   RunLock(const RunLock&) = delete;
   RunLock& operator=(const RunLock&) = delete;
@@ -62,19 +77,28 @@ class RunLock {
   std::unique_ptr<mixprec::checkpoint::RootFileLock> held_;
 };
 
+// A RunLock on `dir`, on every rank (`ranks` may be null: one process): rank 0 takes it, for
+// up to `wait` (in slices, telling the others after each, so that no collective times out on
+// a long wait); when it cannot, every rank throws its UsageError (the other ranks do not wait
+// in a collective for a rank that has left). The lock, on rank 0; null elsewhere.
+std::unique_ptr<RunLock> hold_run_dir(const std::filesystem::path& dir, const std::string& what,
+                                      std::chrono::seconds wait,
+                                      mixprec::distributed::Communicator* ranks);
+
+// Collective. Checkpoints newer than the one a resume continues from that do not verify
+// (`names`, from newest_checkpoint) are renamed by rank 0 to ".unverified-<name>-<unique>" in
+// `root` — kept for inspection, out of the way of the run's save at their step, which would
+// otherwise refuse to replace a committed checkpoint. `report` gets "<name> -> <new name>".
+void set_aside_unverified(const std::filesystem::path& root, const std::vector<std::string>& names,
+                          mixprec::distributed::Communicator* ranks,
+                          std::vector<std::string>* report);
+
 // Collective: every rank must see the checkpoint root rank 0 writes (several machines need a
 // shared filesystem). Rank 0 writes a token file into `root`; every rank reads it back; a rank
 // that cannot gets, on every rank, a UsageError naming the path and that rank's host — before
 // training, not at the first save. Rank 0 removes the token.
 void check_shared_root(const std::filesystem::path& root,
                        mixprec::distributed::Communicator& ranks);
-
-// Both of the above, on every rank (`ranks` may be null: one process): rank 0 takes the run
-// lock, and when it cannot, every rank throws its UsageError (the other ranks do not wait in
-// a collective for a rank that has left). The lock, on rank 0; null elsewhere.
-std::unique_ptr<RunLock> hold_checkpoint_root(const std::filesystem::path& root,
-                                              std::chrono::seconds wait,
-                                              mixprec::distributed::Communicator* ranks);
 
 // Timings and sizes of the saves so far, for the summary.
 struct SaveStats {

@@ -42,6 +42,7 @@
 #include <cstdlib>
 #include <fstream>
 #include <numeric>
+#include <optional>
 #include <set>
 #include <string>
 #include <string_view>
@@ -91,6 +92,9 @@ RunReport::Memory memory_report(const torch::nn::Module& model, const OptimizerM
   return m;
 }
 
+// The first line of an error message: the one line the user gets.
+std::string first_line(const std::string& message) { return message.substr(0, message.find('\n')); }
+
 // `malloc_policy`: what set_malloc_policy put in force, for the start-up lines.
 int run(int argc, char** argv, const std::string& malloc_policy) {
   // Every tensor allocated from here on is counted, for the summary's memory line (memory.h).
@@ -110,7 +114,35 @@ int run(int argc, char** argv, const std::string& malloc_policy) {
     config.out = ranks->all_gather_strings(new_run_dir().string()).front();
   }
   RunPaths paths = resolve_run_paths(config);
-  find_resume_point(config, paths);  // before anything is written: a bad --resume changes nothing
+  // Checked before anything is written, so that a bad flag, a bad data file or a bad --resume
+  // changes nothing — unless another run holds the checkpoint directory: then what it holds may
+  // change while this one waits for it, and the holder, not its checkpoints, is the answer.
+  const bool held_elsewhere = held_by_another_run(paths.ckpt_root);
+  std::optional<Corpus> checked_corpus;
+  if (!held_elsewhere) {
+    find_resume_point(config, paths);
+    checked_corpus = load_corpus(config.data, config.val_fraction, config.seq_len);
+  }
+  // One run per checkpoint directory, for the whole run (rank 0 commits every save), taken
+  // before the directory is read for good: a run that waited for another one's end sees what it
+  // left. And every rank must see the directory rank 0 writes, before the first step rather
+  // than at the first save.
+  const std::chrono::seconds wait(config.wait_for_ckpt_dir);
+  ensure_writable_dir(paths.ckpt_root, "checkpoint directory");
+  const std::unique_ptr<RunLock> ckpt_lock =
+      hold_run_dir(paths.ckpt_root, "checkpoint directory", wait, ranks.get());
+  if (ranks && ranks->size() > 1) check_shared_root(paths.ckpt_root, *ranks);
+  find_resume_point(config, paths);
+  // Newer checkpoints that do not verify would stop the run when it saves their step again.
+  std::vector<std::string> set_aside;
+  set_aside_unverified(paths.ckpt_root, paths.unverified, ranks.get(), &set_aside);
+  // The metrics file's directory too (a second run with its own --ckpt-dir would truncate it).
+  std::unique_ptr<RunLock> out_lock;
+  const std::filesystem::path out_dir = std::filesystem::absolute(paths.metrics).parent_path();
+  std::error_code same_error;
+  if (!std::filesystem::equivalent(out_dir, paths.ckpt_root, same_error)) {
+    out_lock = hold_run_dir(out_dir, "output directory", wait, ranks.get());
+  }
   if (config.threads > 0) at::set_num_threads(static_cast<int>(config.threads));
   const bool rank0 = config.rank == 0;
   // MFU's denominator: what a BF16 GEMM reaches here with these threads (every rank at once,
@@ -118,16 +150,11 @@ int run(int argc, char** argv, const std::string& malloc_policy) {
   const double gemm_peak_flops = measure_bf16_gemm_flops();
 
   // 2. Data: bytes of text, split into training and validation; batches drawn by index.
-  const Corpus corpus = load_corpus(config.data, config.val_fraction, config.seq_len);
+  const Corpus corpus = checked_corpus
+                            ? std::move(*checked_corpus)
+                            : load_corpus(config.data, config.val_fraction, config.seq_len);
   const BatchSampler train_batches(corpus.train, config.seq_len, config.seed, /*stream=*/0);
   const BatchSampler val_batches(corpus.val, config.seq_len, config.seed, /*stream=*/1);
-  ensure_writable_dir(paths.ckpt_root, "checkpoint directory");
-  // One run per checkpoint directory, for the whole run (rank 0 commits every save); and every
-  // rank must see the directory rank 0 writes, before the first step rather than at the first
-  // save. A run that waited for another one's end looks again at what it left.
-  const std::unique_ptr<RunLock> run_lock = hold_checkpoint_root(
-      paths.ckpt_root, std::chrono::seconds(config.wait_for_ckpt_dir), ranks.get());
-  find_resume_point(config, paths);
 
   // 3. Model: a GPT with MoE blocks, built in FP32 from the seed.
   at::manual_seed(static_cast<uint64_t>(config.seed));
@@ -151,7 +178,16 @@ int run(int argc, char** argv, const std::string& malloc_policy) {
   // 6. Resume: model, optimizer, RNG and the run's position, all from one checkpoint.
   RunState state;
   if (paths.resume_from) {
-    const nlohmann::json user = optimizer->load(*paths.resume_from);
+    nlohmann::json user;
+    try {
+      user = optimizer->load(*paths.resume_from);
+    } catch (const mixprec::checkpoint::ChecksumError& e) {
+      // The checkpoint `latest` names is trusted, not verified first (that would read it twice);
+      // without `latest` every checkpoint is verified and the damaged one set aside.
+      throw mixprec::checkpoint::ChecksumError(
+          first_line(e.what()) + "; to resume from the newest checkpoint that verifies, delete " +
+          (paths.ckpt_root / "latest").string());
+    }
     state = RunState::from_json(user, paths.resume_from->string());
   }
 
@@ -180,6 +216,9 @@ int run(int argc, char** argv, const std::string& malloc_policy) {
       std::printf("resumed      from %s at step %lld\n", paths.resume_from->string().c_str(),
                   static_cast<long long>(state.step));
       if (!paths.resume_note.empty()) std::printf("             (%s)\n", paths.resume_note.c_str());
+      for (const std::string& moved : set_aside) {
+        std::printf("set aside    %s (it does not verify; kept for inspection)\n", moved.c_str());
+      }
     }
     std::fflush(stdout);
   }
@@ -242,11 +281,9 @@ int run(int argc, char** argv, const std::string& malloc_policy) {
     std::printf("trace       %s, one per rank (open in ui.perfetto.dev or chrome://tracing)\n",
                 profiler.written().string().c_str());
   }
+  std::fflush(stdout);  // the summary is out before anything can end the process
   return 0;
 }
-
-// The first line of an error message: the one line the user gets.
-std::string first_line(const std::string& message) { return message.substr(0, message.find('\n')); }
 
 }  // namespace
 

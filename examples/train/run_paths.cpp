@@ -70,7 +70,8 @@ void find_resume_point(TrainConfig& config, RunPaths& paths) {
   // The newest complete checkpoint, whatever `latest` says: a save that died after its commit
   // is resumed from, not replayed into an "already committed" error.
   std::string note;
-  const std::optional<fs::path> latest = newest_checkpoint(paths.ckpt_root, &note);
+  const std::optional<fs::path> latest =
+      newest_checkpoint(paths.ckpt_root, &note, &paths.unverified);
   if (!config.resume) {
     if (latest) {
       throw UsageError("checkpoint directory " + paths.ckpt_root.string() +

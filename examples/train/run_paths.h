@@ -11,6 +11,8 @@
 
 #include <filesystem>
 #include <optional>
+#include <string>
+#include <vector>
 
 namespace train {
 
@@ -19,6 +21,8 @@ struct RunPaths {
   std::filesystem::path metrics;
   std::optional<std::filesystem::path> resume_from;  // the checkpoint to load (with --resume)
   std::string resume_note;  // why that is not what `latest` names (a save ended early); or ""
+  // Newer checkpoints than resume_from that do not verify (set_aside_unverified moves them).
+  std::vector<std::string> unverified;
 };
 
 // runs/<date>-<time> (with a suffix if taken): a fresh run's directory unless --out is given.
@@ -29,7 +33,7 @@ std::filesystem::path new_run_dir();
 RunPaths resolve_run_paths(const TrainConfig& config);
 
 // What the checkpoint root holds decides how the run starts; call it holding the run lock
-// (hold_checkpoint_root), so that a run that waited for another sees that run's checkpoints.
+// (hold_run_dir), so that a run that waited for another sees that run's checkpoints.
 // With --resume: the newest complete checkpoint into `paths.resume_from`, its saved
 // configuration into `config` (adopt_run_shape) and its metrics path unless --metrics is
 // given. Throws UsageError: --resume without a checkpoint; a fresh run into a root with

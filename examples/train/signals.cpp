@@ -6,7 +6,7 @@ namespace train {
 namespace {
 
 volatile std::sig_atomic_t g_stop_signal = 0;
-struct sigaction g_previous_int, g_previous_term;
+struct sigaction g_previous_int;
 
 extern "C" void on_stop_signal(int signal_number) { g_stop_signal = signal_number; }
 
@@ -20,16 +20,13 @@ StopRequest::StopRequest() {
   // SIGTERM stays handled: under SLURM the step daemon and the launcher both send one,
   // milliseconds apart, and the second must not kill the save the first one asked for.
   action.sa_flags = SA_RESTART;
-  sigaction(SIGTERM, &action, &g_previous_term);
+  sigaction(SIGTERM, &action, nullptr);
   // A second Ctrl-C is a person insisting: it gets the default action (the process ends).
   action.sa_flags = SA_RESETHAND | SA_RESTART;
   sigaction(SIGINT, &action, &g_previous_int);
 }
 
-StopRequest::~StopRequest() {
-  sigaction(SIGINT, &g_previous_int, nullptr);
-  sigaction(SIGTERM, &g_previous_term, nullptr);
-}
+StopRequest::~StopRequest() { sigaction(SIGINT, &g_previous_int, nullptr); }
 
 bool StopRequest::requested() const { return g_stop_signal != 0; }
 int StopRequest::signal_number() const { return g_stop_signal; }

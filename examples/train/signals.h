@@ -1,14 +1,16 @@
 // SIGINT and SIGTERM as a request to stop: the loop finishes the step it is in, saves a
 // checkpoint and the program exits with status 0. Further SIGTERMs change nothing (a cluster's
-// launcher and its step daemon often both send one); a second SIGINT — a person pressing
-// Ctrl-C again — ends the process at once (SA_RESETHAND restores the default action).
+// launcher and its step daemon often both send one), to the end of the process: one that
+// comes while the program winds down must not turn a clean exit into a kill. A second SIGINT —
+// a person pressing Ctrl-C again — ends the process at once (SA_RESETHAND restores the
+// default action).
 #pragma once
 
 namespace train {
 
 class StopRequest {
  public:
-  // Installs the handlers; the destructor restores the previous ones.
+  // Installs the handlers; the destructor restores SIGINT's previous one (SIGTERM's stays).
   StopRequest();
   ~StopRequest();
   StopRequest(const StopRequest&) = delete;

@@ -44,9 +44,20 @@ class Cluster : public ::testing::Test {
 
 size_t lines_in(const std::string& text) { return std::count(text.begin(), text.end(), '\n'); }
 
+// Waits until `file` holds `text` (or two minutes pass).
+void wait_for_text(const fs::path& file, const std::string& text) {
+  const auto deadline = std::chrono::steady_clock::now() + std::chrono::seconds(120);
+  while (read_text(file).find(text) == std::string::npos &&
+         std::chrono::steady_clock::now() < deadline) {
+    std::this_thread::sleep_for(std::chrono::milliseconds(20));
+  }
+}
+
 // A second run on a directory in use, even one that has not saved yet, is refused in one line
-// naming the directory and its holder; with --wait-for-ckpt-dir a requeued --resume waits for
-// the holder to stop and continues from the checkpoint it left.
+// naming the directory and its holder (even once the holder has saved: the holder, not its
+// checkpoints, is the reason); with --wait-for-ckpt-dir a requeued --resume waits for the
+// holder to stop and continues from the checkpoint it left, even if there was none when it
+// started waiting.
 TEST_F(Cluster, OneRunPerCheckpointDirectoryAndARequeuedResumeWaits) {
   const pid_t first = start_long_run({}, "first", 2);
   ASSERT_FALSE(fs::exists(dir_ / "run/checkpoints/latest")) << "no save yet";
@@ -57,13 +68,26 @@ TEST_F(Cluster, OneRunPerCheckpointDirectoryAndARequeuedResumeWaits) {
       << fresh.err;
   EXPECT_NE(fresh.err.find("pid " + std::to_string(first)), std::string::npos) << fresh.err;
   EXPECT_NE(fresh.err.find("--wait-for-ckpt-dir"), std::string::npos) << fresh.err;
+  // Requeued before the first run saved anything: it waits for the checkpoint to come.
+  const pid_t second = start_program(
+      dir_.path(), args({"--resume", "--wait-for-ckpt-dir", "120", "--steps", "100000"}), "second");
+  std::this_thread::sleep_for(std::chrono::milliseconds(300));
   ASSERT_EQ(::kill(first, SIGTERM), 0);
   ASSERT_EQ(wait_program(dir_.path(), first, "first").status, 0);
+  wait_for_text(dir_ / "second.out", "resumed      from");
+  const ProgramRun fresh_again = run_program(dir_.path(), args({"--steps", "3"}), "fresh_again");
+  EXPECT_EQ(fresh_again.status, 2) << fresh_again.err;
+  EXPECT_NE(fresh_again.err.find("pid " + std::to_string(second)), std::string::npos)
+      << fresh_again.err;
 
   // The job runs again; it is requeued while still running (a node's health check failed),
   // and the new incarnation starts before the old one has stopped.
   const size_t logged = count_lines(dir_ / "run/metrics.jsonl");
-  const pid_t second = start_long_run({"--resume"}, "second", logged + 2);
+  const auto until = std::chrono::steady_clock::now() + std::chrono::seconds(120);
+  while (count_lines(dir_ / "run/metrics.jsonl") < logged + 2 &&
+         std::chrono::steady_clock::now() < until) {
+    std::this_thread::sleep_for(std::chrono::milliseconds(20));
+  }
   const ProgramRun resume_now =
       run_program(dir_.path(), args({"--resume", "--steps", "100000"}), "resume_now");
   EXPECT_EQ(resume_now.status, 2) << resume_now.err;
@@ -84,11 +108,7 @@ TEST_F(Cluster, OneRunPerCheckpointDirectoryAndARequeuedResumeWaits) {
   const std::string saved = named[1].str();
 
   // The waiting run takes over from the checkpoint the stopped one just wrote.
-  const auto deadline = std::chrono::steady_clock::now() + std::chrono::seconds(120);
-  while (read_text(dir_ / "requeued.out").find("resumed      from") == std::string::npos &&
-         std::chrono::steady_clock::now() < deadline) {
-    std::this_thread::sleep_for(std::chrono::milliseconds(20));
-  }
+  wait_for_text(dir_ / "requeued.out", "resumed      from");
   ASSERT_EQ(::kill(requeued, SIGTERM), 0);
   const ProgramRun after = wait_program(dir_.path(), requeued, "requeued");
   ASSERT_EQ(after.status, 0) << after.err;
@@ -127,19 +147,73 @@ TEST_F(Cluster, ResumeContinuesFromTheNewestCompleteCheckpoint) {
 }
 
 // SLURM signals a job step's processes from slurmstepd and from torchrun's agent, moments
-// apart: the second SIGTERM must not cut the save the first one asked for.
+// apart: the second SIGTERM must not cut the save the first one asked for, nor the summary
+// and the exit after it.
 TEST_F(Cluster, ASecondSigtermStillEndsInACheckpoint) {
-  const pid_t pid = start_long_run({}, "run", 3);
-  ASSERT_EQ(::kill(pid, SIGTERM), 0);
-  std::this_thread::sleep_for(std::chrono::milliseconds(2));
-  ASSERT_EQ(::kill(pid, SIGTERM), 0);
-  const ProgramRun run = wait_program(dir_.path(), pid, "run");
-  ASSERT_EQ(run.status, 0) << "killed by the second SIGTERM? " << run.err;
-  EXPECT_NE(run.out.find("stopped     by SIGTERM"), std::string::npos) << run.out;
-  const auto metrics = read_metrics(dir_ / "run/metrics.jsonl");
-  ASSERT_FALSE(metrics.empty());
-  EXPECT_EQ(read_text(dir_ / "run/checkpoints/latest"),
-            checkpoint_name(metrics.back().step) + "\n");
+  for (const int gap_ms : {2, 100}) {
+    SCOPED_TRACE("second SIGTERM after " + std::to_string(gap_ms) + " ms");
+    fs::remove_all(dir_ / "run");
+    const pid_t pid = start_long_run({}, "run", 3);
+    ASSERT_EQ(::kill(pid, SIGTERM), 0);
+    std::this_thread::sleep_for(std::chrono::milliseconds(gap_ms));
+    ASSERT_EQ(::kill(pid, SIGTERM), 0);
+    const ProgramRun run = wait_program(dir_.path(), pid, "run");
+    ASSERT_EQ(run.status, 0) << "killed by the second SIGTERM? " << run.err;
+    EXPECT_NE(run.out.find("stopped     by SIGTERM"), std::string::npos) << run.out;
+    EXPECT_NE(run.out.find("checkpoint  run/checkpoints/"), std::string::npos) << run.out;
+    const auto metrics = read_metrics(dir_ / "run/metrics.jsonl");
+    ASSERT_FALSE(metrics.empty());
+    EXPECT_EQ(read_text(dir_ / "run/checkpoints/latest"),
+              checkpoint_name(metrics.back().step) + "\n");
+  }
+}
+
+// A newer checkpoint that does not verify is passed over by --resume, and set aside (kept,
+// renamed) so that the run can save that step again instead of dying on "already committed".
+TEST_F(Cluster, AResumePastACheckpointThatDoesNotVerifySetsItAside) {
+  ASSERT_EQ(run_program(dir_.path(), args({"--steps", "4", "--ckpt-every", "2"})).status, 0);
+  const fs::path root = dir_ / "run/checkpoints";
+  std::ofstream(root / "latest", std::ios::trunc) << "step-000002\n";  // the update never ran
+  const fs::path data = root / "step-000004/data-00000.safetensors";
+  std::string bytes = read_text(data);
+  bytes[bytes.size() / 2] = static_cast<char>(bytes[bytes.size() / 2] ^ 0x10);
+  std::ofstream(data, std::ios::trunc | std::ios::binary) << bytes;
+
+  const ProgramRun resumed =
+      run_program(dir_.path(), args({"--resume", "--steps", "6", "--ckpt-every", "2"}), "past");
+  ASSERT_EQ(resumed.status, 0) << resumed.err;
+  EXPECT_NE(resumed.out.find("resumed      from run/checkpoints/step-000002 at step 2"),
+            std::string::npos)
+      << resumed.out;
+  EXPECT_NE(resumed.out.find("set aside    step-000004 -> .unverified-step-000004-"),
+            std::string::npos)
+      << resumed.out;
+  EXPECT_EQ(read_text(root / "latest"), "step-000006\n");
+  EXPECT_TRUE(fs::exists(root / "step-000004/manifest.json"));  // saved again
+  size_t kept = 0;
+  for (const auto& entry : fs::directory_iterator(root)) {
+    kept += entry.path().filename().string().starts_with(".unverified-step-000004-");
+  }
+  EXPECT_EQ(kept, 1u);
+}
+
+// A second run with a checkpoint directory of its own but the first one's --out would truncate
+// the first one's metrics: refused, naming the directory.
+TEST_F(Cluster, AnotherRunCannotShareTheOutputDirectory) {
+  const pid_t first = start_long_run({}, "first", 2);
+  const ProgramRun other = run_program(
+      dir_.path(), args({"--steps", "3", "--ckpt-dir", "elsewhere/checkpoints"}), "other");
+  EXPECT_EQ(other.status, 2) << other.err;
+  EXPECT_EQ(lines_in(other.err), 1u) << other.err;
+  EXPECT_NE(other.err.find("output directory"), std::string::npos) << other.err;
+  EXPECT_NE(other.err.find("is in use"), std::string::npos) << other.err;
+  const size_t logged = count_lines(dir_ / "run/metrics.jsonl");
+  ASSERT_EQ(::kill(first, SIGTERM), 0);
+  ASSERT_EQ(wait_program(dir_.path(), first, "first").status, 0);
+  EXPECT_GE(count_lines(dir_ / "run/metrics.jsonl"), logged) << "truncated by the other run";
+  for (const StepRecord& record : read_metrics(dir_ / "run/metrics.jsonl")) {
+    EXPECT_GT(record.step, 0);
+  }
 }
 
 // A background save whose copy cannot fit the staging budget is refused before the first step,

@@ -8,6 +8,8 @@
 // losses stay within kLossTolerance (relative) over these 8 steps; measured: 1.2e-3 for 2 ranks
 // against one process, 6.5e-4 and 1.7e-5 for resumes on 1 and 3 ranks.
 #include "checkpointing.h"
+#include "mixprec/checkpoint/format/root_layout.h"
+#include "mixprec/checkpoint/format/root_lock.h"
 #include "train/train_program.h"
 
 #include <gtest/gtest.h>
@@ -15,7 +17,9 @@
 #include <netinet/in.h>
 #include <sys/socket.h>
 
+#include <chrono>
 #include <cmath>
+#include <thread>
 
 namespace train {
 namespace MIXPREC_UNITY_ID {  // anonymous outside unity builds (tests/CMakeLists.txt)
@@ -156,6 +160,30 @@ TEST(DataParallel, AsyncSavesOnTwoRanksWriteTheBlockingSavesCheckpoints) {
     EXPECT_EQ(chunk_checksums(dir / "async/checkpoints" / step), expected) << step;
   }
   EXPECT_EQ(read_text(dir / "async/checkpoints/latest"), "step-000008\n");
+}
+
+// Two ranks wait for a checkpoint directory held by another (here this test): rank 0 waits in
+// slices and tells rank 1 after each, so that a wait longer than the collective timeout does
+// not fail rank 1 (the slices are 5 s: holding it 7 s takes two). Then the run trains.
+TEST(DataParallel, TwoRanksWaitForAHeldCheckpointDirectoryInSlices) {
+  if (mixprec::test::torchrun().empty()) GTEST_SKIP() << "no torchrun beside MIXPREC_PYTHON";
+  Scratch dir;
+  write_corpus(dir / "corpus.txt");
+  auto held = std::make_unique<mixprec::checkpoint::RootFileLock>(
+      mixprec::checkpoint::open_root(dir / "waits/checkpoints", /*create=*/true),
+      mixprec::checkpoint::kRunLockFileName, std::chrono::milliseconds(0), "the test");
+  const pid_t pid = start_program(
+      dir.path(),
+      data_parallel_run(dir) + std::vector<std::string>{"--out", "waits", "--wait-for-ckpt-dir",
+                                                        "120", "--ckpt-every", "4"},
+      "waits", 2);
+  std::this_thread::sleep_for(std::chrono::seconds(7));
+  EXPECT_EQ(count_lines(dir / "waits/metrics.jsonl"), 0u) << "trained while the lock was held";
+  held.reset();
+  const ProgramRun run = wait_program(dir.path(), pid, "waits");
+  ASSERT_EQ(run.status, 0) << run.err;
+  EXPECT_EQ(count_lines(dir / "waits/metrics.jsonl"), 8u);
+  EXPECT_EQ(read_text(dir / "waits/checkpoints/latest"), "step-000008\n");
 }
 
 // A TCP port nothing listens on now (the kernel's pick), for a rendezvous.
