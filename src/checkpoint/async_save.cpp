@@ -2,6 +2,7 @@
 
 #include "checkpoint/save_pipeline.h"
 #include "detail/name_match.h"
+#include "mixprec/checkpoint/format/error.h"
 
 #include <ATen/ATen.h>
 #include <ATen/core/grad_mode.h>
@@ -100,6 +101,13 @@ void AsyncCheckpointSaver::save(const std::filesystem::path& root, const std::st
                                 ShardedStateDict state, const SaveOptions& options) {
   // One process writes the whole checkpoint: its shards must cover every tensor.
   detail::check_savable({&state});
+  // Cheap to see now; found by the writer, it would surface only at the next save() (whose
+  // own state that error then costs).
+  std::error_code ec;
+  if (std::filesystem::exists(std::filesystem::symlink_status(root / name, ec))) {
+    throw FormatError("[mixprec::checkpoint] " + (root / name).string() +
+                      ": already exists; refusing to overwrite it: save under another name");
+  }
   save(std::move(state), [root, name, options](const ShardedStateDict& staged) {
     return save_checkpoint(root, name, staged, options);
   });

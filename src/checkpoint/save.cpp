@@ -100,9 +100,11 @@ void check_unchanged(const std::vector<const ShardedStateDict*>& ranks, const ch
   TORCH_CHECK(changed.empty(), "[mixprec::checkpoint::save] the state dict is not a consistent ",
               "snapshot: ", changed.size(), " tensor(s) changed ", when, " (",
               mixprec::detail::join(changed),
-              "); an optimizer step between building the state dict and saving it would store "
-              "moments of one step under the step count of another. Build the state dict "
-              "right before saving, and do not step until save() returns.");
+              "); an optimizer step, or a forward in training mode (it updates buffers such as "
+              "BatchNorm's statistics), between building the state dict and saving it would "
+              "store one step's values under another's step count. Build the state dict right "
+              "before saving, and change nothing until save() returns (an async save: until "
+              "wait_until_staged() returns).");
 }
 
 void for_each_piece(const ShardedStateDict& state, size_t rank,

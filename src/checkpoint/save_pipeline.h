@@ -106,6 +106,10 @@ void check_unchanged(const std::vector<const ShardedStateDict*>& ranks, const ch
 
 // Throws, as save_checkpoint does, if `ranks` cannot be saved. No I/O.
 void check_savable(const std::vector<const ShardedStateDict*>& ranks);
+// Throws c10::Error naming each place (by JSON pointer) where `common` holds what a reader
+// would refuse or JSON cannot hold: nesting deeper than kMaxJsonDepth, strings or keys that
+// are not UTF-8, NaN or infinities. check_savable calls it.
+void check_common_state(const nlohmann::json& common);
 
 // Streams rank `rank`'s replica-0 stored tensors into `dir`/data_file_name(rank), piece by
 // piece as `source` hands them over, and fsyncs it; returns each stored tensor's checksums by

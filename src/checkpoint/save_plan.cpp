@@ -5,11 +5,13 @@
 
 #include "detail/name_match.h"
 #include "mixprec/checkpoint/format/box.h"
+#include "mixprec/checkpoint/format/manifest.h"
 #include "mixprec/checkpoint/tensor_dtype.h"
 
 #include <ATen/ATen.h>
 #include <c10/util/Exception.h>
 
+#include <cmath>
 #include <cstdio>
 
 namespace mixprec::checkpoint::detail {
@@ -150,12 +152,67 @@ void fill_checksums(std::map<std::string, KeyEntry>& keys,
   }
 }
 
+namespace {
+
+bool is_valid_utf8(const std::string& text) {
+  try {
+    (void)nlohmann::json(text).dump();  // nlohmann's strict error handler throws on bad UTF-8
+    return true;
+  } catch (const nlohmann::json::type_error&) {
+    return false;
+  }
+}
+
+// `value` at JSON pointer `at`, nested `depth` deep: what a reader would refuse, or what JSON
+// cannot hold, into `problems`.
+void check_json(const nlohmann::json& value, const std::string& at, int depth,
+                std::vector<std::string>& problems) {
+  constexpr size_t kEnough = 8;  // a list of problems, not a flood
+  if (problems.size() >= kEnough) return;
+  const std::string where = at.empty() ? "the common state" : "'" + at + "'";
+  if (value.is_structured() && depth > kMaxJsonDepth) {
+    problems.push_back(where + ": nested deeper than " + std::to_string(kMaxJsonDepth) +
+                       " levels, which no reader accepts");
+    return;
+  }
+  if (value.is_object()) {
+    for (const auto& [key, item] : value.items()) {
+      if (!is_valid_utf8(key)) {
+        problems.push_back(where + ": a key that is not valid UTF-8 (JSON text is UTF-8)");
+        continue;
+      }
+      check_json(item, at + "/" + key, depth + 1, problems);
+    }
+  } else if (value.is_array()) {
+    for (size_t i = 0; i < value.size(); ++i) {
+      check_json(value[i], at + "/" + std::to_string(i), depth + 1, problems);
+    }
+  } else if (value.is_string() && !is_valid_utf8(value.get_ref<const std::string&>())) {
+    problems.push_back(where + ": a string that is not valid UTF-8 (JSON text is UTF-8)");
+  } else if (value.is_number_float() && !std::isfinite(value.get<double>())) {
+    problems.push_back(where + ": " + std::to_string(value.get<double>()) +
+                       ", which JSON cannot hold (it would be saved as null)");
+  }
+}
+
+}  // namespace
+
+void check_common_state(const nlohmann::json& common) {
+  std::vector<std::string> problems;
+  check_json(common, "", 1, problems);
+  if (problems.empty()) return;
+  std::string list;
+  for (const auto& problem : problems) list += "\n  " + problem;
+  TORCH_CHECK(false, "[mixprec::checkpoint::save] the common state cannot be saved as JSON:", list);
+}
+
 void check_savable(const std::vector<const ShardedStateDict*>& ranks) {
   TORCH_CHECK(!ranks.empty(), "[mixprec::checkpoint::save] no state to save");
   for (size_t r = 0; r < ranks.size(); ++r) {
     TORCH_CHECK(ranks[r] != nullptr, "[mixprec::checkpoint::save] rank ", r, " state is null");
   }
   check_unchanged(ranks, "since the state dict was built");
+  check_common_state(ranks[0]->common);  // rank 0's is the one written
   std::vector<std::string> problems;
   std::vector<RankPlan> plans;
   for (size_t r = 0; r < ranks.size(); ++r) plans.push_back(plan_rank(*ranks[r], r, problems));

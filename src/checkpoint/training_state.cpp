@@ -6,6 +6,8 @@
 #include <c10/util/Exception.h>
 #include <torch/nn/module.h>
 
+#include <optional>
+
 namespace mixprec::checkpoint {
 
 ShardedStateDict training_state_dict(const torch::nn::Module& model,
@@ -64,18 +66,26 @@ ResumeResult load_training_state(const std::filesystem::path& path, torch::nn::M
   TrainingStateParts parts = split_training_state(read_checkpoint(result.dir));
 
   // Check everything first: model, optimizer, RNG. The optimizer also sees the model's
-  // tensors: across a changed precision plan a saved FP32 value seeds a new main copy.
-  CheckedModelState checked_model = check_model_sharded_state_dict(model, parts.model, options);
-  ShardedStateDict optimizer_view = parts.optimizer;
-  for (const auto& [key, tensor] : parts.model.tensors) optimizer_view.tensors.emplace(key, tensor);
-  optim::CheckedOptimizerState checked_optimizer =
-      optimizer.check_sharded_state_dict(optimizer_view, options);
+  // tensors: across a changed precision plan a saved FP32 value seeds a new main copy. Their
+  // errors say which checkpoint (a root's lookup may have taken another than `latest` names).
+  std::optional<CheckedModelState> checked_model;
+  std::optional<optim::CheckedOptimizerState> checked_optimizer;
+  try {
+    checked_model.emplace(check_model_sharded_state_dict(model, parts.model, options));
+    ShardedStateDict optimizer_view = parts.optimizer;
+    for (const auto& [key, tensor] : parts.model.tensors)
+      optimizer_view.tensors.emplace(key, tensor);
+    checked_optimizer.emplace(optimizer.check_sharded_state_dict(optimizer_view, options));
+  } catch (const c10::Error& e) {
+    TORCH_CHECK(false, "[mixprec::checkpoint::load_training_state] ", result.dir.string(), ": ",
+                e.msg());
+  }
   const detail::CheckedRng checked_rng = detail::check_rng(parts.rng, result.dir);
 
   // Apply: the model first (the optimizer may seed masters from its values and then rewrites
   // half-precision parameters from masters).
-  result.model = apply_model_state(model, std::move(checked_model));
-  result.optimizer = optimizer.apply(std::move(checked_optimizer));
+  result.model = apply_model_state(model, std::move(*checked_model));
+  result.optimizer = optimizer.apply(std::move(*checked_optimizer));
   detail::apply_rng(checked_rng);
   result.rng = checked_rng.report;
   result.user = std::move(parts.user);

@@ -53,6 +53,7 @@ ckpt::SaveResult save_checkpoint(Communicator& comm, const std::filesystem::path
   const std::vector<std::string> prepared = detail::agree(comm, kSaveOp, [&] {
     std::vector<std::string> problems;
     ckpt::detail::check_unchanged({&mine}, "since the state dict was built");
+    if (committing) ckpt::detail::check_common_state(mine.common);  // rank 0's is written
     const RankPlan plan = ckpt::detail::plan_rank(mine, static_cast<size_t>(rank), problems);
     mixprec::detail::check_no_problems(problems, "[mixprec::checkpoint::save] cannot save");
     nlohmann::json out = {{"plan", detail::plan_to_json(plan)}};

@@ -8,6 +8,7 @@
 #include <ATen/ATen.h>
 #include <c10/util/Exception.h>
 
+#include <map>
 #include <set>
 
 namespace mixprec::optim {
@@ -160,13 +161,19 @@ CheckedOptimizerState Float16Optimizer::check_sharded_state_dict(const ShardedSt
   // Tensors: "optimizer.state.<kind>.<fqn>".
   const auto kinds = traits_->state_kinds();
   std::set<std::string> used;
+  std::map<std::string, std::string> frozen_state;  // state key of a parameter frozen now → fqn
   for (size_t k = 0; k < info_.size(); ++k) {
     const ParamInfo& info = info_[k];
     const ParamRole role = saved.sync.slots[k].role;
     auto& p = saved.params[k];
     const bool frozen_now = role == ParamRole::kFrozen;
     p.fresh_ok = frozen_then.count(info.fqn) || without_state_then.count(info.fqn);
-    if (frozen_now) continue;  // any state it has is left for the unexpected pass
+    if (frozen_now) {  // any state it has is left for the unexpected pass, which says why
+      for (const auto& kind : kinds)
+        frozen_state[keys::optimizer_state_key(kind, info.fqn)] = info.fqn;
+      frozen_state[keys::optimizer_state_key(keys::kFp32Param, info.fqn)] = info.fqn;
+      continue;
+    }
     for (const auto& kind : kinds) {
       const std::string key = keys::optimizer_state_key(kind, info.fqn);
       if (!state.contains(key)) continue;
@@ -194,7 +201,14 @@ CheckedOptimizerState Float16Optimizer::check_sharded_state_dict(const ShardedSt
   }
   // Every optimizer key not used is unexpected; the rest are the model's.
   for (const auto& [key, value] : state.tensors) {
-    if (keys::is_optimizer_key(key) && !used.count(key)) report.unexpected_keys.push_back(key);
+    if (!keys::is_optimizer_key(key) || used.count(key)) continue;
+    const auto frozen = frozen_state.find(key);
+    report.unexpected_keys.push_back(
+        frozen == frozen_state.end()
+            ? key
+            : key + " ('" + frozen->second +
+                  "' is frozen in this model but was trained when saved: unfreeze it before "
+                  "loading, or load non-strictly to drop its state)");
   }
   return check_parsed(std::move(saved), options);
 }

@@ -4,6 +4,7 @@
 
 #include "checkpoint/support_training.h"
 #include "mixprec/checkpoint/format/verify.h"
+#include "mixprec/checkpoint/load.h"
 #include "mixprec/checkpoint/training_state.h"
 
 #include "checkpoint/format/format_test_util.h"
@@ -52,6 +53,23 @@ TEST(AsyncSave, StagingFailureIsReportedOnceAndTheNextSaveWrites) {
   ASSERT_TRUE(result.has_value());
   EXPECT_EQ(result->dir, root.path / "good");
   verify_checkpoint(root.path / "good");
+}
+
+// A name already taken is refused by save() itself, not by the writer in the background,
+// whose error would surface only at the next save() and cost that save too.
+TEST(AsyncSave, AnExistingNameIsRefusedAtOnce) {
+  TempRoot root;
+  TrainingSetup a(at::kBFloat16);
+  a.step();
+  save_training_state(root.path, "s1", *a.model, *a.optimizer);
+  AsyncCheckpointSaver saver;
+  const std::string message =
+      error_of([&] { saver.save(root.path, "s1", training_state_dict(*a.model, *a.optimizer)); });
+  EXPECT_NE(message.find("s1: already exists"), std::string::npos) << message;
+  EXPECT_FALSE(saver.in_flight());
+  saver.save(root.path, "s2", training_state_dict(*a.model, *a.optimizer));
+  ASSERT_TRUE(saver.wait().has_value());
+  EXPECT_EQ(resolve_checkpoint(root.path), root.path / "s2");
 }
 
 TEST(AsyncSave, StepBetweenBuildingTheDictAndSavingIsRefused) {

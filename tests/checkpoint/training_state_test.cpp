@@ -269,8 +269,66 @@ TEST(TrainingState, PlanMismatchOnLoadChangesNothing) {
     load_training_state(root.path, *b.model, *b.optimizer);
     FAIL();
   } catch (const c10::Error& e) {
-    EXPECT_NE(std::string(e.what_without_backtrace()).find("'router' exp_avg: shape [5, 32]"),
-              std::string::npos);
+    const std::string message = e.what_without_backtrace();
+    EXPECT_NE(message.find("'router' exp_avg: shape [5, 32]"), std::string::npos) << message;
+    // Which checkpoint: a root's lookup may take another than `latest` names.
+    EXPECT_NE(message.find((root.path / "bad").string() + ": "), std::string::npos) << message;
+  }
+  expect_unchanged(b, before);
+}
+
+// What JSON cannot hold, or no reader accepts, is refused before anything is written, naming
+// where it is: bytes that are not UTF-8, NaN, nesting beyond the readers' limit.
+TEST(TrainingState, UserMetadataJsonCannotHoldIsRefusedByPathBeforeWriting) {
+  TempRoot root;
+  TrainingSetup a(at::kBFloat16);
+  a.step();
+  save_training_state(root.path, "good", *a.model, *a.optimizer, {{"epoch", 1}});
+  nlohmann::json deep = 1;
+  for (int i = 0; i < 300; ++i) deep = nlohmann::json::array({deep});
+  for (const auto& [user, where] : std::vector<std::pair<nlohmann::json, std::string>>{
+           {{{"data_path", "/data/caf\xe9.bin"}},
+            "'/user/data_path': a string that is not valid UTF-8"},
+           {{{"loss", std::nan("")}}, "'/user/loss': nan, which JSON cannot hold"},
+           {{{"deep", deep}}, "nested deeper than 256 levels"}}) {
+    try {
+      save_training_state(root.path, "bad", *a.model, *a.optimizer, user);
+      ADD_FAILURE() << "saved " << where;
+    } catch (const c10::Error& e) {
+      EXPECT_NE(std::string(e.what_without_backtrace()).find(where), std::string::npos)
+          << e.what_without_backtrace();
+    }
+    EXPECT_FALSE(fs::exists(root.path / "bad")) << where;
+    EXPECT_EQ(resolve_checkpoint(root.path), root.path / "good");
+  }
+  nlohmann::json nested = 1;  // deep, but within what readers accept
+  for (int i = 0; i < 200; ++i) nested = nlohmann::json::array({nested});
+  save_training_state(root.path, "nested", *a.model, *a.optimizer, {{"deep", nested}});
+  TrainingSetup b(at::kBFloat16);
+  EXPECT_EQ(load_training_state(root.path, *b.model, *b.optimizer).user.at("deep"), nested);
+}
+
+// A parameter trained when saved and frozen in the model it is loaded into: the strict load's
+// error says so instead of only listing its state as unexpected.
+TEST(TrainingState, StateOfAParameterFrozenSinceIsExplained) {
+  TempRoot root;
+  TrainingSetup a(at::kBFloat16);
+  a.step();
+  save_training_state(root.path, "trained", *a.model, *a.optimizer);
+  TrainingSetup b(at::kBFloat16);
+  const std::string name = b.model->named_parameters().begin()->key();
+  b.model->named_parameters()[name].set_requires_grad(false);
+  b.optimizer = std::make_unique<optim::Float16Optimizer>(
+      *b.model, torch::optim::AdamWOptions(3e-3).weight_decay(0.01));
+  const ShardedStateDict before = snapshot(b);
+  try {
+    load_training_state(root.path, *b.model, *b.optimizer);
+    FAIL();
+  } catch (const c10::Error& e) {
+    const std::string message = e.what_without_backtrace();
+    EXPECT_NE(message.find("('" + name + "' is frozen in this model but was trained when saved"),
+              std::string::npos)
+        << message;
   }
   expect_unchanged(b, before);
 }
@@ -312,11 +370,13 @@ TEST(AsyncSave, SameBytesAsSyncAndIndependentOfLaterSteps) {
 TEST(AsyncSave, ErrorsSurfaceOnWaitAndNextSave) {
   TempRoot root;
   TrainingSetup a(at::kBFloat16);
-  save_training_state(root.path, "taken", *a.model, *a.optimizer);
+  // A root that is a file: only the writer, in the background, finds out.
+  const fs::path not_a_root = root.path / "file";
+  testing::write_file(not_a_root, "x");
   AsyncCheckpointSaver saver;
-  saver.save(root.path, "taken", training_state_dict(*a.model, *a.optimizer));
+  saver.save(not_a_root, "s", training_state_dict(*a.model, *a.optimizer));
   EXPECT_THROW(saver.wait(), std::exception);
-  saver.save(root.path, "taken", training_state_dict(*a.model, *a.optimizer));
+  saver.save(not_a_root, "s", training_state_dict(*a.model, *a.optimizer));
   EXPECT_THROW(saver.save(root.path, "other", training_state_dict(*a.model, *a.optimizer)),
                std::exception);
   EXPECT_FALSE(saver.in_flight());

@@ -8,8 +8,10 @@
 // collective_checkpoint.h, save_checkpoint_async). The state's tensors may be read meanwhile
 // (the next step's forward and backward), but must not change until wait_until_staged()
 // returns: call it before the next optimizer step (or anything else that writes the model or
-// optimizer state). Training is blocked only for what of the copy the work in between did not
-// hide — at worst the copy itself, when the state changes right after save().
+// optimizer state — a forward in training mode writes buffers such as BatchNorm's running
+// statistics: with such a model, call it before the forward). Training is blocked only for what of
+// the copy the work in between did not hide — at worst the copy itself, when the state changes
+// right after save().
 //
 // Memory. The arena is allocated once (reserve(), or the first save), its pages touched when it
 // is allocated, and reused by every later save: a steady save allocates nothing. It is sized

@@ -16,8 +16,6 @@ using detail::concat;
 using detail::fail;
 using nlohmann::json;
 
-// The common state is opaque user JSON; this only stops pathological nesting.
-constexpr int kMaxManifestDepth = 256;
 // Manifests list every chunk of every key; 1 GiB is far beyond any real one.
 constexpr std::uint64_t kMaxManifestBytes = 1ull << 30;
 
@@ -173,7 +171,7 @@ void validate_manifest(const Manifest& manifest, std::string_view source) {
 }
 
 Manifest parse_manifest(std::string_view json_text, std::string_view source) {
-  json root = detail::parse_json_strict(json_text, source, kMaxManifestDepth);
+  json root = detail::parse_json_strict(json_text, source, kMaxJsonDepth);
   if (!root.is_object()) fail(source, ": manifest is not a JSON object");
   // Format and version first: a newer writer may have changed anything else.
   std::string format = detail::string_field(root, "format", source);
@@ -277,7 +275,7 @@ json read_common(const Directory& checkpoint_dir, const Manifest& manifest) {
                                ": common state checksum mismatch: expected xxh3 ",
                                checksum_to_hex(ref.checksum), ", got ", checksum_to_hex(actual)));
   }
-  json common = detail::parse_json_strict(text, path.string(), kMaxManifestDepth);
+  json common = detail::parse_json_strict(text, path.string(), kMaxJsonDepth);
   if (!common.is_object()) fail(path.string(), ": common state is not a JSON object");
   return common;
 }

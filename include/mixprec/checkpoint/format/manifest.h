@@ -70,6 +70,9 @@ inline constexpr std::string_view kManifestFormat = "mixprec-checkpoint";
 inline constexpr int kManifestVersion = 2;
 inline constexpr int kManifestVersionWithoutBlocks = 1;
 inline constexpr std::string_view kManifestFileName = "manifest.json";
+// The deepest nesting a reader accepts in manifest.json and common.json (the common state is
+// opaque user JSON; the bound only stops pathological nesting). Saves refuse deeper states.
+inline constexpr int kMaxJsonDepth = 256;
 
 // One stored piece of a key: a tensor in a safetensors file and where it sits globally.
 struct Chunk {
