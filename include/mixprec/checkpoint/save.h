@@ -38,7 +38,11 @@ namespace mixprec::checkpoint {
 inline constexpr std::uint64_t kDefaultChecksumBlockBytes = std::uint64_t{1} << 20;
 
 struct SaveOptions {
-  // Point <root>/latest at the new checkpoint.
+  // Point <root>/latest at the new checkpoint. false leaves `latest` as it is, which is what a
+  // save that crashed between its commit and the `latest` update leaves: a load of the root
+  // (find_checkpoint) takes the newest complete checkpoint, this one, and the next save points
+  // `latest` at it. A checkpoint that must never be resumed from (an evaluation snapshot)
+  // belongs in a root of its own.
   TORCH_ARG(bool, update_latest) = true;
   // > 0: keep-last-K retention after the commit.
   TORCH_ARG(std::size_t, keep_last) = 0;
