@@ -96,10 +96,15 @@ ResumeResult load_training_state(const std::filesystem::path& path, torch::nn::M
       for (auto& [key, t] : optimizer_state.tensors) state.tensors.emplace(key, std::move(t));
     }
     ckpt::TrainingStateParts parts = ckpt::split_training_state(std::move(state));
-    checked_model = check_model_sharded_state_dict(model, parts.model, options);
-    ShardedStateDict optimizer_view = parts.optimizer;
-    for (const auto& [key, t] : parts.model.tensors) optimizer_view.tensors.emplace(key, t);
-    checked_optimizer = optimizer.check_sharded_state_dict(optimizer_view, options);
+    try {  // the errors say which checkpoint, as one process's load does
+      checked_model = check_model_sharded_state_dict(model, parts.model, options);
+      ShardedStateDict optimizer_view = parts.optimizer;
+      for (const auto& [key, t] : parts.model.tensors) optimizer_view.tensors.emplace(key, t);
+      checked_optimizer = optimizer.check_sharded_state_dict(optimizer_view, options);
+    } catch (const c10::Error& e) {
+      TORCH_CHECK(false, "[mixprec::distributed::load_training_state] ", result.dir.string(), ": ",
+                  e.msg());
+    }
     if (per_rank_rng && parts.rng.empty()) {
       result.rng.notes.push_back("the checkpoint holds no RNG state for rank " +
                                  std::to_string(rank) +

@@ -104,6 +104,8 @@ struct AdamSpec {
     o.amsgrad(in.boolean("amsgrad"));
   }
   static std::vector<bool> held_state(const Options& o) { return {true, true, o.amsgrad()}; }
+  // amsgrad switched on after the last step: the step starts max_exp_avg_sq at zeros.
+  static constexpr std::array<bool, 3> kRequiredState = {true, true, false};
   static void step(const Options& o, const StepArgs& a, std::vector<at::Tensor>& state) {
     const AdamHyperParams hp = hyper_params(o);
     const at::Tensor& like = shape_of(a);
@@ -159,6 +161,8 @@ struct SgdSpec {
     o.nesterov(in.boolean("nesterov"));
   }
   static std::vector<bool> held_state(const Options& o) { return {o.momentum() != 0}; }
+  // Momentum switched on after the last step: the step starts the buffer from the gradient.
+  static constexpr std::array<bool, 1> kRequiredState = {false};
   static void step(const Options& o, const StepArgs& a, std::vector<at::Tensor>& state) {
     const SgdHyperParams hp = hyper_params(o);
     // torch creates the buffer on the first step with momentum, filled with the gradient.
@@ -215,6 +219,9 @@ class Traits final : public AlgorithmTraits {
   }
   std::vector<bool> held_state(const OptimizerOptions& options) const override {
     return Spec::held_state(cast(options));
+  }
+  std::vector<bool> required_state() const override {
+    return std::vector<bool>(Spec::kRequiredState.begin(), Spec::kRequiredState.end());
   }
   void step(const OptimizerOptions& options, const StepArgs& args,
             std::vector<at::Tensor>& state) const override {

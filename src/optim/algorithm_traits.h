@@ -70,6 +70,10 @@ class AlgorithmTraits {
   // Which of state_kinds() a stepped parameter holds under `options` (e.g. max_exp_avg_sq
   // only with amsgrad; SGD's buffer only with momentum).
   virtual std::vector<bool> held_state(const torch::optim::OptimizerOptions& options) const = 0;
+  // Which of state_kinds() a stepped parameter's loaded state must have when its options hold
+  // them: the rest a step creates itself when missing, as an uninterrupted run does when the
+  // option that needs them is switched on (amsgrad's max_exp_avg_sq, SGD's momentum buffer).
+  virtual std::vector<bool> required_state() const = 0;
   // One fused step. `state` (parallel to state_kinds()) gains the tensors it lacks, and only
   // once the kernel has succeeded: a throwing kernel leaves no state behind.
   virtual void step(const torch::optim::OptimizerOptions& options, const StepArgs& args,

@@ -277,6 +277,10 @@ at::Tensor Float16Optimizer::piece_gradient(size_t index, bool& arrived) const {
               "' must be dense with the parameter's shape ", param.sizes(), ", got ", grad.sizes());
   TORCH_CHECK(grad.device() == param.device(), "[", who_, "::update] gradient of '",
               info_[index].fqn, "' is on ", grad.device(), ", the parameter on ", param.device());
+  const auto dtype = grad.scalar_type();
+  TORCH_CHECK(dtype == at::kFloat || dtype == at::kBFloat16 || dtype == at::kHalf, "[", who_,
+              "::update] gradient of '", info_[index].fqn, "' is ", dtype,
+              "; gradients must be Float, BFloat16 or Half");
   return grad.contiguous();
 }
 

@@ -167,9 +167,13 @@ CheckedOptimizerState Float16Optimizer::check_parsed(Parsed&& saved,
         loaded_group ? *plan->groups[info.group] : param_groups()[info.group].options());
     const bool has_state = !p.moments.empty() || (p.step > 0 && !p.fresh_ok);
     if (!has_state) continue;
+    // What a step cannot rebuild. Nothing, for a parameter without elements: its steps count
+    // but never make a moment.
+    const std::vector<bool> required = traits_->required_state();
     std::vector<std::string> missing;
     for (size_t i = 0; i < kinds.size(); ++i) {
-      if (held[i] && !moments.count(std::string(kinds[i]))) missing.emplace_back(kinds[i]);
+      if (held[i] && required[i] && param.numel() > 0 && !moments.count(std::string(kinds[i])))
+        missing.emplace_back(kinds[i]);
     }
     for (const auto& kind : missing) {
       report.missing_keys.push_back(keys::optimizer_state_key(kind, info.fqn));

@@ -71,6 +71,84 @@ void expect_positional_load_refused(const PositionalStateDict& bad, const std::s
   before.expect_same_as(target);
 }
 
+// A parameter without elements counts its steps but never gets a moment: its state loads back.
+TEST(OptimizerLoad, AStateWithAZeroSizeParameterLoadsBack) {
+  struct WithEmpty : torch::nn::Module {
+    WithEmpty() {
+      a = register_parameter("a", at::randn({8}).to(at::kBFloat16));
+      empty = register_parameter("empty", at::randn({0, 4}).to(at::kBFloat16));
+    }
+    at::Tensor a, empty;
+  };
+  for (const bool sgd : {false, true}) {
+    SCOPED_TRACE(sgd ? "SGD with momentum" : "AdamW");
+    auto make = [&](WithEmpty& m) {
+      return sgd ? std::make_unique<Float16Optimizer>(m,
+                                                      torch::optim::SGDOptions(0.1).momentum(0.9))
+                 : std::make_unique<Float16Optimizer>(m, torch::optim::AdamWOptions(1e-2));
+    };
+    WithEmpty m, m2;
+    auto opt = make(m);
+    for (auto& p : m.parameters()) p.mutable_grad() = at::ones_like(p);
+    ASSERT_TRUE(opt->update().success);
+    auto o2 = make(m2);
+    o2->load_sharded_state_dict(opt->sharded_state_dict());
+    auto o3 = make(m2);
+    o3->load_state_dict(opt->state_dict());
+  }
+}
+
+// A state saved after an option that adds a state kind was switched on, before the next step:
+// the step creates that kind itself (max_exp_avg_sq at zeros, the momentum buffer from the
+// gradient), so the load must not ask for it, and the steps that follow match an uninterrupted
+// run bitwise.
+TEST(OptimizerLoad, AStateKindSwitchedOnSinceTheLastStepIsNotRequired) {
+  for (const bool sgd : {false, true}) {
+    SCOPED_TRACE(sgd ? "SGD momentum 0 -> 0.9" : "AdamW amsgrad off -> on");
+    auto make = [&](Interleaved& m) {
+      return sgd ? mixprec::testing::make_optimizer(m, torch::optim::SGDOptions(0.1))
+                 : mixprec::testing::make_optimizer(m, torch::optim::AdamWOptions(1e-2));
+    };
+    auto switch_on = [&](Float16Optimizer& o) {
+      auto& options = o.param_groups()[0].options();
+      if (sgd) {
+        static_cast<torch::optim::SGDOptions&>(options).momentum(0.9);
+      } else {
+        static_cast<torch::optim::AdamWOptions&>(options).amsgrad(true);
+      }
+    };
+    Interleaved straight, resumed;
+    auto a = make(straight);
+    set_grads(*straight, 0);
+    ASSERT_TRUE(a->update().success);
+    switch_on(*a);
+    const ShardedStateDict saved = a->sharded_state_dict().clone();
+    load_model_sharded_state_dict(*resumed, model_sharded_state_dict(*straight).clone());
+    auto b = make(resumed);
+    b->load_sharded_state_dict(saved);  // strict
+    for (int s = 1; s < 3; ++s) {
+      set_grads(*straight, s);
+      set_grads(*resumed, s);
+      ASSERT_TRUE(a->update().success);
+      ASSERT_TRUE(b->update().success);
+    }
+    auto theirs = straight->named_parameters();
+    for (const auto& item : resumed->named_parameters()) {
+      EXPECT_TRUE(bitwise_equal(item.value(), theirs[item.key()])) << item.key();
+    }
+  }
+}
+
+// A gradient of a dtype no step takes is named by its parameter.
+TEST(OptimizerLoad, AGradientOfAnotherDtypeIsNamed) {
+  Interleaved model;
+  auto opt = mixprec::testing::make_optimizer(model, torch::optim::AdamWOptions(1e-2));
+  set_grads(*model, 0);
+  model->pre->weight.mutable_grad() = at::ones_like(model->pre->weight, at::kDouble);
+  const std::string message = error_of([&] { opt->update(); });
+  EXPECT_NE(message.find("gradient of 'pre.weight' is Double"), std::string::npos) << message;
+}
+
 TEST(OptimizerLoad, OutOfRangeAdamHyperParametersAreRefusedInBothForms) {
   Trained<torch::optim::AdamWOptions> source(torch::optim::AdamWOptions(1e-2));
   const ShardedStateDict saved = source.opt->sharded_state_dict();
