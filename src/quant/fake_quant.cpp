@@ -3,10 +3,12 @@
 #include "quant/kernels/fake_quant_fused.h"
 
 #include <ATen/ATen.h>
+
 #include <ATen/core/grad_mode.h>
 #include <ATen/record_function.h>
 #include <c10/util/Exception.h>
 #include <torch/csrc/autograd/custom_function.h>
+#include <limits>
 
 namespace mixprec::quant {
 
@@ -31,8 +33,14 @@ ScaledFp8 quantize_fp8(const at::Tensor& x, c10::ScalarType fp8_dtype) {
   at::NoGradGuard no_grad;
   const at::Tensor xf = x.to(at::kFloat);
   const at::Tensor amax = xf.numel() ? xf.abs().amax() : at::zeros({}, xf.options());
-  // amax == 0 (or empty) would divide by zero: any scale works, take 1.
-  const at::Tensor scale_inv = at::where(amax > 0, amax / max, at::ones_like(amax));
+  // amax == 0 (or empty) would divide by zero: any scale works, take 1. A scale below FP32's
+  // smallest denormal (amax under ~6e-43) would round to 0 and make 0 / 0: the smallest
+  // denormal instead. A NaN in x gives a NaN scale, so the whole result is NaN — as an Inf
+  // already makes it — and the step it feeds is refused rather than trained on values
+  // quantized against a meaningless scale.
+  const at::Tensor scaled = at::clamp_min(amax / max, std::numeric_limits<float>::denorm_min());
+  const at::Tensor scale_inv =
+      at::where(amax > 0, scaled, at::where(at::isnan(amax), amax, at::ones_like(amax)));
   const at::Tensor data = (xf / scale_inv).clamp(-max, max).to(fp8_dtype);
   return {data, scale_inv};
 }
@@ -82,8 +90,10 @@ at::Tensor fake_quantize_nvfp4(const at::Tensor& x) {
 
   const at::Tensor tensor_amax = xf.abs().amax();
   // Global scale maps the largest block scale (amax / 6) onto E4M3's top of range.
+  // A NaN in x makes the whole result NaN, as in quantize_fp8.
   const at::Tensor global =
-      at::where(tensor_amax > 0, kE4M3Max * kE2M1Max / tensor_amax, at::ones_like(tensor_amax));
+      at::where(tensor_amax > 0, kE4M3Max * kE2M1Max / tensor_amax,
+                at::where(at::isnan(tensor_amax), tensor_amax, at::ones_like(tensor_amax)));
   const at::Tensor block_amax = blocks.abs().amax(-1, /*keepdim=*/true);
   const at::Tensor block_scale_q =
       (block_amax / kE2M1Max * global).clamp_max(kE4M3Max).to(at::kFloat8_e4m3fn).to(at::kFloat);

@@ -1,5 +1,6 @@
 #include "mixprec/quant/quant_linear.h"
 
+#include "mixprec/precision/convert.h"
 #include "mixprec/precision/keep_fp32.h"
 #include "mixprec/quant/fake_quant.h"
 #include "mixprec/quant/quant_state.h"
@@ -59,7 +60,9 @@ void QuantLinearImpl::reset() {
                                     init.format == QuantFormat::kFp8Hybrid))) {
     ScaledFp8 q = quantize_fp8(w, at::kFloat8_e4m3fn);
     weight = register_parameter("weight", q.data, /*requires_grad=*/false);
-    weight_scale_inv = register_buffer("weight_scale_inv", q.scale_inv);
+    // The scale is part of the FP8 weight: a conversion to BF16 must not round it (every
+    // dequantized value would move with it).
+    weight_scale_inv = register_buffer("weight_scale_inv", keep_in_fp32(q.scale_inv));
   } else {
     if (init.enabled && init.format == QuantFormat::kNvFp4) w = fake_quantize_nvfp4(w);
     weight = register_parameter("weight", w);
@@ -79,13 +82,17 @@ at::Tensor QuantLinearImpl::dequantized_weight(c10::ScalarType dtype) const {
 
 at::Tensor QuantLinearImpl::forward(const at::Tensor& input) {
   TORCH_CHECK(input.dim() >= 1 && input.size(-1) == options.in_features(),
-              "[mixprec::QuantLinear] ", name(), " expects input (..., ", options.in_features(),
+              "[mixprec::QuantLinear] a QuantLinear(", options.in_features(), ", ",
+              options.out_features(), ") expects input (..., ", options.in_features(),
               "), got shape ", input.sizes());
-  TORCH_CHECK(at::isFloatingType(input.scalar_type()),
-              "[mixprec::QuantLinear] input must be floating, got ", input.scalar_type());
+  TORCH_CHECK(at::isFloatingType(input.scalar_type()), "[mixprec::QuantLinear] a QuantLinear(",
+              options.in_features(), ", ", options.out_features(), ") takes a floating input, got ",
+              input.scalar_type(), " of shape ", input.sizes());
   LinearCompute record;
   record.fp8_weight = has_fp8_weight();
-  record.kept_fp32 = is_kept_in_fp32(weight);
+  // Kept FP32 by any of the plan's three mechanisms (a mark, a name, a pattern).
+  record.kept_fp32 =
+      is_kept_in_fp32(weight) || kept_fp32_reason(weight).reason != KeepReason::kNone;
   // FP32-marked weights pull the GEMM up to FP32; FP8 weights run in the input's dtype.
   record.dtype = record.kept_fp32    ? at::kFloat
                  : record.fp8_weight ? input.scalar_type()

@@ -178,11 +178,9 @@ TEST(FusedFakeQuant, SpecialValues) {
     EXPECT_TRUE(at::equal(y.to(at::kFloat), torch::tensor({896.0f, 3.25f, 0.0f, 0.0f})));
     EXPECT_TRUE(std::signbit(y[2].item<float>()));
     EXPECT_FALSE(std::signbit(y[3].item<float>()));
-    // A NaN makes amax NaN and the scale 1: the rest is rounded and clamped at scale 1.
+    // A NaN makes amax and the scale NaN: every value is NaN, as with an Inf below.
     y = detail::fused_fake_quantize_fp8(t({nan, 1000, 3.3f, -500}), at::kFloat8_e4m3fn);
-    EXPECT_TRUE(std::isnan(y[0].item<float>()));
-    EXPECT_TRUE(
-        at::equal(y.narrow(0, 1, 3).to(at::kFloat), torch::tensor({448.0f, 3.25f, -448.0f})));
+    EXPECT_TRUE(y.isnan().all().item<bool>());
     // An Inf makes the scale Inf: 0 * Inf and Inf / Inf are NaN everywhere.
     y = detail::fused_fake_quantize_fp8(t({inf, 1, 0}), at::kFloat8_e5m2);
     EXPECT_TRUE(y.isnan().all().item<bool>());

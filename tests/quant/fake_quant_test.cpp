@@ -2,7 +2,11 @@
 
 #include <ATen/ATen.h>
 #include <gtest/gtest.h>
+
+#include <limits>
+
 #include <torch/types.h>
+#include <cmath>
 
 namespace mixprec::quant {
 namespace MIXPREC_UNITY_ID {  // anonymous outside unity builds (tests/CMakeLists.txt)
@@ -47,6 +51,28 @@ TEST(FakeQuantFp8, ZerosAndDtypes) {
   EXPECT_TRUE(at::equal(y, z));
   EXPECT_THROW(quantize_fp8(torch::ones({2}, torch::kLong), at::kFloat8_e4m3fn), c10::Error);
   EXPECT_THROW(quantize_fp8(torch::ones({2}), at::kHalf), c10::Error);
+}
+
+// A tensor so small that amax / fp8_max underflows FP32 keeps its zeros (no 0 / 0); a NaN or
+// an Inf anywhere makes the whole result NaN, in the fused kernel and the ATen composition.
+TEST(FakeQuantFp8, TinyAndNonFiniteInputs) {
+  for (const auto fp8 : {at::kFloat8_e4m3fn, at::kFloat8_e5m2}) {
+    const at::Tensor tiny = torch::tensor({0.0f, 1e-44f, -1e-44f});
+    for (const at::Tensor& y :
+         {fake_quantize_fp8(tiny, fp8), dequantize_fp8(quantize_fp8(tiny, fp8), at::kFloat)}) {
+      EXPECT_FALSE(y.isnan().any().item<bool>()) << y;
+      EXPECT_EQ(y[0].item<float>(), 0.0f);
+    }
+    for (const float bad : {std::nanf(""), std::numeric_limits<float>::infinity()}) {
+      const at::Tensor x = torch::tensor({1.0f, bad, -2.0f, 0.0f});
+      for (const at::Tensor& y :
+           {fake_quantize_fp8(x, fp8), dequantize_fp8(quantize_fp8(x, fp8), at::kFloat)}) {
+        EXPECT_TRUE(y.isnan().all().item<bool>()) << y;
+      }
+    }
+  }
+  EXPECT_TRUE(
+      fake_quantize_nvfp4(torch::tensor({1.0f, std::nanf(""), 2.0f})).isnan().all().item<bool>());
 }
 
 TEST(FakeQuantNvFp4, ValuesLieOnTheScaledE2M1Grid) {

@@ -2,6 +2,7 @@
 
 #include "mixprec/optim/float16_optimizer.h"
 #include "mixprec/precision/convert.h"
+#include "mixprec/precision/float16_module.h"
 #include "mixprec/precision/keep_fp32.h"
 #include "mixprec/quant/fake_quant.h"
 #include "mixprec/quant/quant_state.h"
@@ -88,6 +89,19 @@ TEST(QuantLinear, Fp32MarkedWeightIsNeverQuantized) {
   EXPECT_EQ(router->last_compute().operands, QuantFormat::kNone);
 }
 
+// Kept FP32 by a plan's name or pattern, not only by a mark: never quantized either.
+TEST(QuantLinear, WeightKeptFp32ByAPlanPatternIsNeverQuantized) {
+  at::manual_seed(3);
+  Float16Module wrapped(QuantLinear(16, 4),
+                        Float16ModuleOptions().plan(PrecisionPlan().keep_fp32_pattern("weight")));
+  auto& router = *wrapped->module()->as<QuantLinearImpl>();
+  EXPECT_EQ(router.weight.scalar_type(), at::kFloat);
+  QuantAutocastGuard autocast(kFp8);
+  router.forward(torch::randn({2, 16}, torch::kBFloat16));
+  EXPECT_TRUE(router.last_compute().kept_fp32);
+  EXPECT_EQ(router.last_compute().operands, QuantFormat::kNone);
+}
+
 TEST(QuantLinear, ModelInitWithFp8ParamHoldsFp8PrimaryWeights) {
   at::manual_seed(4);
   QuantModelInitGuard init(kFp8Param);
@@ -100,10 +114,15 @@ TEST(QuantLinear, ModelInitWithFp8ParamHoldsFp8PrimaryWeights) {
   at::Tensor x = torch::randn({3, 32});
   EXPECT_TRUE(at::equal(layer(x), at::linear(x, w, layer->bias)));
   EXPECT_TRUE(layer->last_compute().fp8_weight);
-  // The conversion leaves FP8 primary weights alone.
+  // The conversion leaves FP8 primary weights alone, and their scale FP32: rounding it would
+  // move every dequantized value.
+  const at::Tensor scale = layer->weight_scale_inv.clone();
   auto report = convert_module_to_dtype_except_fp32_marked(*layer, at::kBFloat16);
   EXPECT_EQ(layer->weight.scalar_type(), at::kFloat8_e4m3fn);
   EXPECT_EQ(report.entries[0].why, "quantized primary weight");
+  EXPECT_EQ(layer->weight_scale_inv.scalar_type(), at::kFloat);
+  EXPECT_TRUE(at::equal(layer->weight_scale_inv, scale));
+  EXPECT_TRUE(at::equal(layer->dequantized_weight(at::kFloat), w));
   // Keeping an FP8 primary weight in FP32 is a contradiction: named, it is an error; a broad
   // pattern simply does not cover it.
   EXPECT_THROW(PrecisionPlan().keep_fp32_name("weight").resolve(*layer), c10::Error);

@@ -22,7 +22,9 @@ struct ScaledFp8 {
 // Largest finite value of an FP8 dtype (448 for e4m3fn, 57344 for e5m2).
 double fp8_max(c10::ScalarType fp8_dtype);
 
-// Quantizes a floating tensor (any float dtype) with per-tensor amax scaling.
+// Quantizes a floating tensor (any float dtype) with per-tensor amax scaling (scale_inv =
+// amax / fp8_max, at least FP32's smallest denormal; 1 for an all-zero tensor). A NaN or Inf
+// anywhere in x makes every value of the dequantized result NaN: non-finite input is loud.
 // Throws c10::Error if `x` is not floating or `fp8_dtype` is not e4m3fn/e5m2.
 ScaledFp8 quantize_fp8(const at::Tensor& x, c10::ScalarType fp8_dtype);
 

@@ -1,18 +1,23 @@
 // QuantLinear: a linear layer that honours the quantization scopes (quant_state.h).
 //
 //   * Built inside an enabled model-init scope with an FP8 format, its weight is an FP8
-//     primary weight: parameter "weight" has dtype Float8_e4m3fn (requires_grad false: an
-//     FP8 weight is trained through an FP32 master, not by autograd) and buffer
-//     "weight_scale_inv" holds its per-tensor scale. With kNvFp4 the initial weight is
-//     rounded onto the NVFP4 grid but stored unpacked in its floating dtype.
+//     primary weight: parameter "weight" has dtype Float8_e4m3fn and buffer
+//     "weight_scale_inv" holds its per-tensor scale (marked keep_in_fp32: a conversion never
+//     rounds it). It is not trained: requires_grad is false, it gets no gradient, and
+//     Float16Optimizer treats it as frozen — for frozen or inference layers; to train in FP8,
+//     keep the weight BF16 and run forward inside an autocast scope. With kNvFp4 the initial weight
+//     is rounded onto the NVFP4 grid but stored unpacked in its floating dtype.
 //   * Run inside an enabled autocast scope, forward fake-quantizes input and weight in the
 //     scope's format before the GEMM (quantize_for_gemm: gradients follow the recipe).
-//   * A weight marked keep_in_fp32 is never quantized: forward computes in FP32.
+//   * A weight kept FP32 — marked keep_in_fp32, or kept by a conversion's plan name or
+//     pattern (kept_fp32_reason) — is never quantized: forward computes in FP32.
 //   * The weight's GEMM operand (fake-quantized, or dequantized for FP8 weights) is kept
 //     between forwards and recomputed only after the weight changes: an in-place write (an
 //     optimizer step, copy_, a checkpoint load), set_data or a new tensor (OperandCache,
 //     operand_cache.h, lists what it sees). After writing the weight's memory behind
-//     LibTorch's back (Tensor::data(), raw pointers) call clear_operand_cache().
+//     LibTorch's back (Tensor::data(), raw pointers), or through another tensor sharing its
+//     storage (after w.set_data(t), writes through t; an EMA swapped in that way), call
+//     clear_operand_cache().
 // Otherwise it is a plain y = x Wᵀ + b in the weight's dtype (the input's for FP8 weights).
 #pragma once
 

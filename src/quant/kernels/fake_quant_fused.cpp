@@ -10,6 +10,7 @@
 #include <algorithm>
 #include <bit>
 #include <cmath>
+#include <limits>
 #include <vector>
 
 namespace mixprec::quant::detail {
@@ -71,9 +72,13 @@ at::Tensor fused_fake_quantize_fp8(const at::Tensor& x, c10::ScalarType fp8_dtyp
     chunk_max[begin / grain] = amax_bits_chunk(src, format, begin, end);
   });
   const float amax = amax_value(*std::max_element(chunk_max.begin(), chunk_max.end()), format);
-  // quantize_fp8's scale: amax / fp8_max in FP32, or 1 where `amax > 0` fails (0 or NaN).
+  // quantize_fp8's scale: amax / fp8_max in FP32, at least the smallest denormal; 1 for a
+  // zero amax, NaN for a NaN one.
   const float fp8_max = fp8_dtype == at::kFloat8_e4m3fn ? 448.0f : 57344.0f;
-  const float scale_inv = amax > 0 ? amax / fp8_max : 1.0f;
+  const float scale_inv = amax > 0
+                              ? std::max(amax / fp8_max, std::numeric_limits<float>::denorm_min())
+                          : std::isnan(amax) ? amax
+                                             : 1.0f;
   // Neither NaN inputs nor 0/0, Inf/Inf, 0*Inf can occur: the kernel may skip NaN handling.
   const bool nan_free = std::isfinite(amax) && scale_inv > 0;
   const Fp8Format fp8 = fp8_dtype == at::kFloat8_e4m3fn ? Fp8Format::kE4M3 : Fp8Format::kE5M2;
