@@ -54,6 +54,7 @@ exit status:
   1  verify: the checkpoint is corrupt or malformed; diff: the checkpoints differ
   2  bad arguments, a path that is not a checkpoint, a file that cannot be read, or an
      export that failed
+  130, 143  export interrupted by SIGINT or SIGTERM (OUT left as it was, nothing beside it)
 )";
 
 struct Command {

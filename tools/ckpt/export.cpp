@@ -11,12 +11,14 @@
 #include "mixprec/checkpoint/load.h"
 #include "mixprec/checkpoint/tensor_dtype.h"
 
+#include <csignal>
 #include <cstdlib>
 
 #include <ATen/ATen.h>
 #include <c10/util/Exception.h>
 
 #include <fcntl.h>
+#include <signal.h>
 #include <stdio.h>
 #include <sys/stat.h>
 #include <unistd.h>
@@ -124,6 +126,42 @@ std::string errno_message(const std::string& what, int err) {
   return what + ": " + std::strerror(err);
 }
 
+// SIGINT or SIGTERM while an export writes: it stops at the next tensor and unwinds, so the
+// staging directory is removed and OUT stays as it was (instead of dying with OUT.tmp-<pid>
+// half written beside it).
+volatile std::sig_atomic_t g_interrupted = 0;
+extern "C" void on_interrupt(int signal_number) { g_interrupted = signal_number; }
+
+class InterruptGuard {
+ public:
+  InterruptGuard() {
+    g_interrupted = 0;
+    struct sigaction action {};
+    action.sa_handler = on_interrupt;
+    sigemptyset(&action.sa_mask);
+    action.sa_flags = SA_RESETHAND;  // a second signal ends the process at once
+    sigaction(SIGINT, &action, &previous_int_);
+    sigaction(SIGTERM, &action, &previous_term_);
+  }
+  ~InterruptGuard() {
+    sigaction(SIGINT, &previous_int_, nullptr);
+    sigaction(SIGTERM, &previous_term_, nullptr);
+  }
+  InterruptGuard(const InterruptGuard&) = delete;
+  InterruptGuard& operator=(const InterruptGuard&) = delete;
+
+ private:
+  struct sigaction previous_int_ {
+  }, previous_term_{};
+};
+
+void stop_if_interrupted() {
+  if (g_interrupted != 0) {
+    throw ToolError(128 + g_interrupted, std::string("interrupted by ") +
+                                             (g_interrupted == SIGINT ? "SIGINT" : "SIGTERM"));
+  }
+}
+
 // The temporary sibling OUT.tmp-<pid>: removed unless it was renamed to OUT.
 class StagingDir {
  public:
@@ -201,6 +239,7 @@ void write_shard(const fs::path& checkpoint_dir, const Shard& shard,
     }
     const ShardedStateDict read = checkpoint::read_checkpoint(checkpoint_dir, batch);
     for (; next < end; ++next) {
+      stop_if_interrupted();
       const Planned& p = shard.tensors[next];
       at::Tensor value = read.at(p.name).local;
       TORCH_INTERNAL_ASSERT(read.at(p.name).is_whole(), p.name, ": read a slice, not the whole");
@@ -383,8 +422,10 @@ int run_export(const ExportOptions& options, std::ostream& out) {
     }
     metadata = file_metadata(dir, checkpoint::read_common(dir, manifest), options);
 
+    const InterruptGuard interrupts;
     StagingDir staging(target.parent, target.name + ".tmp-" + std::to_string(::getpid()));
     for (const Shard& shard : shards) write_shard(dir, shard, metadata, staging.directory());
+    stop_if_interrupted();  // the last moment OUT can still be left as it was
     if (shards.size() > 1) write_text_file(staging.directory(), kIndexFile, index_json(shards));
     if (::fsync(staging.directory().fd()) != 0) {
       throw ToolError(kExitUsage,
