@@ -12,7 +12,14 @@ module needs only `torch` and the `safetensors` package; it contains none of mix
 
 The reserved names below are those of include/mixprec/checkpoint/format/state_keys.h, one for
 one (kOptimizerStatePrefix -> OPTIMIZER_STATE_PREFIX); tests/checkpoint/state_keys_test.cpp
-checks that they agree. Checksums are not verified here (`mixprec-ckpt verify` does that).
+checks that they agree.
+
+What this reader does not do, which mixprec's own (C++) reader does: verify checksums, and look
+past `latest` for a newer complete checkpoint (a save that ended between its commit and the
+`latest` update). Run `mixprec-ckpt verify CKPT` first on files you do not trust; `mixprec-ckpt
+inspect ROOT` says which checkpoint mixprec would load. It does check what it assembles: every
+chunk lies inside its key's shape, chunks neither overlap nor leave gaps, and every error names
+the file and the key.
 """
 import contextlib
 import json
@@ -89,18 +96,30 @@ def is_model_key(key):
         not key.startswith(RNG_CUDA_PREFIX) and not key.startswith(RNG_RANK_PREFIX)
 
 
+def _is_plain_name(name):
+    """A file or directory name inside the checkpoint (root): no path, nothing reserved."""
+    return bool(name) and not name.startswith(".") and "/" not in name and os.sep not in name
+
+
 def resolve(path):
     """The checkpoint directory: `path` itself if it holds manifest.json, else the checkpoint
-    its `latest` file names."""
+    its `latest` file names (a plain name of a directory in the root; anything else is refused,
+    as mixprec refuses it)."""
     path = os.fspath(path)
     if os.path.exists(os.path.join(path, "manifest.json")):
         return path
     latest = os.path.join(path, "latest")
-    if not os.path.exists(latest):
+    if not os.path.isfile(latest):
         raise CheckpointError(f"{path}: neither a checkpoint (no manifest.json) "
-                              "nor a root with 'latest'")
-    with open(latest) as f:
-        return os.path.join(path, f.read().strip())
+                              "nor a root with a 'latest' file")
+    with open(latest, encoding="utf-8", errors="replace") as f:
+        name = f.read().strip()
+    target = os.path.join(path, name)
+    if not _is_plain_name(name) or name == "lock" or name.startswith("latest") or \
+            os.path.islink(target) or not os.path.isdir(target):
+        raise CheckpointError(f"{latest}: names {name!r}, which is not a checkpoint directory "
+                              "of this root")
+    return target
 
 
 class Checkpoint:
@@ -149,19 +168,43 @@ class Checkpoint:
                 if key not in self.manifest["keys"]:
                     raise CheckpointError(f"{self.dir}: no key '{key}'")
                 entry = self.manifest["keys"][key]
-                whole = torch.empty(entry["shape"], dtype=DTYPES[entry["dtype"]])
+                shape = entry["shape"]
+                whole = torch.empty(shape, dtype=DTYPES[entry["dtype"]])
+                # Which elements a chunk filled: none twice, all in the end (torch.empty would
+                # otherwise hand back whatever memory held).
+                covered = torch.zeros(shape, dtype=torch.bool)
                 for chunk in entry["chunks"]:
+                    if not _is_plain_name(chunk["file"]):
+                        raise CheckpointError(f"{self.dir}: key '{key}': chunk file "
+                                              f"{chunk['file']!r} is not a file of the checkpoint")
                     path = os.path.join(self.dir, chunk["file"])
+                    offset, size = chunk["offset"], chunk["shape"]
+                    if len(offset) != len(shape) or len(size) != len(shape) or any(
+                            o < 0 or s < 0 or o + s > g for o, s, g in zip(offset, size, shape)):
+                        raise CheckpointError(
+                            f"{path}: tensor '{chunk['tensor']}' of key '{key}': offset {offset} "
+                            f"and shape {size} do not lie inside the key's shape {shape}")
                     if path not in files:
                         files[path] = stack.enter_context(safe_open(path, framework="pt"))
-                    part = files[path].get_tensor(chunk["tensor"])
-                    if list(part.shape) != chunk["shape"] or part.dtype != whole.dtype:
+                    try:
+                        part = files[path].get_tensor(chunk["tensor"])
+                    except Exception as e:  # safetensors names neither file nor key
+                        raise CheckpointError(f"{path}: tensor '{chunk['tensor']}' of key "
+                                              f"'{key}': {e}") from e
+                    if list(part.shape) != size or part.dtype != whole.dtype:
                         raise CheckpointError(
                             f"{path}: tensor '{chunk['tensor']}' of key '{key}' is "
                             f"{part.dtype}{list(part.shape)}, the manifest says "
-                            f"{entry['dtype']}{chunk['shape']}")
-                    index = tuple(slice(o, o + s) for o, s in zip(chunk["offset"], chunk["shape"]))
+                            f"{entry['dtype']}{size}")
+                    index = tuple(slice(o, o + s) for o, s in zip(offset, size))
+                    if covered[index].any():
+                        raise CheckpointError(f"{path}: tensor '{chunk['tensor']}' of key "
+                                              f"'{key}' overlaps another chunk of the key")
+                    covered[index] = True
                     whole[index] = part
+                if not bool(covered.all()):
+                    raise CheckpointError(f"{self.dir}: key '{key}': its chunks leave "
+                                          f"{int((~covered).sum())} of its elements unwritten")
                 out[key] = whole
         return out
 
