@@ -88,7 +88,11 @@ void find_resume_point(TrainConfig& config, RunPaths& paths) {
   const std::string source = "checkpoint " + latest->string();
   if (!user.contains("config")) throw UsageError(source + " was not written by mixprec-train");
   adopt_run_shape(config, user.at("config"), source);
-  if (config.metrics.empty() && user.contains("metrics") && user.at("metrics").is_string()) {
+  // The metrics file the saved run wrote, unless this run is told where it lives (--out,
+  // --ckpt-dir, --metrics): a copy of a run resumed in another directory must not append to,
+  // and cut back, the original's file.
+  if (config.metrics.empty() && config.out.empty() && config.ckpt_dir.empty() &&
+      user.contains("metrics") && user.at("metrics").is_string()) {
     paths.metrics = user.at("metrics").get<std::string>();
   }
   paths.resume_from = latest;

@@ -333,6 +333,12 @@ std::string summary(const RunReport& r) {
   if (!root.empty()) {
     // Any number of ranks resumes it: the same command alone, or under torchrun.
     s << "resume      mixprec-train --resume --ckpt-dir " << root;
+    // An explicit --ckpt-dir puts metrics beside it unless told otherwise (run_paths.h).
+    if (!r.metrics_path.empty() &&
+        r.metrics_path.lexically_normal() !=
+            (std::filesystem::path(root).parent_path() / "metrics.jsonl").lexically_normal()) {
+      s << " --metrics " << r.metrics_path.string();
+    }
     if (!r.stopped_early) s << " --steps " << r.config.steps * 2;
     s << "\n";
   }

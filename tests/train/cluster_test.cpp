@@ -197,6 +197,27 @@ TEST_F(Cluster, AResumePastACheckpointThatDoesNotVerifySetsItAside) {
   EXPECT_EQ(kept, 1u);
 }
 
+// A copy of a run resumed in its own directory writes its own metrics: the original's file is
+// neither appended to nor cut back to the resume step.
+TEST_F(Cluster, AResumedCopyOfARunLeavesTheOriginalsMetricsAlone) {
+  ASSERT_EQ(run_program(dir_.path(), args({"--steps", "4", "--ckpt-every", "2"})).status, 0);
+  fs::copy(dir_ / "run", dir_ / "copy", fs::copy_options::recursive);
+  std::ofstream(dir_ / "copy/checkpoints/latest", std::ios::trunc) << "step-000002\n";
+  fs::remove_all(dir_ / "copy/checkpoints/step-000004");
+  const std::string original = read_text(dir_ / "run/metrics.jsonl");
+  const ProgramRun resumed = run_program(
+      dir_.path(),
+      tiny_model() + std::vector<std::string>{"--data", (dir_ / "corpus.txt").string(), "--out",
+                                              "copy", "--resume", "--steps", "6", "--ckpt-every",
+                                              "2", "--eval-every", "1000"},
+      "copy");
+  ASSERT_EQ(resumed.status, 0) << resumed.err;
+  EXPECT_EQ(read_text(dir_ / "run/metrics.jsonl"), original);
+  const auto metrics = read_metrics(dir_ / "copy/metrics.jsonl");
+  ASSERT_EQ(metrics.size(), 6u);
+  EXPECT_EQ(metrics.back().step, 6);
+}
+
 // A second run with a checkpoint directory of its own but the first one's --out would truncate
 // the first one's metrics: refused, naming the directory.
 TEST_F(Cluster, AnotherRunCannotShareTheOutputDirectory) {
