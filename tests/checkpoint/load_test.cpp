@@ -1,6 +1,7 @@
 // read_checkpoint on damaged or hostile checkpoints: what the manifest claims is checked
 // before anything is allocated, and BOOL data must be 0 or 1.
 #include "mixprec/checkpoint/load.h"
+#include "mixprec/checkpoint/format/verify.h"
 
 #include "mixprec/checkpoint/format/commit.h"
 #include "mixprec/checkpoint/format/error.h"
@@ -102,6 +103,10 @@ TEST(ReadCheckpoint, BoolTensorsMustHoldOnlyZeroAndOne) {
   EXPECT_NE(msg.find("data-00000.safetensors"), std::string::npos) << msg;
   EXPECT_NE(msg.find("key 'mask'"), std::string::npos) << msg;
   EXPECT_NE(msg.find("BOOL element [1, 2] holds byte 2"), std::string::npos) << msg;
+  // verify refuses what a load refuses (a root's lookup trusts verify to say it loads).
+  const std::string verified = format_error([&] { verify_checkpoint(dir); });
+  EXPECT_NE(verified.find("key 'mask'"), std::string::npos) << verified;
+  EXPECT_NE(verified.find("BOOL element 7 (flat) holds byte 2"), std::string::npos) << verified;
   // A slice that does not contain the element reads fine; one that does is refused.
   ReadOptions rows_2 = read_options_for_rank(1, 2);  // row 2 of 3
   rows_2.keys = {"mask"};

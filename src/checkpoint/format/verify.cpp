@@ -6,8 +6,10 @@
 #include "mixprec/checkpoint/format/manifest.h"
 #include "mixprec/checkpoint/format/safetensors_reader.h"
 
+#include <cstddef>
 #include <map>
 #include <set>
+#include <vector>
 
 namespace mixprec::checkpoint {
 
@@ -56,6 +58,18 @@ VerifyReport verify_checkpoint(const Directory& dir) {
                                              ": checksum mismatch in block ", b, ": expected xxh3 ",
                                              checksum_to_hex(chunk.block_checksums[b]), ", got ",
                                              checksum_to_hex(actual.blocks[b]), " (data corrupt)"));
+        }
+      }
+      // What a load refuses, verify refuses: a BOOL byte that is neither 0 nor 1 (a lookup of
+      // the newest complete checkpoint trusts verify to say the checkpoint loads).
+      if (entry.dtype == Dtype::BOOL) {
+        std::vector<std::byte> bytes(t->byte_size());
+        reader.read(chunk.tensor, bytes);
+        for (std::size_t b = 0; b < bytes.size(); ++b) {
+          if (std::to_integer<unsigned>(bytes[b]) > 1) {
+            fail(where, ": BOOL element ", b, " (flat) holds byte ",
+                 std::to_integer<unsigned>(bytes[b]), "; a bool must be 0 or 1");
+          }
         }
       }
       referenced[chunk.file].insert(chunk.tensor);
