@@ -115,7 +115,7 @@ def resolve(path):
     with open(latest, encoding="utf-8", errors="replace") as f:
         name = f.read().strip()
     target = os.path.join(path, name)
-    if not _is_plain_name(name) or name == "lock" or name.startswith("latest") or \
+    if not _is_plain_name(name) or name in ("lock", "latest") or name.startswith("latest.") or \
             os.path.islink(target) or not os.path.isdir(target):
         raise CheckpointError(f"{latest}: names {name!r}, which is not a checkpoint directory "
                               "of this root")

@@ -3,6 +3,7 @@
 #include "config.h"
 
 #include "mixprec/checkpoint/format/error.h"
+#include "mixprec/checkpoint/format/manifest.h"
 #include "mixprec/checkpoint/format/newest_checkpoint.h"
 #include "mixprec/checkpoint/format/root_layout.h"
 #include "mixprec/checkpoint/format/root_lock.h"
@@ -24,6 +25,7 @@
 #include <fstream>
 #include <functional>
 #include <random>
+#include <regex>
 
 namespace train {
 namespace fs = std::filesystem;
@@ -106,6 +108,29 @@ std::optional<fs::path> newest_checkpoint(const fs::path& root, std::string* not
   }
 }
 
+std::vector<std::string> uncommitted_steps_after(const fs::path& root, const fs::path& from) {
+  static const std::regex step_name("step-([0-9]+)");
+  std::smatch from_step;
+  const std::string from_name = from.string();
+  if (!std::regex_match(from_name, from_step, step_name)) return {};
+  const long long after = std::stoll(from_step[1].str());
+  std::vector<std::string> names;
+  std::error_code ec;
+  for (const auto& entry : fs::directory_iterator(root, ec)) {
+    const std::string name = entry.path().filename().string();
+    std::smatch step;
+    if (!std::regex_match(name, step, step_name) || std::stoll(step[1].str()) <= after) continue;
+    if (entry.is_symlink(ec) || !entry.is_directory(ec)) continue;
+    try {
+      (void)mixprec::checkpoint::read_manifest(mixprec::checkpoint::Directory::open(entry.path()));
+    } catch (const mixprec::checkpoint::FormatError&) {
+      names.push_back(name);  // committed checkpoints parse; this one would block its step
+    }
+  }
+  std::sort(names.begin(), names.end());
+  return names;
+}
+
 nlohmann::json read_user_metadata(const fs::path& checkpoint) {
   try {
     // Asking for one small tensor reads the manifest and common state and nothing else big.
@@ -156,11 +181,11 @@ bool held_by_another_run(const fs::path& dir) {
   return held;
 }
 
-RunLock::RunLock(const fs::path& dir, const std::string& what, std::chrono::milliseconds wait) {
+RunLock::RunLock(const fs::path& dir, const std::string& lock_name, const std::string& what,
+                 std::chrono::milliseconds wait) {
   try {
     held_ = std::make_unique<mixprec::checkpoint::RootFileLock>(
-        mixprec::checkpoint::open_root(dir, /*create=*/true), mixprec::checkpoint::kRunLockFileName,
-        wait, kBusyReason);
+        mixprec::checkpoint::open_root(dir, /*create=*/true), lock_name, wait, kBusyReason);
   } catch (const mixprec::checkpoint::FormatError& e) {
     const std::string message = e.what();
     if (message.find(kBusyReason) == std::string::npos) {
@@ -173,8 +198,8 @@ RunLock::RunLock(const fs::path& dir, const std::string& what, std::chrono::mill
 
 RunLock::~RunLock() = default;
 
-std::unique_ptr<RunLock> hold_run_dir(const fs::path& dir, const std::string& what,
-                                      std::chrono::seconds wait,
+std::unique_ptr<RunLock> hold_run_dir(const fs::path& dir, const std::string& lock_name,
+                                      const std::string& what, std::chrono::seconds wait,
                                       mixprec::distributed::Communicator* ranks) {
   using Clock = std::chrono::steady_clock;
   const Clock::time_point deadline = Clock::now() + wait;
@@ -192,7 +217,7 @@ std::unique_ptr<RunLock> hold_run_dir(const fs::path& dir, const std::string& wh
       const auto left =
           std::chrono::duration_cast<std::chrono::milliseconds>(deadline - Clock::now());
       try {
-        lock = std::make_unique<RunLock>(dir, what,
+        lock = std::make_unique<RunLock>(dir, lock_name, what,
                                          std::clamp(left, std::chrono::milliseconds(0), slice));
       } catch (const RunLock::Busy& e) {
         outcome = several && Clock::now() < deadline ? kStillWaiting : e.what();

@@ -42,6 +42,12 @@ std::optional<std::filesystem::path> newest_checkpoint(
     const std::filesystem::path& root, std::string* note = nullptr,
     std::vector<std::string>* unverified = nullptr);
 
+// Directories "step-N" of `root` with N above the step of `from` (a checkpoint name of the
+// same form) that are not committed checkpoints (no manifest that parses): a resume from
+// `from` would meet them at their step's save. Sorted; empty if `from` is not of that form.
+std::vector<std::string> uncommitted_steps_after(const std::filesystem::path& root,
+                                                 const std::filesystem::path& from);
+
 // A checkpoint's user metadata, read from its common state without loading any tensor data.
 // Throws UsageError naming the checkpoint if it cannot be read.
 nlohmann::json read_user_metadata(const std::filesystem::path& checkpoint);
@@ -56,18 +62,19 @@ void ensure_writable_dir(const std::filesystem::path& dir, const std::string& wh
 // nothing: the answer may change at once).
 bool held_by_another_run(const std::filesystem::path& dir);
 
-// One run per directory, held for the whole run by rank 0's process: on the checkpoint root,
-// so that a second run started on the same --ckpt-dir cannot commit into it, move `latest` or
-// delete this run's checkpoints; on the directory of metrics.jsonl, which a second run would
-// truncate. Waits at most `wait` for a holder; then Busy naming the directory and the holder
-// (host and pid). UsageError if the directory cannot be created or locked.
+// One run per checkpoint root and per metrics file, held for the whole run by rank 0's
+// process: the lock file <dir>/<lock_name> — the root's kRunLockFileName, so that a second run
+// started on the same --ckpt-dir cannot commit into it, move `latest` or delete this run's
+// checkpoints; ".<file>.run-lock" beside the metrics file, which a second run would truncate.
+// Waits at most `wait` for a holder; then Busy naming `what` and the holder (host and pid).
+// UsageError if the directory cannot be created or locked.
 class RunLock {
  public:
   struct Busy : UsageError {
     using UsageError::UsageError;
   };
-  // `what` names the directory in errors ("checkpoint directory").
-  RunLock(const std::filesystem::path& dir, const std::string& what,
+  // `what` names the thing locked in errors ("checkpoint directory").
+  RunLock(const std::filesystem::path& dir, const std::string& lock_name, const std::string& what,
           std::chrono::milliseconds wait);
   ~RunLock();
   RunLock(const RunLock&) = delete;
@@ -77,11 +84,12 @@ class RunLock {
   std::unique_ptr<mixprec::checkpoint::RootFileLock> held_;
 };
 
-// A RunLock on `dir`, on every rank (`ranks` may be null: one process): rank 0 takes it, for
-// up to `wait` (in slices, telling the others after each, so that no collective times out on
-// a long wait); when it cannot, every rank throws its UsageError (the other ranks do not wait
-// in a collective for a rank that has left). The lock, on rank 0; null elsewhere.
-std::unique_ptr<RunLock> hold_run_dir(const std::filesystem::path& dir, const std::string& what,
+// A RunLock on `dir`/`lock_name`, on every rank (`ranks` may be null: one process): rank 0 takes
+// it, for up to `wait` (in slices, telling the others after each, so that no collective times out
+// on a long wait); when it cannot, every rank throws its UsageError (the other ranks do not wait in
+// a collective for a rank that has left). The lock, on rank 0; null elsewhere.
+std::unique_ptr<RunLock> hold_run_dir(const std::filesystem::path& dir,
+                                      const std::string& lock_name, const std::string& what,
                                       std::chrono::seconds wait,
                                       mixprec::distributed::Communicator* ranks);
 

@@ -29,6 +29,7 @@
 #include "summary.h"
 
 #include "mixprec/checkpoint/format/error.h"
+#include "mixprec/checkpoint/format/root_layout.h"
 #include "mixprec/distributed/communicator.h"
 
 #include <ATen/Parallel.h>
@@ -130,19 +131,18 @@ int run(int argc, char** argv, const std::string& malloc_policy) {
   const std::chrono::seconds wait(config.wait_for_ckpt_dir);
   ensure_writable_dir(paths.ckpt_root, "checkpoint directory");
   const std::unique_ptr<RunLock> ckpt_lock =
-      hold_run_dir(paths.ckpt_root, "checkpoint directory", wait, ranks.get());
+      hold_run_dir(paths.ckpt_root, std::string(mixprec::checkpoint::kRunLockFileName),
+                   "checkpoint directory", wait, ranks.get());
   if (ranks && ranks->size() > 1) check_shared_root(paths.ckpt_root, *ranks);
   find_resume_point(config, paths);
+  // The metrics file too: a second run with its own --ckpt-dir would truncate it.
+  const std::filesystem::path metrics_file = std::filesystem::absolute(paths.metrics);
+  const std::unique_ptr<RunLock> metrics_lock =
+      hold_run_dir(metrics_file.parent_path(), "." + metrics_file.filename().string() + ".run-lock",
+                   "metrics file " + paths.metrics.string(), wait, ranks.get());
   // Newer checkpoints that do not verify would stop the run when it saves their step again.
   std::vector<std::string> set_aside;
   set_aside_unverified(paths.ckpt_root, paths.unverified, ranks.get(), &set_aside);
-  // The metrics file's directory too (a second run with its own --ckpt-dir would truncate it).
-  std::unique_ptr<RunLock> out_lock;
-  const std::filesystem::path out_dir = std::filesystem::absolute(paths.metrics).parent_path();
-  std::error_code same_error;
-  if (!std::filesystem::equivalent(out_dir, paths.ckpt_root, same_error)) {
-    out_lock = hold_run_dir(out_dir, "output directory", wait, ranks.get());
-  }
   if (config.threads > 0) at::set_num_threads(static_cast<int>(config.threads));
   const bool rank0 = config.rank == 0;
   // MFU's denominator: what a BF16 GEMM reaches here with these threads (every rank at once,

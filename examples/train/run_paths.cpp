@@ -84,6 +84,11 @@ void find_resume_point(TrainConfig& config, RunPaths& paths) {
     throw UsageError("--resume: no checkpoint in " + paths.ckpt_root.string());
   }
   paths.resume_note = note;
+  // A step directory after the resume point that is not a committed checkpoint (a damaged
+  // manifest: no lookup lists it) would stop the run at that step's save just the same.
+  for (const std::string& name : uncommitted_steps_after(paths.ckpt_root, latest->filename())) {
+    paths.unverified.push_back(name);
+  }
   const nlohmann::json user = read_user_metadata(*latest);
   const std::string source = "checkpoint " + latest->string();
   if (!user.contains("config")) throw UsageError(source + " was not written by mixprec-train");

@@ -164,11 +164,22 @@ void GradReducer::State::on_grad_ready(size_t i) {
               "' arrived while its all-gather was never waited for: forward read it as it was "
               "being written. Call wait_for_params(module) before a module's forward, or turn "
               "overlap_param_gather off");
-  // Not the buffer's range: autograd made a new .grad, so it had been cleared (or replaced)
-  // since the last backward, and whatever was accumulated before is gone, as in one process.
-  const bool restart = !grad_is_adopted(i);
+  if (finished && options.accumulate_in_fp32() && options.mode() == ReduceMode::kReduceScatter) {
+    // A backward after finish() without zero_grad() (gradients cleared some other way, e.g.
+    // torch's Optimizer::zero_grad()): the FP32 buffers hold the last step's reduced shards
+    // and, elsewhere, partial sums — nothing to carry on from. Start again, as zero_grad() does.
+    for (at::Tensor& buffer : fp32_buffers) {
+      if (buffer.defined()) buffer.zero_();
+    }
+    finished = false;
+  }
+  // Whether autograd accumulated in place or made a new .grad (create_graph does), the .grad
+  // holds what its buffer range held (zeros, or the rounded average: `rounded`) plus this
+  // backward's gradient: added to the FP32 range as it is.
   adopt_grad(i);
-  if (fp32_views[i].defined() && options.accumulate_in_fp32()) accumulate_fp32(i, restart);
+  if (fp32_views[i].defined() && options.accumulate_in_fp32()) {
+    accumulate_fp32(i, /*restart=*/false);
+  }
   got[i] = 1;
   finished = false;
   if (!sync) return;
@@ -406,7 +417,15 @@ void GradReducer::finish() {
   s.wait_all_gathers();
   if (!s.counted) s.count_waiting();
   at::NoGradGuard no_grad;
-  while (s.next < s.order.size()) s.start(s.next++);  // settles what no backward reached
+  try {
+    while (s.next < s.order.size()) s.start(s.next++);  // settles what no backward reached
+  } catch (const std::exception& e) {
+    // A .grad set from outside that cannot be taken (another shape): this rank stops short of
+    // collectives the others start, so the group cannot be used again.
+    s.comm->fail(std::string("GradReducer::finish failed before starting every bucket: ") +
+                 e.what());
+    throw;
+  }
   const int n = s.comm->size();
   int64_t during_backward = 0;
   for (size_t id = 0; id < s.buckets.size(); ++id) {

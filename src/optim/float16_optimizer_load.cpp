@@ -216,6 +216,10 @@ CheckedOptimizerState Float16Optimizer::check_parsed(Parsed&& saved,
     for (const auto& key : report.missing_keys) problems.push_back("missing " + key);
     for (const auto& key : report.unexpected_keys) problems.push_back("unexpected " + key);
   }
+  // A refused load says what the notes know (why a key is unexpected, what was re-derived).
+  if (!problems.empty()) {
+    for (const auto& note : report.notes) problems.push_back("note: " + note);
+  }
   mixprec::detail::check_no_problems(problems, "[" + who_ + "] cannot load the state");
   plan->sync = std::move(saved.sync);
   plan->report = std::move(report);

@@ -162,6 +162,7 @@ CheckedOptimizerState Float16Optimizer::check_sharded_state_dict(const ShardedSt
   const auto kinds = traits_->state_kinds();
   std::set<std::string> used;
   std::map<std::string, std::string> frozen_state;  // state key of a parameter frozen now → fqn
+  std::set<std::string> explained;                  // parameters a note explains already
   for (size_t k = 0; k < info_.size(); ++k) {
     const ParamInfo& info = info_[k];
     const ParamRole role = saved.sync.slots[k].role;
@@ -202,13 +203,14 @@ CheckedOptimizerState Float16Optimizer::check_sharded_state_dict(const ShardedSt
   // Every optimizer key not used is unexpected; the rest are the model's.
   for (const auto& [key, value] : state.tensors) {
     if (!keys::is_optimizer_key(key) || used.count(key)) continue;
+    report.unexpected_keys.push_back(key);  // a key: callers look it up
     const auto frozen = frozen_state.find(key);
-    report.unexpected_keys.push_back(
-        frozen == frozen_state.end()
-            ? key
-            : key + " ('" + frozen->second +
-                  "' is frozen in this model but was trained when saved: unfreeze it before "
-                  "loading, or load non-strictly to drop its state)");
+    if (frozen != frozen_state.end() && explained.insert(frozen->second).second) {
+      report.notes.push_back("'" + frozen->second +
+                             "' is frozen in this model but was trained when saved: its state is "
+                             "unexpected here; unfreeze it before loading, or load non-strictly "
+                             "to drop its state");
+    }
   }
   return check_parsed(std::move(saved), options);
 }

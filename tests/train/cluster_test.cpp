@@ -198,6 +198,18 @@ TEST_F(Cluster, AResumePastACheckpointThatDoesNotVerifySetsItAside) {
     kept += entry.path().filename().string().starts_with(".unverified-step-000004-");
   }
   EXPECT_EQ(kept, 1u);
+
+  // A newer step whose manifest is damaged is no committed checkpoint at all (no lookup lists
+  // it), and would stop the run at its step just the same: set aside too.
+  std::ofstream(root / "step-000006/manifest.json", std::ios::trunc) << "{\"format\": ";
+  std::ofstream(root / "latest", std::ios::trunc) << "step-000004\n";
+  const ProgramRun again =
+      run_program(dir_.path(), args({"--resume", "--steps", "8", "--ckpt-every", "2"}), "again");
+  ASSERT_EQ(again.status, 0) << again.err;
+  EXPECT_NE(again.out.find("set aside    step-000006 -> .unverified-step-000006-"),
+            std::string::npos)
+      << again.out;
+  EXPECT_EQ(read_text(root / "latest"), "step-000008\n");
 }
 
 // A copy of a run resumed in its own directory writes its own metrics: the original's file is
@@ -223,15 +235,21 @@ TEST_F(Cluster, AResumedCopyOfARunLeavesTheOriginalsMetricsAlone) {
 }
 
 // A second run with a checkpoint directory of its own but the first one's --out would truncate
-// the first one's metrics: refused, naming the directory.
+// the first one's metrics: refused, naming the file. Another metrics file in the same
+// directory is no conflict.
 TEST_F(Cluster, AnotherRunCannotShareTheOutputDirectory) {
   const pid_t first = start_long_run({}, "first", 2);
   const ProgramRun other = run_program(
       dir_.path(), args({"--steps", "3", "--ckpt-dir", "elsewhere/checkpoints"}), "other");
   EXPECT_EQ(other.status, 2) << other.err;
   EXPECT_EQ(lines_in(other.err), 1u) << other.err;
-  EXPECT_NE(other.err.find("output directory"), std::string::npos) << other.err;
+  EXPECT_NE(other.err.find("metrics file run/metrics.jsonl"), std::string::npos) << other.err;
   EXPECT_NE(other.err.find("is in use"), std::string::npos) << other.err;
+  const ProgramRun beside = run_program(
+      dir_.path(),
+      args({"--steps", "2", "--ckpt-dir", "elsewhere/checkpoints", "--metrics", "run/other.jsonl"}),
+      "beside");
+  EXPECT_EQ(beside.status, 0) << beside.err;
   const size_t logged = count_lines(dir_ / "run/metrics.jsonl");
   ASSERT_EQ(::kill(first, SIGTERM), 0);
   ASSERT_EQ(wait_program(dir_.path(), first, "first").status, 0);

@@ -139,9 +139,11 @@ class InterruptGuard {
     struct sigaction action {};
     action.sa_handler = on_interrupt;
     sigemptyset(&action.sa_mask);
-    action.sa_flags = SA_RESETHAND;  // a second signal ends the process at once
-    sigaction(SIGINT, &action, &previous_int_);
+    // SIGTERM stays handled: a scheduler often sends two, milliseconds apart. A second SIGINT
+    // (a person insisting) ends the process at once.
     sigaction(SIGTERM, &action, &previous_term_);
+    action.sa_flags = SA_RESETHAND;
+    sigaction(SIGINT, &action, &previous_int_);
   }
   ~InterruptGuard() {
     sigaction(SIGINT, &previous_int_, nullptr);

@@ -317,37 +317,41 @@ TEST(ZeroFollowsModel, ExpertWithoutGradientIsNotSteppedAsInOneProcess) {
 // Megatron's main_grad: four micro-batches accumulate in FP32, exactly the FP32 sum of their
 // BF16 gradients, instead of rounding to BF16 after each one.
 TEST(ZeroFollowsModel, Fp32MainGradAccumulatesMicroBatchesExactly) {
-  Toy model, reference;
-  GradReducer reducer(
-      world_ptr(), *model,
-      GradReducerOptions().mode(ReduceMode::kReduceScatter).accumulate_in_fp32(true));
-  std::map<std::string, at::Tensor> sums;
-  reducer.zero_grad();
-  {
-    GradReducer::NoSyncGuard accumulate(reducer);
-    for (int64_t m = 0; m < 4; ++m) {
-      model->loss(toy_batch(m)).backward();
-      for (auto& item : reference->named_parameters()) item.value().mutable_grad() = at::Tensor();
-      reference->loss(toy_batch(m)).backward();
-      for (const auto& item : reference->named_parameters()) {
-        if (!item.value().grad().defined()) continue;
-        const at::Tensor g = item.value().grad().to(at::kFloat);
-        sums[item.key()] = sums.count(item.key()) ? sums[item.key()] + g : g;
+  // create_graph makes autograd replace .grad instead of adding in place: the same sums.
+  for (const bool create_graph : {false, true}) {
+    SCOPED_TRACE(create_graph ? "create_graph" : "in place");
+    Toy model, reference;
+    GradReducer reducer(
+        world_ptr(), *model,
+        GradReducerOptions().mode(ReduceMode::kReduceScatter).accumulate_in_fp32(true));
+    std::map<std::string, at::Tensor> sums;
+    reducer.zero_grad();
+    {
+      GradReducer::NoSyncGuard accumulate(reducer);
+      for (int64_t m = 0; m < 4; ++m) {
+        model->loss(toy_batch(m)).backward({}, /*retain_graph=*/create_graph, create_graph);
+        for (auto& item : reference->named_parameters()) item.value().mutable_grad() = at::Tensor();
+        reference->loss(toy_batch(m)).backward();
+        for (const auto& item : reference->named_parameters()) {
+          if (!item.value().grad().defined()) continue;
+          const at::Tensor g = item.value().grad().to(at::kFloat);
+          sums[item.key()] = sums.count(item.key()) ? sums[item.key()] + g : g;
+        }
       }
     }
+    int checked = 0;
+    for (const auto& item : model->named_parameters()) {
+      const size_t i = reducer.index_of(item.value());
+      if (item.value().scalar_type() != at::kBFloat16 || !sums.count(item.key())) continue;
+      const at::Tensor main_grad = reducer.main_grad(i);
+      ASSERT_TRUE(main_grad.defined()) << item.key();
+      EXPECT_TRUE(bitwise_equal(main_grad, sums[item.key()])) << item.key();
+      // The BF16 sum the .grad would otherwise hold lost bits on the way.
+      ++checked;
+    }
+    EXPECT_GT(checked, 3);
+    reducer.finish();  // the average over ranks of those FP32 sums
   }
-  int checked = 0;
-  for (const auto& item : model->named_parameters()) {
-    const size_t i = reducer.index_of(item.value());
-    if (item.value().scalar_type() != at::kBFloat16 || !sums.count(item.key())) continue;
-    const at::Tensor main_grad = reducer.main_grad(i);
-    ASSERT_TRUE(main_grad.defined()) << item.key();
-    EXPECT_TRUE(bitwise_equal(main_grad, sums[item.key()])) << item.key();
-    // The BF16 sum the .grad would otherwise hold lost bits on the way.
-    ++checked;
-  }
-  EXPECT_GT(checked, 3);
-  reducer.finish();  // the average over ranks of those FP32 sums
 }
 
 // A collective that fails leaves the group unusable: every later call says why, none hangs.
