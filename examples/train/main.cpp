@@ -134,6 +134,10 @@ int run(int argc, char** argv, const std::string& malloc_policy) {
       hold_run_dir(paths.ckpt_root, std::string(mixprec::checkpoint::kRunLockFileName),
                    "checkpoint directory", wait, ranks.get());
   if (ranks && ranks->size() > 1) check_shared_root(paths.ckpt_root, *ranks);
+  // From here a SIGTERM is a request to stop (the loop saves after its first step), not a
+  // kill: a scheduler may signal as soon as the run holds its directory. Before, while it
+  // waits for the directory, the default action ends it with nothing to save.
+  StopRequest stop;
   find_resume_point(config, paths);
   // The metrics file too: a second run with its own --ckpt-dir would truncate it.
   const std::filesystem::path metrics_file = std::filesystem::absolute(paths.metrics);
@@ -231,7 +235,6 @@ int run(int argc, char** argv, const std::string& malloc_policy) {
   checkpointer.prepare(optimizer->checkpoint_bytes());  // a save that cannot fit says so now
   Progress progress(rank0 ? progress_mode(config.progress) : ProgressMode::kNone, config.steps,
                     config.log_every);
-  StopRequest stop;
   Loop loop{config,
             model,
             *optimizer,
