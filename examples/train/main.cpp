@@ -29,7 +29,6 @@
 #include "summary.h"
 
 #include "mixprec/checkpoint/format/error.h"
-#include "mixprec/checkpoint/format/root_layout.h"
 #include "mixprec/distributed/communicator.h"
 
 #include <ATen/Parallel.h>
@@ -128,25 +127,7 @@ int run(int argc, char** argv, const std::string& malloc_policy) {
   // before the directory is read for good: a run that waited for another one's end sees what it
   // left. And every rank must see the directory rank 0 writes, before the first step rather
   // than at the first save.
-  const std::chrono::seconds wait(config.wait_for_ckpt_dir);
-  ensure_writable_dir(paths.ckpt_root, "checkpoint directory");
-  const std::unique_ptr<RunLock> ckpt_lock =
-      hold_run_dir(paths.ckpt_root, std::string(mixprec::checkpoint::kRunLockFileName),
-                   "checkpoint directory", wait, ranks.get());
-  if (ranks && ranks->size() > 1) check_shared_root(paths.ckpt_root, *ranks);
-  // From here a SIGTERM is a request to stop (the loop saves after its first step), not a
-  // kill: a scheduler may signal as soon as the run holds its directory. Before, while it
-  // waits for the directory, the default action ends it with nothing to save.
-  StopRequest stop;
-  find_resume_point(config, paths);
-  // The metrics file too: a second run with its own --ckpt-dir would truncate it.
-  const std::filesystem::path metrics_file = std::filesystem::absolute(paths.metrics);
-  const std::unique_ptr<RunLock> metrics_lock =
-      hold_run_dir(metrics_file.parent_path(), "." + metrics_file.filename().string() + ".run-lock",
-                   "metrics file " + paths.metrics.string(), wait, ranks.get());
-  // Newer checkpoints that do not verify would stop the run when it saves their step again.
-  std::vector<std::string> set_aside;
-  set_aside_unverified(paths.ckpt_root, paths.unverified, ranks.get(), &set_aside);
+  const HeldRun held = hold_run(config, paths, ranks.get());
   if (config.threads > 0) at::set_num_threads(static_cast<int>(config.threads));
   const bool rank0 = config.rank == 0;
   // MFU's denominator: what a BF16 GEMM reaches here with these threads (every rank at once,
@@ -220,7 +201,7 @@ int run(int argc, char** argv, const std::string& malloc_policy) {
       std::printf("resumed      from %s at step %lld\n", paths.resume_from->string().c_str(),
                   static_cast<long long>(state.step));
       if (!paths.resume_note.empty()) std::printf("             (%s)\n", paths.resume_note.c_str());
-      for (const std::string& moved : set_aside) {
+      for (const std::string& moved : held.set_aside) {
         std::printf("set aside    %s (it does not verify; kept for inspection)\n", moved.c_str());
       }
     }
@@ -244,7 +225,7 @@ int run(int argc, char** argv, const std::string& malloc_policy) {
             metrics ? &*metrics : nullptr,
             paths.metrics,
             progress,
-            stop,
+            *held.stop,
             ranks.get()};
   StepProfiler profiler(config, paths.metrics.parent_path());
   loop.profiler = &profiler;

@@ -2,7 +2,11 @@
 
 #include "checkpointing.h"
 
+#include "mixprec/checkpoint/format/root_layout.h"
+#include "mixprec/distributed/communicator.h"
+
 #include <algorithm>
+#include <chrono>
 #include <ctime>
 #include <vector>
 
@@ -101,6 +105,27 @@ void find_resume_point(TrainConfig& config, RunPaths& paths) {
     paths.metrics = user.at("metrics").get<std::string>();
   }
   paths.resume_from = latest;
+}
+
+HeldRun hold_run(TrainConfig& config, RunPaths& paths, mixprec::distributed::Communicator* ranks) {
+  HeldRun held;
+  const std::chrono::seconds wait(config.wait_for_ckpt_dir);
+  ensure_writable_dir(paths.ckpt_root, "checkpoint directory");
+  held.checkpoints =
+      hold_run_dir(paths.ckpt_root, std::string(mixprec::checkpoint::kRunLockFileName),
+                   "checkpoint directory", wait, ranks);
+  if (ranks != nullptr && ranks->size() > 1) check_shared_root(paths.ckpt_root, *ranks);
+  // Before, while it waits for the directory, the default action ends the run with nothing to
+  // save; from here a scheduler's SIGTERM is a request to stop.
+  held.stop = std::make_unique<StopRequest>();
+  find_resume_point(config, paths);
+  // A second run with its own --ckpt-dir would truncate the metrics file.
+  const fs::path metrics_file = fs::absolute(paths.metrics);
+  held.metrics =
+      hold_run_dir(metrics_file.parent_path(), "." + metrics_file.filename().string() + ".run-lock",
+                   "metrics file " + paths.metrics.string(), wait, ranks);
+  set_aside_unverified(paths.ckpt_root, paths.unverified, ranks, &held.set_aside);
+  return held;
 }
 
 }  // namespace train

@@ -7,9 +7,12 @@
 // newest run under runs/ that has one).
 #pragma once
 
+#include "checkpointing.h"
 #include "config.h"
+#include "signals.h"
 
 #include <filesystem>
+#include <memory>
 #include <optional>
 #include <string>
 #include <vector>
@@ -40,5 +43,21 @@ RunPaths resolve_run_paths(const TrainConfig& config);
 // UsageError: --resume without a checkpoint; a fresh run into a root with checkpoints; a checkpoint
 // of another configuration (naming the flag).
 void find_resume_point(TrainConfig& config, RunPaths& paths);
+
+// What a run holds from the moment it owns its directories, to its end.
+struct HeldRun {
+  std::unique_ptr<RunLock> checkpoints;  // the checkpoint root's run lock (rank 0)
+  std::unique_ptr<RunLock> metrics;      // the metrics file's (rank 0)
+  // SIGTERM and SIGINT ask the loop to stop from the moment the directory is held (signals.h).
+  std::unique_ptr<StopRequest> stop;
+  std::vector<std::string> set_aside;  // "<name> -> <new name>" (set_aside_unverified)
+};
+
+// Takes the run's directories, collectively (`ranks` may be null): the checkpoint root's lock,
+// waiting up to --wait-for-ckpt-dir, and with several ranks the check that every rank sees the
+// root; then the resume point (find_resume_point: what the root holds now), the metrics file's
+// lock, and newer checkpoints that would stop the run at their step set aside. Throws
+// UsageError on every rank as those do.
+HeldRun hold_run(TrainConfig& config, RunPaths& paths, mixprec::distributed::Communicator* ranks);
 
 }  // namespace train
