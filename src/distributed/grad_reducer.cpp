@@ -261,6 +261,9 @@ GradReducer::GradReducer(std::shared_ptr<Communicator> comm, torch::nn::Module& 
     TORCH_CHECK(s.params.empty() || p.device() == s.params.front().device(), "[", kReducer, "] '",
                 item.key(), "' is on ", p.device(), ", '", entries.front().fqn, "' on ",
                 s.params.front().device(), "; one reducer serves one device");
+    // A parameter registered frozen has no autograd metadata yet, where its hook lives (it is
+    // hooked all the same: unfreezing it later needs no new reducer).
+    torch::autograd::impl::materialize_autograd_meta(p);
     TORCH_CHECK(torch::autograd::impl::post_acc_grad_hooks(p) == nullptr, "[", kReducer, "] '",
                 item.key(),
                 "' already has a post-accumulate-grad hook (is another GradReducer attached?)");

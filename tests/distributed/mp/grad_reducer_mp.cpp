@@ -211,6 +211,25 @@ TEST(GradReducer, SecondBackwardBeforeFinishIsAnErrorNamingTheParameter) {
   reducer.finish();  // every rank is in the same state: the reduction completes
 }
 
+// A parameter registered frozen (register_parameter(..., requires_grad=false)) has no autograd
+// metadata yet: the reducer still lays it out and hooks it, so unfreezing it later works.
+TEST(GradReducer, AParameterRegisteredFrozenCanBeUnfrozenLater) {
+  struct Net : torch::nn::Module {
+    Net() {
+      a = register_parameter("a", at::ones({4}, at::kBFloat16));
+      b = register_parameter("b", at::ones({3}, at::kBFloat16), /*requires_grad=*/false);
+    }
+    at::Tensor a, b;
+  };
+  Net model;
+  GradReducer reducer(world_ptr(), model, GradReducerOptions().bucket_numel(64));
+  model.b.set_requires_grad(true);
+  reducer.zero_grad();
+  (model.a.to(at::kFloat).sum() + model.b.to(at::kFloat).sum() * 2).backward();
+  reducer.finish();
+  EXPECT_TRUE(at::equal(model.b.grad(), at::full({3}, 2.0, at::kBFloat16)));
+}
+
 TEST(GradReducer, OneReducerPerModel) {
   ThreeDtypes model;
   GradReducer reducer(world_ptr(), *model);
