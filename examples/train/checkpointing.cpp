@@ -95,12 +95,10 @@ std::optional<fs::path> newest_checkpoint(const fs::path& root, std::string* not
       throw UsageError("checkpoint root " + root.string() + " is damaged: " + newest.latest_error);
     }
     if (!newest.name) return std::nullopt;
-    if (note != nullptr) *note = mixprec::checkpoint::find_checkpoint(root).note;
+    if (note != nullptr) *note = newest.note();
     if (unverified != nullptr) {
       unverified->clear();
-      for (const std::string& skipped : newest.skipped) {  // "<name>: <error>"
-        unverified->push_back(skipped.substr(0, skipped.find(": ")));
-      }
+      for (const auto& skipped : newest.skipped) unverified->push_back(skipped.name);
     }
     return root / *newest.name;
   } catch (const mixprec::checkpoint::FormatError& e) {

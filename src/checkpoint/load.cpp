@@ -32,19 +32,7 @@ ResolvedCheckpoint find_checkpoint(const std::filesystem::path& path) {
                       ": neither a checkpoint (no manifest.json) nor a root with a 'latest' file "
                       "or committed checkpoints");
   }
-  std::string note;
-  if (newest.latest_is_stale()) {
-    note = (newest.recorded ? "'latest' names '" + *newest.recorded + "', but '" + *newest.name +
-                                  "' is newer and complete (a save ended between its commit "
-                                  "and the 'latest' update)"
-                            : "there is no 'latest'; '" + *newest.name +
-                                  "' is the newest complete checkpoint") +
-           ": loading '" + *newest.name + "'; the next save repairs 'latest'";
-  }
-  for (const std::string& skipped : newest.skipped) {
-    note += std::string(note.empty() ? "" : "; ") + "newer but does not verify: " + skipped;
-  }
-  return {path / *newest.name, note};
+  return {path / *newest.name, newest.note()};
 }
 
 std::filesystem::path resolve_checkpoint(const std::filesystem::path& path) {

@@ -32,8 +32,24 @@ NewestCheckpoint find_newest_checkpoint(const Directory& root) {
       out.name = it->name;
       break;
     } catch (const FormatError& e) {
-      out.skipped.push_back(it->name + ": " + e.what());
+      out.skipped.push_back({it->name, e.what()});
     }
+  }
+  return out;
+}
+
+std::string NewestCheckpoint::note() const {
+  std::string out;
+  if (latest_is_stale()) {
+    out = (recorded ? "'latest' names '" + *recorded + "', but '" + *name +
+                          "' is newer and complete (a save ended between its commit and the "
+                          "'latest' update)"
+                    : "there is no 'latest'; '" + *name + "' is the newest complete checkpoint") +
+          ": loading '" + *name + "'; the next save repairs 'latest'";
+  }
+  for (const Skipped& s : skipped) {
+    out += std::string(out.empty() ? "" : "; ") + "newer but does not verify: " + s.name + ": " +
+           s.error;
   }
   return out;
 }

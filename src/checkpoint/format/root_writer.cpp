@@ -55,9 +55,10 @@ void RootWriter::repair_latest() {
     report_.warnings.push_back(
         concat("'latest' is unusable and will be replaced: ", newest.latest_error));
   }
-  for (const std::string& skipped : newest.skipped) {
-    report_.warnings.push_back(
-        concat("a checkpoint newer than 'latest' does not verify and is left as it is: ", skipped));
+  for (const NewestCheckpoint::Skipped& skipped : newest.skipped) {
+    report_.warnings.push_back(concat(
+        "a checkpoint newer than 'latest' does not verify and is left as it is: ", skipped.name,
+        ": ", skipped.error));
   }
   if (!newest.latest_is_stale()) return;
   crash_point("repair: before latest");

@@ -28,11 +28,18 @@ struct NewestCheckpoint {
   // Why `latest` is unusable (a link, a FIFO, a malformed name, …); empty if it is fine or
   // absent. Readers must refuse such a root (read_latest's error); a writer replaces it.
   std::string latest_error;
-  // Newer checkpoints than `recorded` that failed verification: "<name>: <error>".
-  std::vector<std::string> skipped;
+  // Newer checkpoints than `recorded` that failed verification, newest first.
+  struct Skipped {
+    std::string name;
+    std::string error;  // verify_checkpoint's
+  };
+  std::vector<Skipped> skipped;
 
   // `latest` does not name `name` (stale, missing or unusable): the writer should repair it.
   bool latest_is_stale() const { return name.has_value() && name != recorded; }
+  // For a reader that takes `name`: why it is not what `latest` names, and which newer
+  // checkpoints it passed over ("" when `latest` names it and nothing was skipped).
+  std::string note() const;
 };
 
 // Looks at <root> as described above. Never writes. Throws FormatError only if the root
