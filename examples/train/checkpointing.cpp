@@ -3,8 +3,8 @@
 #include "config.h"
 
 #include "mixprec/checkpoint/format/error.h"
-#include "mixprec/checkpoint/format/manifest.h"
 #include "mixprec/checkpoint/format/newest_checkpoint.h"
+#include "mixprec/checkpoint/format/retention.h"
 #include "mixprec/checkpoint/format/root_layout.h"
 #include "mixprec/checkpoint/format/root_lock.h"
 #include "mixprec/checkpoint/format/state_keys.h"
@@ -26,6 +26,7 @@
 #include <functional>
 #include <random>
 #include <regex>
+#include <set>
 
 namespace train {
 namespace fs = std::filesystem;
@@ -112,6 +113,9 @@ std::vector<std::string> uncommitted_steps_after(const fs::path& root, const fs:
   const std::string from_name = from.string();
   if (!std::regex_match(from_name, from_step, step_name)) return {};
   const long long after = std::stoll(from_step[1].str());
+  // What the library counts as committed (retention.h), not a second definition of it.
+  std::set<std::string> committed;
+  for (const auto& c : mixprec::checkpoint::list_checkpoints(root)) committed.insert(c.name);
   std::vector<std::string> names;
   std::error_code ec;
   for (const auto& entry : fs::directory_iterator(root, ec)) {
@@ -119,11 +123,7 @@ std::vector<std::string> uncommitted_steps_after(const fs::path& root, const fs:
     std::smatch step;
     if (!std::regex_match(name, step, step_name) || std::stoll(step[1].str()) <= after) continue;
     if (entry.is_symlink(ec) || !entry.is_directory(ec)) continue;
-    try {
-      (void)mixprec::checkpoint::read_manifest(mixprec::checkpoint::Directory::open(entry.path()));
-    } catch (const mixprec::checkpoint::FormatError&) {
-      names.push_back(name);  // committed checkpoints parse; this one would block its step
-    }
+    if (!committed.count(name)) names.push_back(name);  // it would block its step's save
   }
   std::sort(names.begin(), names.end());
   return names;

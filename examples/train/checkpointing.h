@@ -43,7 +43,7 @@ std::optional<std::filesystem::path> newest_checkpoint(
     std::vector<std::string>* unverified = nullptr);
 
 // Directories "step-N" of `root` with N above the step of `from` (a checkpoint name of the
-// same form) that are not committed checkpoints (no manifest that parses): a resume from
+// same form) that are not committed checkpoints (list_checkpoints, retention.h): a resume from
 // `from` would meet them at their step's save. Sorted; empty if `from` is not of that form.
 std::vector<std::string> uncommitted_steps_after(const std::filesystem::path& root,
                                                  const std::filesystem::path& from);
