@@ -101,4 +101,10 @@ KeptFp32 conversion_keep(const at::Tensor& tensor) {
 }
 
 }  // namespace detail
+
+bool is_kept_fp32_by_mark_or_plan(const at::Tensor& tensor) {
+  if (!tensor.defined()) return false;
+  const MarkRegistry::Record record = registry().find(tensor);
+  return record.marked || record.kept.reason != KeepReason::kNone;
+}
 }  // namespace mixprec

@@ -91,8 +91,7 @@ at::Tensor QuantLinearImpl::forward(const at::Tensor& input) {
   LinearCompute record;
   record.fp8_weight = has_fp8_weight();
   // Kept FP32 by any of the plan's three mechanisms (a mark, a name, a pattern).
-  record.kept_fp32 =
-      is_kept_in_fp32(weight) || kept_fp32_reason(weight).reason != KeepReason::kNone;
+  record.kept_fp32 = is_kept_fp32_by_mark_or_plan(weight);
   // FP32-marked weights pull the GEMM up to FP32; FP8 weights run in the input's dtype.
   record.dtype = record.kept_fp32    ? at::kFloat
                  : record.fp8_weight ? input.scalar_type()

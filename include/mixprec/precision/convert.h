@@ -79,4 +79,9 @@ struct KeptFp32 {
 // conversion replaces it. model_sharded_state_dict saves it (common "precision").
 KeptFp32 kept_fp32_reason(const at::Tensor& tensor);
 
+// True if `tensor` stays FP32 by any of the plan's mechanisms: it is marked keep_in_fp32, or
+// the most recent conversion kept it (by name or pattern). One registry lookup (forward paths
+// ask it at every call).
+bool is_kept_fp32_by_mark_or_plan(const at::Tensor& tensor);
+
 }  // namespace mixprec
