@@ -15,16 +15,26 @@ namespace {
 using Field = std::variant<int64_t TrainConfig::*, double TrainConfig::*,
                            std::string TrainConfig::*, bool TrainConfig::*>;
 
+// What --resume does with a flag. The run's settings are saved in every checkpoint, so that
+// `--resume` alone continues the run as it was started (as a resumed nanoGPT or torchtitan
+// job takes its config from the checkpoint, not from today's defaults).
+enum class OnResume {
+  kThisRun,  // where and how this process runs (threads, paths, progress): never saved
+  kCarried,  // the run's course (steps, schedule, cadence): saved; a flag given again changes it
+  kFixed,    // what the checkpoint's tensors and data order depend on: saved; must not change
+};
+
 struct Flag {
   std::string_view section;  // printed once above the first flag of a section in --help
   std::string_view name;     // "d-model": the flag is --d-model, its JSON key d_model
   Field field;
   std::string_view metavar;  // "" for switches
   std::string_view help;
-  bool fixed_on_resume = false;
+  OnResume on_resume = OnResume::kThisRun;
 };
 
-constexpr bool kFixed = true;
+constexpr OnResume kFixed = OnResume::kFixed;
+constexpr OnResume kCarried = OnResume::kCarried;
 
 const std::vector<Flag>& flags() {
   using C = TrainConfig;
@@ -43,25 +53,30 @@ const std::vector<Flag>& flags() {
        "but costs time and saves nothing on a CPU",
        kFixed},
       {"precision", "loss-scale", &C::loss_scale, "F",
-       "fp16: initial dynamic loss scale (halved after overflows, doubled after 1000 clean steps)"},
+       "fp16: initial dynamic loss scale (halved after overflows, doubled after 1000 clean steps)",
+       kCarried},
       {"data", "data", &C::data, "FILE",
        "a text file to train on (default: Python's pydoc "
        "topics, found through the venv's python)",
        kFixed},
       {"data", "val-fraction", &C::val_fraction, "F", "held-out tail of the text for validation",
        kFixed},
-      {"training", "steps", &C::steps, "N", "optimizer steps in total"},
+      {"training", "steps", &C::steps, "N", "optimizer steps in total", kCarried},
       {"training", "batch", &C::batch, "N", "sequences per optimizer step", kFixed},
       {"training", "grad-accum", &C::grad_accum, "N",
        "micro-batches per step (each batch/N sequences)", kFixed},
-      {"training", "lr", &C::lr, "F", "peak learning rate (AdamW)"},
-      {"training", "warmup", &C::warmup, "N", "linear warm-up steps, then cosine decay"},
-      {"training", "min-lr-ratio", &C::min_lr_ratio, "F", "final lr as a fraction of --lr"},
-      {"training", "weight-decay", &C::weight_decay, "F", "AdamW weight decay (matrices only)"},
-      {"training", "clip-grad", &C::clip_grad, "F", "clip gradients to this global norm (0: off)"},
-      {"training", "aux-loss-coef", &C::aux_loss_coef, "F", "weight of the MoE balancing loss"},
+      {"training", "lr", &C::lr, "F", "peak learning rate (AdamW)", kCarried},
+      {"training", "warmup", &C::warmup, "N", "linear warm-up steps, then cosine decay", kCarried},
+      {"training", "min-lr-ratio", &C::min_lr_ratio, "F", "final lr as a fraction of --lr",
+       kCarried},
+      {"training", "weight-decay", &C::weight_decay, "F", "AdamW weight decay (matrices only)",
+       kCarried},
+      {"training", "clip-grad", &C::clip_grad, "F", "clip gradients to this global norm (0: off)",
+       kCarried},
+      {"training", "aux-loss-coef", &C::aux_loss_coef, "F", "weight of the MoE balancing loss",
+       kCarried},
       {"training", "bias-update-rate", &C::bias_update_rate, "F",
-       "aux-loss-free balancing: expert-bias step per optimizer step"},
+       "aux-loss-free balancing: expert-bias step per optimizer step", kCarried},
       {"training", "seed", &C::seed, "N", "seeds the weights, the data order and the sample",
        kFixed},
       {"training", "recompute", &C::recompute, "",
@@ -79,9 +94,10 @@ const std::vector<Flag>& flags() {
        "--seq-len 256), system gives it back and the next step faults it in again (about 1,400 "
        "page faults a step on the default model); a GLIBC_TUNABLES that sets a glibc.malloc "
        "threshold wins unless the flag is given"},
-      {"evaluation and output", "eval-every", &C::eval_every, "N", "validation loss every N steps"},
+      {"evaluation and output", "eval-every", &C::eval_every, "N", "validation loss every N steps",
+       kCarried},
       {"evaluation and output", "eval-batches", &C::eval_batches, "N",
-       "batches of the validation split per evaluation"},
+       "batches of the validation split per evaluation", kCarried},
       {"evaluation and output", "log-every", &C::log_every, "N",
        "one progress line every N steps (when not drawing a bar)"},
       {"evaluation and output", "progress", &C::progress, "auto|bar|lines|none",
@@ -95,15 +111,18 @@ const std::vector<Flag>& flags() {
        "ranges) to trace-rank<R>.json beside metrics.jsonl, for Perfetto or chrome://tracing"},
       {"checkpoints", "ckpt-dir", &C::ckpt_dir, "DIR",
        "checkpoint root (default: <out>/checkpoints)"},
-      {"checkpoints", "ckpt-every", &C::ckpt_every, "N", "save every N steps (and at the end)"},
-      {"checkpoints", "keep-last", &C::keep_last, "N", "checkpoints kept (older ones removed)"},
+      {"checkpoints", "ckpt-every", &C::ckpt_every, "N", "save every N steps (and at the end)",
+       kCarried},
+      {"checkpoints", "keep-last", &C::keep_last, "N", "checkpoints kept (older ones removed)",
+       kCarried},
       {"checkpoints", "async-save", &C::async_save, "",
        "write checkpoints in the background: training waits only while the state is copied "
        "to host memory (with several ranks too)"},
       {"checkpoints", "staging-budget-mb", &C::staging_budget_mb, "N",
-       "--async-save: host memory the copy may take, checked before the first step"},
+       "--async-save: host memory the copy may take, checked before the first step", kCarried},
       {"checkpoints", "ckpt-timeout", &C::ckpt_timeout, "S",
-       "several ranks: seconds a save's collectives may wait (their own group, not training's)"},
+       "several ranks: seconds a save's collectives may wait (their own group, not training's)",
+       kCarried},
       {"checkpoints", "wait-for-ckpt-dir", &C::wait_for_ckpt_dir, "S",
        "seconds to wait while another run holds the checkpoint directory (0: fail at once)"},
       {"checkpoints", "resume", &C::resume, "",
@@ -114,9 +133,11 @@ const std::vector<Flag>& flags() {
       {"checkpoints", "init-from", &C::init_from, "PATH",
        "start from exported weights (a mixprec-ckpt export directory or a .safetensors file) "
        "instead of random ones; a new run, not with --resume"},
-      {"sample", "prompt", &C::prompt, "TEXT", "text the final sample starts from"},
-      {"sample", "sample-tokens", &C::sample_tokens, "N", "bytes to generate (0: no sample)"},
-      {"sample", "temperature", &C::temperature, "F", "sampling temperature; 0 is greedy"},
+      {"sample", "prompt", &C::prompt, "TEXT", "text the final sample starts from", kCarried},
+      {"sample", "sample-tokens", &C::sample_tokens, "N", "bytes to generate (0: no sample)",
+       kCarried},
+      {"sample", "temperature", &C::temperature, "F", "sampling temperature; 0 is greedy",
+       kCarried},
   };
   return table;
 }
@@ -196,9 +217,18 @@ nlohmann::json get_field(const TrainConfig& config, const Flag& flag) {
   return std::visit([&](auto member) { return nlohmann::json(config.*member); }, flag.field);
 }
 
+// A value the way a user would type it: a whole number stored as a double prints as one
+// ("65536", "5", not "65536.0").
+std::string typed(const nlohmann::json& value) {
+  if (value.is_string()) return value.get<std::string>();
+  const bool whole = value.is_number_float() && std::abs(value.get<double>()) < 1e15 &&
+                     value.get<double>() == std::floor(value.get<double>());
+  return whole ? std::to_string(static_cast<long long>(value.get<double>())) : value.dump();
+}
+
 // Shown in messages the way a user would type it: --layers 2, --data "" for the default.
 std::string shown(const Flag& flag, const nlohmann::json& value) {
-  std::string text = value.is_string() ? value.get<std::string>() : value.dump();
+  std::string text = typed(value);
   if (text.empty()) text = "(default)";
   return "--" + std::string(flag.name) + " " + text;
 }
@@ -330,7 +360,10 @@ std::string usage() {
        "Trains a small GPT with mixture-of-experts blocks on bytes of text: BF16 (or FP16)\n"
        "weights, router, expert bias and norms in FP32, FP8 expert GEMMs, AdamW with FP32\n"
        "masters, durable checkpoints. With no flags it trains on Python's documentation\n"
-       "topics for about two minutes on two cores. SIGINT/SIGTERM save and exit.\n";
+       "topics for about two minutes on two cores. SIGINT/SIGTERM save and exit.\n"
+       "--resume continues with the settings the run was started with: a flag given\n"
+       "again changes its setting, except those fixed on resume; threads, paths, output\n"
+       "and switches are this run's own.\n";
   const TrainConfig defaults;
   std::string_view section;
   for (const Flag& f : flags()) {
@@ -348,17 +381,8 @@ std::string usage() {
     const nlohmann::json value = get_field(defaults, f);
     const bool has_default =
         !f.metavar.empty() && !(value.is_string() && value.get<std::string>().empty());
-    if (has_default) {
-      // A whole number stored as a double prints as one ("65536", not "65536.0").
-      const bool whole = value.is_number_float() && std::abs(value.get<double>()) < 1e15 &&
-                         value.get<double>() == std::floor(value.get<double>());
-      s << " ["
-        << (value.is_string() ? value.get<std::string>()
-            : whole           ? std::to_string(static_cast<long long>(value.get<double>()))
-                              : value.dump())
-        << "]";
-    }
-    if (f.fixed_on_resume) s << " (fixed on resume)";
+    if (has_default) s << " [" << typed(value) << "]";
+    if (f.on_resume == kFixed) s << " (fixed on resume)";
     s << "\n";
   }
   return s.str();
@@ -367,35 +391,47 @@ std::string usage() {
 nlohmann::json run_shape(const TrainConfig& config) {
   nlohmann::json shape = nlohmann::json::object();
   for (const Flag& f : flags()) {
-    if (f.fixed_on_resume) shape[key_of(f.name)] = get_field(config, f);
+    if (f.on_resume != OnResume::kThisRun) shape[key_of(f.name)] = get_field(config, f);
   }
   return shape;
 }
 
-void adopt_run_shape(TrainConfig& config, const nlohmann::json& shape, const std::string& source) {
+std::vector<ResumeChange> adopt_run_shape(TrainConfig& config, const nlohmann::json& shape,
+                                          const std::string& source) {
   check(shape.is_object(), source + " holds no mixprec-train configuration");
   TrainConfig adopted = config;  // validate first, then change `config`
+  std::vector<ResumeChange> changes;
   for (const Flag& f : flags()) {
-    if (!f.fixed_on_resume) continue;
+    if (f.on_resume == OnResume::kThisRun) continue;
     const std::string key = key_of(f.name);
-    check(shape.contains(key), source + " holds no value for --" + std::string(f.name) +
-                                   " (not written by this version of mixprec-train?)");
+    if (!shape.contains(key)) {
+      // Checkpoints from before the run's course was saved hold the fixed flags only.
+      check(f.on_resume != kFixed, source + " holds no value for --" + std::string(f.name) +
+                                       " (not written by this version of mixprec-train?)");
+      continue;
+    }
     const nlohmann::json saved = shape.at(key);
     const nlohmann::json current = get_field(config, f);
+    check(saved.is_primitive() && !saved.is_null() &&
+              std::string_view(saved.type_name()) == current.type_name(),
+          source + ": malformed value for --" + std::string(f.name));
     if (saved == current) continue;
-    check(!config.is_given(key), source + " was trained with " + shown(f, saved) +
-                                     "; this run asks for " + shown(f, current));
+    if (config.is_given(key)) {
+      check(f.on_resume != kFixed, source + " was trained with " + shown(f, saved) +
+                                       "; this run asks for " + shown(f, current));
+      changes.push_back({std::string(f.name), shown(f, saved), shown(f, current)});
+      continue;
+    }
     std::visit(
         [&](auto member) {
           using T = std::remove_reference_t<decltype(adopted.*member)>;
-          check(saved.is_primitive() && !saved.is_null(),
-                source + ": malformed value for --" + std::string(f.name));
           adopted.*member = saved.get<T>();
         },
         f.field);
   }
   validate(adopted);
   config = std::move(adopted);
+  return changes;
 }
 
 std::string describe(const TrainConfig& c) {

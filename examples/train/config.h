@@ -122,13 +122,23 @@ struct ProfileSteps {
 };
 ProfileSteps parse_profile_steps(const std::string& text);
 
-// The flags fixed on resume, as JSON {"layers": 2, …}: stored in every checkpoint.
+// The run's settings, as JSON {"layers": 2, "steps": 600, …}: stored in every checkpoint. Every
+// flag but those of this process alone (threads, paths, progress, switches, --stop-at).
 nlohmann::json run_shape(const TrainConfig& config);
 
-// Takes the fixed-on-resume flags from a checkpoint's saved `shape`. A flag given on the command
-// line with another value is a UsageError naming it and both values; `source` names the
-// checkpoint in messages. Flags not given are set from `shape`.
-void adopt_run_shape(TrainConfig& config, const nlohmann::json& shape, const std::string& source);
+// A setting a resumed run changes: "--steps", "--steps 600", "--steps 1200".
+struct ResumeChange {
+  std::string flag;
+  std::string saved;
+  std::string now;
+};
+
+// Takes the run's settings from a checkpoint's saved `shape`: flags not given on the command
+// line are set from it. A flag fixed on resume given with another value is a UsageError naming
+// it and both values (`source` names the checkpoint); any other flag given with another value
+// wins, and is returned, so that the run can say what it changed.
+std::vector<ResumeChange> adopt_run_shape(TrainConfig& config, const nlohmann::json& shape,
+                                          const std::string& source);
 
 // One line describing the model and precision, e.g.
 // "2 layers, d_model 128, 4 heads, 4 experts (top-2), seq 128 | bf16, fp8 hybrid".

@@ -27,7 +27,8 @@ class DataParallelOptimizer final : public TrainingOptimizer {
         optimizer_(reducer_, *mixed.module, adamw_groups(*mixed.module, config),
                    std::make_unique<torch::optim::AdamWOptions>(adamw_options(config)),
                    float16_options(config, precision)),
-        gpt_(mixed.gpt) {
+        gpt_(mixed.gpt),
+        weight_decay_(config.weight_decay) {
     gpt_->before_use = [this](const torch::nn::Module& part) { reducer_.wait_for_params(part); };
   }
   ~DataParallelOptimizer() override { gpt_->before_use = nullptr; }
@@ -47,7 +48,9 @@ class DataParallelOptimizer final : public TrainingOptimizer {
     return mixprec::distributed::training_state_dict(model_, optimizer_, user);
   }
   nlohmann::json load(const std::filesystem::path& dir) override {
-    return mixprec::distributed::load_training_state(dir, model_, optimizer_).user;
+    nlohmann::json user = mixprec::distributed::load_training_state(dir, model_, optimizer_).user;
+    apply_weight_decay(optimizer_.param_groups(), weight_decay_);
+    return user;
   }
 
   std::size_t checkpoint_bytes() const override {
@@ -65,6 +68,7 @@ class DataParallelOptimizer final : public TrainingOptimizer {
   mixprec::distributed::GradReducer reducer_;
   mixprec::distributed::DistributedOptimizer optimizer_;
   Gpt gpt_;
+  double weight_decay_;
 };
 
 }  // namespace

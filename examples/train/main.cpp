@@ -25,6 +25,7 @@
 #include "progress.h"
 #include "run_paths.h"
 #include "sample.h"
+#include "schedule.h"
 #include "signals.h"
 #include "summary.h"
 
@@ -92,6 +93,36 @@ RunReport::Memory memory_report(const torch::nn::Module& model, const OptimizerM
   return m;
 }
 
+// What a resumed run does differently from the run it continues: the settings given anew, and
+// where the learning-rate schedule jumps because of them (a longer --steps stretches the
+// cosine decay, so the lr rises again).
+void print_resume_changes(const TrainConfig& config, const RunPaths& paths) {
+  for (const ResumeChange& c : paths.changes) {
+    std::printf("changed      %s (was %s)\n", c.now.c_str(), c.saved.c_str());
+  }
+  if (paths.changes.empty()) return;
+  const int64_t step = paths.resume_step;
+  double saved_before = 0, saved_after = 0;  // the saved run's lr for steps `step` and `step + 1`
+  try {
+    const nlohmann::json& saved = paths.saved_shape;
+    const auto saved_lr = [&](int64_t index) {
+      return learning_rate(index, saved.at("steps").get<int64_t>(), saved.at("lr").get<double>(),
+                           saved.at("warmup").get<int64_t>(),
+                           saved.at("min_lr_ratio").get<double>());
+    };
+    saved_before = saved_lr(step - 1);
+    saved_after = saved_lr(step);
+  } catch (const nlohmann::json::exception&) {
+    return;  // a checkpoint from before the schedule was saved
+  }
+  const double now =
+      learning_rate(step, config.steps, config.lr, config.warmup, config.min_lr_ratio);
+  if (step > 0 && now != saved_after) {
+    std::printf("             the learning rate goes from %.2e at step %lld to %.2e at step %lld\n",
+                saved_before, static_cast<long long>(step), now, static_cast<long long>(step + 1));
+  }
+}
+
 // The first line of an error message: the one line the user gets.
 std::string first_line(const std::string& message) { return message.substr(0, message.find('\n')); }
 
@@ -107,6 +138,8 @@ int run(int argc, char** argv, const std::string& malloc_policy) {
     return 0;
   }
   TrainConfig config = args.config;
+  // Saved absolute, so that a resume from another working directory reads the same file.
+  if (!config.data.empty()) config.data = std::filesystem::absolute(config.data).lexically_normal();
   const std::shared_ptr<mixprec::distributed::Communicator> ranks = join_ranks();
   adopt_ranks(config, ranks.get());
   // A fresh run's directory is named by the time it starts: rank 0's time, for every rank.
@@ -128,6 +161,16 @@ int run(int argc, char** argv, const std::string& malloc_policy) {
   // left. And every rank must see the directory rank 0 writes, before the first step rather
   // than at the first save.
   const HeldRun held = hold_run(config, paths, ranks.get());
+  if (paths.resume_from && paths.resume_step == config.steps) {
+    if (config.rank == 0) {
+      std::printf(
+          "mixprec-train: %s is at step %lld of --steps %lld: the run is complete, "
+          "nothing to train (a larger --steps continues it)\n",
+          paths.resume_from->string().c_str(), static_cast<long long>(config.steps),
+          static_cast<long long>(config.steps));
+    }
+    return 0;
+  }
   if (config.threads > 0) at::set_num_threads(static_cast<int>(config.threads));
   const bool rank0 = config.rank == 0;
   // MFU's denominator: what a BF16 GEMM reaches here with these threads (every rank at once,
@@ -201,6 +244,7 @@ int run(int argc, char** argv, const std::string& malloc_policy) {
       std::printf("resumed      from %s at step %lld\n", paths.resume_from->string().c_str(),
                   static_cast<long long>(state.step));
       if (!paths.resume_note.empty()) std::printf("             (%s)\n", paths.resume_note.c_str());
+      print_resume_changes(config, paths);
       for (const std::string& moved : held.set_aside) {
         std::printf("set aside    %s (it does not verify; kept for inspection)\n", moved.c_str());
       }

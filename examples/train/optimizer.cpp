@@ -25,7 +25,8 @@ class SingleProcessOptimizer final : public TrainingOptimizer {
       : model_(model),
         optimizer_(model, adamw_groups(model, config),
                    std::make_unique<torch::optim::AdamWOptions>(adamw_options(config)),
-                   float16_options(config, precision)) {}
+                   float16_options(config, precision)),
+        weight_decay_(config.weight_decay) {}
 
   double loss_scale() const override { return optimizer_.loss_scale(); }
   void zero_grad() override { optimizer_.zero_grad(); }
@@ -38,7 +39,9 @@ class SingleProcessOptimizer final : public TrainingOptimizer {
     return mixprec::checkpoint::training_state_dict(model_, optimizer_, user);
   }
   nlohmann::json load(const std::filesystem::path& dir) override {
-    return mixprec::checkpoint::load_training_state(dir, model_, optimizer_).user;
+    nlohmann::json user = mixprec::checkpoint::load_training_state(dir, model_, optimizer_).user;
+    apply_weight_decay(optimizer_.param_groups(), weight_decay_);
+    return user;
   }
 
   OptimizerMemory memory() const override {
@@ -53,6 +56,7 @@ class SingleProcessOptimizer final : public TrainingOptimizer {
  private:
   torch::nn::Module& model_;
   Float16Optimizer optimizer_;
+  double weight_decay_;
 };
 
 }  // namespace
@@ -94,6 +98,13 @@ OptimizerMemory optimizer_memory(const torch::nn::Module& model,
     if (info.role != ParamRole::kFrozen) m.trainable_params += n;
   }
   return m;
+}
+
+void apply_weight_decay(std::vector<torch::optim::OptimizerParamGroup>& groups,
+                        double weight_decay) {
+  // adamw_groups' order: the decayed group first.
+  TORCH_INTERNAL_ASSERT(groups.size() == 2, "mixprec-train's AdamW has two parameter groups");
+  static_cast<torch::optim::AdamWOptions&>(groups.front().options()).weight_decay(weight_decay);
 }
 
 torch::optim::AdamWOptions adamw_options(const TrainConfig& config) {

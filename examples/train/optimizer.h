@@ -96,6 +96,11 @@ std::unique_ptr<TrainingOptimizer> make_data_parallel_optimizer(
 std::vector<torch::optim::OptimizerParamGroup> adamw_groups(torch::nn::Module& model,
                                                             const TrainConfig& config);
 torch::optim::AdamWOptions adamw_options(const TrainConfig& config);
+// After a load: the groups' options come back as they were saved, but --weight-decay is a
+// setting of the run, which a resumed run may change (config.h, kCarried); the lr is set by
+// the schedule every step.
+void apply_weight_decay(std::vector<torch::optim::OptimizerParamGroup>& groups,
+                        double weight_decay);
 OptimizerMemory optimizer_memory(const torch::nn::Module& model,
                                  const std::vector<mixprec::optim::ParamInfo>& params_info,
                                  int64_t state_bytes);

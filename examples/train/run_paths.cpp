@@ -1,6 +1,7 @@
 #include "run_paths.h"
 
 #include "checkpointing.h"
+#include "loop.h"
 
 #include "mixprec/checkpoint/format/root_layout.h"
 #include "mixprec/distributed/communicator.h"
@@ -96,7 +97,14 @@ void find_resume_point(TrainConfig& config, RunPaths& paths) {
   const nlohmann::json user = read_user_metadata(*latest);
   const std::string source = "checkpoint " + latest->string();
   if (!user.contains("config")) throw UsageError(source + " was not written by mixprec-train");
-  adopt_run_shape(config, user.at("config"), source);
+  paths.changes = adopt_run_shape(config, user.at("config"), source);
+  paths.saved_shape = user.at("config");
+  paths.resume_step = RunState::from_json(user, source).step;
+  if (config.steps < paths.resume_step) {
+    throw UsageError("--steps " + std::to_string(config.steps) + ": " + source +
+                     " is already at step " + std::to_string(paths.resume_step) +
+                     "; give a larger --steps to train on from it");
+  }
   // The metrics file the saved run wrote, unless this run is told where it lives (--out,
   // --ckpt-dir, --metrics): a copy of a run resumed in another directory must not append to,
   // and cut back, the original's file.

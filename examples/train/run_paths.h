@@ -23,7 +23,10 @@ struct RunPaths {
   std::filesystem::path ckpt_root;
   std::filesystem::path metrics;
   std::optional<std::filesystem::path> resume_from;  // the checkpoint to load (with --resume)
-  std::string resume_note;  // why that is not what `latest` names (a save ended early); or ""
+  std::string resume_note;     // why that is not what `latest` names (a save ended early); or ""
+  int64_t resume_step = 0;     // the step resume_from was saved after
+  nlohmann::json saved_shape;  // its run settings (config.h, run_shape)
+  std::vector<ResumeChange> changes;  // settings this run gives anew (config.h)
   // Newer checkpoints than resume_from that do not verify (set_aside_unverified moves them).
   std::vector<std::string> unverified;
 };

@@ -90,7 +90,6 @@ TEST(TrainConfig, HelpListsEveryFlagWithItsDefault) {
 TEST(TrainConfig, ResumeAdoptsTheSavedShapeAndRefusesAGivenDifferentOne) {
   TrainConfig saved = parse({"--layers", "3", "--precision", "fp16", "--seed", "7"}).config;
   const nlohmann::json shape = run_shape(saved);
-  EXPECT_FALSE(shape.contains("steps")) << "steps and lr may change on resume";
 
   TrainConfig resumed = parse({"--resume", "--steps", "900"}).config;
   adopt_run_shape(resumed, shape, "checkpoint X");
@@ -118,6 +117,63 @@ TEST(TrainConfig, ResumeAdoptsTheSavedShapeAndRefusesAGivenDifferentOne) {
     FAIL();
   } catch (const UsageError& e) {
     EXPECT_NE(std::string(e.what()).find("no value for --experts"), std::string::npos) << e.what();
+  }
+}
+
+// A resumed run is the run it continues: its course (steps, schedule, cadence, sample) comes
+// from the checkpoint unless given again; what belongs to this process alone does not.
+TEST(TrainConfig, ResumeCarriesTheRunsSettingsAndReportsWhatIsGivenAnew) {
+  const TrainConfig saved =
+      parse({"--steps",        "12",   "--warmup",     "2", "--lr",         "0.01",
+             "--weight-decay", "0.5",  "--eval-every", "3", "--ckpt-every", "4",
+             "--prompt",       "Once", "--threads",    "1", "--progress",   "none",
+             "--stop-at",      "6",    "--recompute"})
+          .config;
+  const nlohmann::json shape = run_shape(saved);
+  for (const char* mine : {"threads", "progress", "stop_at", "recompute", "out", "resume"}) {
+    EXPECT_FALSE(shape.contains(mine)) << mine << " is this process's own";
+  }
+
+  TrainConfig resumed = parse({"--resume"}).config;
+  EXPECT_TRUE(adopt_run_shape(resumed, shape, "checkpoint X").empty());
+  EXPECT_EQ(resumed.steps, 12);
+  EXPECT_EQ(resumed.warmup, 2);
+  EXPECT_EQ(resumed.lr, 0.01);
+  EXPECT_EQ(resumed.weight_decay, 0.5);
+  EXPECT_EQ(resumed.eval_every, 3);
+  EXPECT_EQ(resumed.ckpt_every, 4);
+  EXPECT_EQ(resumed.prompt, "Once");
+  const TrainConfig defaults;
+  EXPECT_EQ(resumed.threads, defaults.threads);
+  EXPECT_EQ(resumed.stop_at, 0) << "--stop-at 6 would stop the resumed run at once";
+  EXPECT_FALSE(resumed.recompute);
+
+  TrainConfig changed = parse({"--resume", "--steps", "20", "--weight-decay", "0.5"}).config;
+  const std::vector<ResumeChange> changes = adopt_run_shape(changed, shape, "checkpoint X");
+  ASSERT_EQ(changes.size(), 1u) << "--weight-decay is given with its saved value";
+  EXPECT_EQ(changes[0].flag, "steps");
+  EXPECT_EQ(changes[0].saved, "--steps 12");
+  EXPECT_EQ(changes[0].now, "--steps 20");
+  EXPECT_EQ(changed.steps, 20);
+  EXPECT_EQ(changed.warmup, 2);
+
+  // A checkpoint from before the run's course was saved holds the fixed flags only: the
+  // defaults stand for the rest, as they did then.
+  nlohmann::json fixed_only = shape;
+  for (const char* key : {"steps", "lr", "warmup", "weight_decay", "prompt"}) fixed_only.erase(key);
+  TrainConfig old = parse({"--resume"}).config;
+  adopt_run_shape(old, fixed_only, "checkpoint X");
+  EXPECT_EQ(old.steps, defaults.steps);
+  EXPECT_EQ(old.weight_decay, defaults.weight_decay);
+
+  nlohmann::json wrong_type = shape;
+  wrong_type["steps"] = "twelve";
+  TrainConfig refused = parse({"--resume"}).config;
+  try {
+    adopt_run_shape(refused, wrong_type, "checkpoint X");
+    FAIL() << "a malformed saved value must be refused";
+  } catch (const UsageError& e) {
+    EXPECT_STREQ(e.what(), "checkpoint X: malformed value for --steps");
   }
 }
 

@@ -44,8 +44,10 @@ TEST_P(BitwiseResume, StopAndResumeEqualsStraight) {
   EXPECT_EQ(read_text(dir / "split/checkpoints/latest"), "step-000005\n");
   EXPECT_NE(first.out.find("stopped     by --stop-at after step 5 of 8"), std::string::npos)
       << first.out;
-  const ProgramRun second =
-      run_program(dir.path(), common + std::vector<std::string>{"--out", "split", "--resume"});
+  // Only what belongs to this process is given again: the run's settings (steps, schedule,
+  // cadence, model, data) come from the checkpoint.
+  const ProgramRun second = run_program(
+      dir.path(), {"--out", "split", "--resume", "--progress", "lines", "--threads", "1"});
   ASSERT_EQ(second.status, 0) << second.err;
   EXPECT_NE(second.out.find("resumed      from"), std::string::npos);
 
@@ -82,6 +84,72 @@ TEST_P(BitwiseResume, StopAndResumeEqualsStraight) {
 }
 
 INSTANTIATE_TEST_SUITE_P(Precisions, BitwiseResume, ::testing::Values("bf16", "fp16"));
+
+// A setting given again on --resume changes the run from there, and the run says so; the
+// relative --data of the first part names the same file in another spelling; a finished run
+// has nothing to resume, and a --steps below its step is refused.
+TEST(ResumeSettings, AFlagGivenAgainChangesTheRunAndIsReported) {
+  Scratch dir;
+  write_corpus(dir / "corpus.txt");
+  const auto tiny = tiny_model();
+  const ProgramRun first = run_program(
+      dir.path(),
+      tiny + std::vector<std::string>{"--data", "corpus.txt", "--steps", "8", "--warmup", "2",
+                                      "--lr", "1e-2", "--weight-decay", "0.1", "--ckpt-every",
+                                      "100", "--out", "a", "--stop-at", "4"});
+  ASSERT_EQ(first.status, 0) << first.err;
+  fs::copy(dir / "a", dir / "b", fs::copy_options::recursive);
+
+  const std::vector<std::string> mine = {"--progress", "lines", "--threads", "1"};
+  const ProgramRun same = run_program(
+      dir.path(),
+      mine + std::vector<std::string>{"--out", "a", "--resume", "--data", "./corpus.txt"}, "same");
+  ASSERT_EQ(same.status, 0) << same.err;
+  EXPECT_NE(same.out.find("run          8 steps"), std::string::npos) << same.out;
+  EXPECT_EQ(same.out.find("changed"), std::string::npos) << same.out;
+
+  const ProgramRun decayed = run_program(
+      dir.path(), mine + std::vector<std::string>{"--out", "b", "--resume", "--weight-decay", "5"},
+      "decayed");
+  ASSERT_EQ(decayed.status, 0) << decayed.err;
+  EXPECT_NE(decayed.out.find("changed      --weight-decay 5 (was --weight-decay 0.1)"),
+            std::string::npos)
+      << decayed.out;
+  EXPECT_EQ(decayed.out.find("the learning rate goes"), std::string::npos) << decayed.out;
+  const auto a = read_metrics(dir / "a/metrics.jsonl");
+  const auto b = read_metrics(dir / "b/metrics.jsonl");
+  ASSERT_EQ(a.size(), 8u);
+  ASSERT_EQ(b.size(), 8u);
+  EXPECT_EQ(b[4].loss, a[4].loss) << "step 5's forward runs on the weights of step 4";
+  EXPECT_EQ(b[4].lr, a[4].lr);
+  EXPECT_NE(b[5].loss, a[5].loss) << "step 5's update decayed the weights 50x harder";
+
+  const ProgramRun longer = run_program(
+      dir.path(), mine + std::vector<std::string>{"--out", "a", "--resume", "--steps", "12"},
+      "longer");
+  ASSERT_EQ(longer.status, 0) << longer.err;
+  EXPECT_NE(longer.out.find("changed      --steps 12 (was --steps 8)"), std::string::npos)
+      << longer.out;
+  EXPECT_NE(longer.out.find("the learning rate goes from 1.00e-03 at step 8 to"), std::string::npos)
+      << "the decay reached its floor at step 8 and starts again over 12 steps\n"
+      << longer.out;
+
+  const ProgramRun complete =
+      run_program(dir.path(), mine + std::vector<std::string>{"--out", "a", "--resume"}, "done");
+  EXPECT_EQ(complete.status, 0) << complete.err;
+  EXPECT_NE(complete.out.find("is at step 12 of --steps 12: the run is complete"),
+            std::string::npos)
+      << complete.out;
+  const auto before = snapshot(dir / "a");
+  const ProgramRun shorter = run_program(
+      dir.path(), mine + std::vector<std::string>{"--out", "a", "--resume", "--steps", "6"},
+      "shorter");
+  EXPECT_EQ(shorter.status, 2);
+  EXPECT_NE(shorter.err.find("--steps 6: checkpoint "), std::string::npos) << shorter.err;
+  EXPECT_NE(shorter.err.find("is already at step 12; give a larger --steps"), std::string::npos)
+      << shorter.err;
+  EXPECT_EQ(snapshot(dir / "a"), before) << "a refused resume writes nothing";
+}
 
 TEST(SigtermResume, SigtermSavesExitsZeroAndResumeContinues) {
   Scratch dir;
