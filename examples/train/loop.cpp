@@ -154,13 +154,16 @@ LoopOutcome Loop::run(RunState& state) {
   LoopOutcome outcome;
   model.module->train();
   while (state.step < config.steps) {
-    const auto start = Clock::now();
     const double lr =
         learning_rate(state.step, config.steps, config.lr, config.warmup, config.min_lr_ratio);
+    // The profiler's start, and the trace it writes after the last traced step, are not the
+    // step's time (a trace takes seconds to write).
     if (profiler != nullptr) profiler->before_step(state.step + 1);
+    const auto start = Clock::now();
     const StepOutcome done =
         train_step(config, model, optimizer, train_batches, state.step, lr, ranks, stop.requested(),
                    [this] { checkpointer.before_state_changes(); });
+    const double step_s = seconds_since(start);
     if (profiler != nullptr) profiler->after_step(state.step + 1);
     if (outcome.records.size() >= LoopOutcome::kFirstStepsLeftOut) {
       // One step's pair, so that the split adds up: the activations of the step with the peak.
@@ -172,7 +175,6 @@ LoopOutcome Loop::run(RunState& state) {
       }
     }
     const mixprec::optim::StepResult& result = done.result;
-    const double step_s = seconds_since(start);
     outcome.train_s += step_s;
     state.elapsed_s += step_s;
     state.step += 1;

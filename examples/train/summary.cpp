@@ -263,23 +263,34 @@ std::string summary(const RunReport& r) {
     const int64_t last = r.history.empty() ? 0 : r.history.back().step;
     const int64_t first = last - r.steps_this_process + 1;
     const int64_t warm_up = std::min<int64_t>(10, r.steps_this_process / 10);
+    // Traced steps run under the profiler, which records every operator: not the run's speed.
+    ProfileSteps traced;
+    if (!r.config.profile_steps.empty()) traced = parse_profile_steps(r.config.profile_steps);
+    const auto is_traced = [&](int64_t step) {
+      return step >= traced.first && step <= traced.last && traced.first > 0;
+    };
+    std::string left_out;
+    if (traced.first > 0 && traced.last >= first + warm_up && traced.first <= last) {
+      left_out = "; traced steps " + std::to_string(std::max(traced.first, first + warm_up)) + "–" +
+                 std::to_string(std::min(traced.last, last)) + " left out";
+    }
     double steady_s = 0;
     int64_t steady_steps = 0;
     StepPhases phases;  // summed over the steady steps
     for (const StepRecord& rec : r.history) {
-      if (rec.step < first + warm_up) continue;
+      if (rec.step < first + warm_up || is_traced(rec.step)) continue;
       steady_s += rec.step_s;
       ++steady_steps;
       phases += rec.phases;
     }
-    if (warm_up > 0 && steady_steps > 0 && steady_s > 0) {
+    if ((warm_up > 0 || !left_out.empty()) && steady_steps > 0 && steady_s > 0) {
       const double steady_tokens = static_cast<double>(steady_steps * r.config.tokens_per_step());
       std::snprintf(line, sizeof line,
-                    "speed       %s tokens/s over steps %lld–%lld (after %lld warm-up steps; "
+                    "speed       %s tokens/s over steps %lld–%lld (after %lld warm-up steps%s; "
                     "%s tokens in %s of training steps in all)\n",
                     human(steady_tokens / steady_s).c_str(),
                     static_cast<long long>(first + warm_up), static_cast<long long>(last),
-                    static_cast<long long>(warm_up), human(tokens).c_str(),
+                    static_cast<long long>(warm_up), left_out.c_str(), human(tokens).c_str(),
                     human_seconds(r.train_s).c_str());
     } else {
       std::snprintf(line, sizeof line,

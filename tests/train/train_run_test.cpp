@@ -141,11 +141,20 @@ TEST(TrainRun, ProfileStepsWritesATraceOfThoseSteps) {
   const auto train = [&](const std::string& steps) {
     return run_program(dir.path(), tiny_model() + std::vector<std::string>{
                                                       "--data", (dir / "corpus.txt").string(),
-                                                      "--steps", "4", "--ckpt-every", "4", "--out",
+                                                      "--steps", "5", "--ckpt-every", "5", "--out",
                                                       "run", "--profile-steps", steps});
   };
   const ProgramRun run = train("2:3");
   ASSERT_EQ(run.status, 0) << run.err << run.out;
+  // Under the profiler a step is not the run's speed, nor is writing the trace part of a step.
+  EXPECT_NE(run.out.find("(after 0 warm-up steps; traced steps 2–3 left out;"), std::string::npos)
+      << run.out;
+  const auto records = read_metrics(dir / "run/metrics.jsonl");
+  ASSERT_EQ(records.size(), 5u);
+  const StepRecord& last_traced = records[2];
+  EXPECT_NEAR(last_traced.step_s, last_traced.phases.timed_s() + last_traced.phases.other_s,
+              1e-3 + 0.05 * last_traced.step_s)
+      << "the trace is written after the step's clock stopped";
   const fs::path trace = dir / "run/trace-rank0.json";
   EXPECT_NE(run.out.find("trace       run/trace-rank0.json"), std::string::npos) << run.out;
   const nlohmann::json json = nlohmann::json::parse(read_text(trace));
@@ -170,7 +179,7 @@ TEST(TrainRun, ProfileStepsWritesATraceOfThoseSteps) {
       << bad.err;
   const ProgramRun late = train("2:9");
   EXPECT_EQ(late.status, 2);
-  EXPECT_NE(late.err.find("--profile-steps 2:9 ends after --steps 4"), std::string::npos)
+  EXPECT_NE(late.err.find("--profile-steps 2:9 ends after --steps 5"), std::string::npos)
       << late.err;
 }
 
