@@ -108,74 +108,97 @@ void AsyncCheckpointSaver::save(const std::filesystem::path& root, const std::st
     throw FormatError("[mixprec::checkpoint] " + (root / name).string() +
                       ": already exists; refusing to overwrite it: save under another name");
   }
-  save(std::move(state), [root, name, options](const ShardedStateDict& staged) {
-    return save_checkpoint(root, name, staged, options);
-  });
+  start(
+      std::move(state),
+      [root, name, options](const ShardedStateDict& staged, const std::exception_ptr& failed) {
+        if (failed) std::rethrow_exception(failed);
+        return save_checkpoint(root, name, staged, options);
+      },
+      /*defer_errors=*/false);
 }
 
 void AsyncCheckpointSaver::save(ShardedStateDict state, Writer write) {
+  start(std::move(state), std::move(write), /*defer_errors=*/true);
+}
+
+void AsyncCheckpointSaver::start(ShardedStateDict state, Writer write, bool defer_errors) {
   const auto start = std::chrono::steady_clock::now();
   wait();  // one save in flight; rethrows its error
   // This process's part only: on N ranks the writer's collective checks what they cover
   // together (collective_checkpoint.h).
-  std::vector<std::string> problems;
-  detail::plan_rank(state, 0, problems);
-  mixprec::detail::check_no_problems(problems, "[mixprec::checkpoint::save] cannot save");
-  detail::check_unchanged({&state}, "since the state dict was built");
-  reserve(staging_bytes_for(state));
+  std::exception_ptr failed;
+  try {
+    std::vector<std::string> problems;
+    detail::plan_rank(state, 0, problems);
+    mixprec::detail::check_no_problems(problems, "[mixprec::checkpoint::save] cannot save");
+    detail::check_unchanged({&state}, "since the state dict was built");
+    reserve(staging_bytes_for(state));
+  } catch (...) {
+    // A writer that takes part in a collective must still take part, with this error, or the
+    // other ranks' saves would wait for this one and pair with its next (async_save.h).
+    if (!defer_errors) throw;
+    failed = std::current_exception();
+  }
 
   // The copy's layout in the arena; the bytes follow on the background thread.
   staged_ = ShardedStateDict();
-  staged_.common = state.common;
-  std::size_t offset = 0;
-  for (const auto& [key, shard] : state.tensors) {
-    ShardedTensor copy = shard;
-    // Unchecked: only the writer reads the arena until the next save, which waits for it.
-    // (Its views share one version counter, which every copy moves.)
-    copy.version = -1;
-    if (shard.replica_id == 0 && shard.local.defined()) {
-      const std::size_t bytes = shard_bytes(shard);
-      copy.local = arena_.narrow(0, static_cast<int64_t>(offset), static_cast<int64_t>(bytes))
-                       .view(shard.local.scalar_type())
-                       .view(shard.local.sizes());
-      offset += aligned(bytes);
+  if (!failed) {
+    staged_.common = state.common;
+    std::size_t offset = 0;
+    for (const auto& [key, shard] : state.tensors) {
+      ShardedTensor copy = shard;
+      // Unchecked: only the writer reads the arena until the next save, which waits for it.
+      // (Its views share one version counter, which every copy moves.)
+      copy.version = -1;
+      if (shard.replica_id == 0 && shard.local.defined()) {
+        const std::size_t bytes = shard_bytes(shard);
+        copy.local = arena_.narrow(0, static_cast<int64_t>(offset), static_cast<int64_t>(bytes))
+                         .view(shard.local.scalar_type())
+                         .view(shard.local.sizes());
+        offset += aligned(bytes);
+      }
+      staged_.tensors.emplace(key, std::move(copy));
     }
-    staged_.tensors.emplace(key, std::move(copy));
+    state_ = std::move(state);
   }
-  state_ = std::move(state);
   {
     std::lock_guard<std::mutex> lock(mutex_);
     staging_ = true;
     staging_error_ = nullptr;
   }
   last_blocked_seconds_ = seconds_since(start);
-  worker_ = std::thread([this, write = std::move(write)] {
+  worker_ = std::thread([this, write = std::move(write), failed] {
     const auto staging_start = std::chrono::steady_clock::now();
-    try {
-      for (auto& [key, copy] : staged_.tensors) {
-        const ShardedTensor& shard = state_.tensors.at(key);
-        if (shard.replica_id == 0 && shard.local.defined()) {
-          at::NoGradGuard no_grad;
-          copy.local.copy_(shard.local);  // any layout, any device
+    std::exception_ptr error = failed;
+    if (!error) {
+      try {
+        for (auto& [key, copy] : staged_.tensors) {
+          const ShardedTensor& shard = state_.tensors.at(key);
+          if (shard.replica_id == 0 && shard.local.defined()) {
+            at::NoGradGuard no_grad;
+            copy.local.copy_(shard.local);  // any layout, any device
+          }
+          if (options_.on_tensor_staged()) options_.on_tensor_staged()(key);
         }
-        if (options_.on_tensor_staged()) options_.on_tensor_staged()(key);
+        detail::check_unchanged({&state_}, "while it was being staged");
+      } catch (...) {
+        error = std::current_exception();
       }
-      detail::check_unchanged({&state_}, "while it was being staged");
-    } catch (...) {
-      error_ = std::current_exception();
     }
     state_ = ShardedStateDict();
     last_staging_seconds_ = seconds_since(staging_start);
     {
       std::lock_guard<std::mutex> lock(mutex_);
       staging_ = false;
-      staging_error_ = error_;
+      staging_error_ = error;
     }
     staged_signal_.notify_all();
-    if (error_) return;  // nothing is written
     const auto background_start = std::chrono::steady_clock::now();
     try {
-      result_ = write(staged_);
+      // After a failure the writer only reports it (a collective one to every rank); nothing
+      // is written.
+      result_ = write(staged_, error);
+      TORCH_INTERNAL_ASSERT(!error, "[", kWho, "] the writer succeeded after a failed staging");
     } catch (...) {
       error_ = std::current_exception();
     }

@@ -41,22 +41,28 @@ ckpt::Directory open_staging(const std::filesystem::path& root, const std::strin
 
 }  // namespace
 
-ckpt::SaveResult save_checkpoint(Communicator& comm, const std::filesystem::path& root,
-                                 const std::string& name, const ShardedStateDict& mine,
-                                 const ckpt::SaveOptions& options) {
+namespace {
+
+// The collective save, with this rank's part already failed when `failed` is set (an async
+// save whose state could not be staged): it still takes part in phase 1, so that every rank
+// fails there with that error instead of waiting for this rank's next save.
+ckpt::SaveResult save_collectively(Communicator& comm, const std::filesystem::path& root,
+                                   const std::string& name, const ShardedStateDict& mine,
+                                   const ckpt::SaveOptions& options,
+                                   const std::exception_ptr& failed) {
   const int rank = comm.rank();
   const bool committing = rank == 0;
   Committer committer;
-  nlohmann::json opened;  // rank 0's OpenReport, for the result
 
   // 1. prepare: plans from everyone; the writer and the staging directory on rank 0.
   const std::vector<std::string> prepared = detail::agree(comm, kSaveOp, [&] {
+    if (failed) std::rethrow_exception(failed);
     std::vector<std::string> problems;
     ckpt::detail::check_unchanged({&mine}, "since the state dict was built");
     if (committing) ckpt::detail::check_common_state(mine.common);  // rank 0's is written
     const RankPlan plan = ckpt::detail::plan_rank(mine, static_cast<size_t>(rank), problems);
     mixprec::detail::check_no_problems(problems, "[mixprec::checkpoint::save] cannot save");
-    nlohmann::json out = {{"plan", detail::plan_to_json(plan)}};
+    nlohmann::json out = {{"plan", detail::plan_to_json(plan)}, {"name", name}};
     if (committing) {
       committer.writer = std::make_unique<ckpt::RootWriter>(
           root, ckpt::WriterOptions{options.lock_timeout(), options.stale_staging_timeout()});
@@ -66,8 +72,17 @@ ckpt::SaveResult save_checkpoint(Communicator& comm, const std::filesystem::path
     return out.dump();
   });
   std::vector<RankPlan> plans;
-  for (const std::string& payload : prepared) {
-    plans.push_back(detail::plan_from_json(nlohmann::json::parse(payload).at("plan")));
+  const std::string first_name = nlohmann::json::parse(prepared[0]).at("name").get<std::string>();
+  for (size_t r = 0; r < prepared.size(); ++r) {
+    const nlohmann::json payload = nlohmann::json::parse(prepared[r]);
+    // Ranks whose saves are out of step (a rank that skipped one) must not pair two saves:
+    // every rank compares the same names, so all throw alike.
+    const std::string theirs = payload.at("name").get<std::string>();
+    TORCH_CHECK(theirs == first_name, "[", kSaveOp,
+                "] the ranks are not saving the same checkpoint: rank 0 saves '", first_name,
+                "', rank ", r, " '", theirs,
+                "' (every rank must save at the same step, under the same name)");
+    plans.push_back(detail::plan_from_json(payload.at("plan")));
   }
   // Every rank checks the same plans alike: all throw, or none does.
   std::map<std::string, ckpt::KeyEntry> keys = ckpt::detail::merge_plans(plans);
@@ -126,16 +141,25 @@ ckpt::SaveResult save_checkpoint(Communicator& comm, const std::filesystem::path
   return detail::result_from_json(nlohmann::json::parse(committed[0]));
 }
 
+}  // namespace
+
+ckpt::SaveResult save_checkpoint(Communicator& comm, const std::filesystem::path& root,
+                                 const std::string& name, const ShardedStateDict& mine,
+                                 const ckpt::SaveOptions& options) {
+  return save_collectively(comm, root, name, mine, options, nullptr);
+}
+
 void save_checkpoint_async(checkpoint::AsyncCheckpointSaver& saver,
                            std::shared_ptr<Communicator> checkpoint_comm,
                            const std::filesystem::path& root, const std::string& name,
                            ShardedStateDict mine, const checkpoint::SaveOptions& options) {
   TORCH_CHECK(checkpoint_comm, "[mixprec::distributed::save_checkpoint_async] the group is null");
   checkpoint_comm->check_usable("mixprec::distributed::save_checkpoint_async");
-  saver.save(std::move(mine), [comm = std::move(checkpoint_comm), root, name,
-                               options](const ShardedStateDict& staged) {
-    return save_checkpoint(*comm, root, name, staged, options);
-  });
+  saver.save(std::move(mine),
+             [comm = std::move(checkpoint_comm), root, name, options](
+                 const ShardedStateDict& staged, const std::exception_ptr& failed) {
+               return save_collectively(*comm, root, name, staged, options, failed);
+             });
 }
 
 }  // namespace mixprec::distributed

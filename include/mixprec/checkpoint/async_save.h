@@ -30,8 +30,9 @@
 // At most one save is in flight: save() first waits for the previous one, and so does wait()
 // (and the destructor, which reports, never throws, an error nobody collected). An error while
 // staging (a tensor changed, a copy failed) is thrown, once, by wait_until_staged() (or else
-// by wait() or the next save()), and nothing is written; an error of the writing, by the next
-// wait() or save().
+// by wait() or the next save()), and nothing is written — so, with a Writer of the caller's
+// (a collective save), is an error save() finds in the state; an error of the writing, by the
+// next wait() or save().
 #pragma once
 
 #include "mixprec/checkpoint/save.h"
@@ -63,7 +64,13 @@ std::size_t staging_bytes_for(const ShardedStateDict& state);
 class AsyncCheckpointSaver {
  public:
   // The background half of a save: writes and commits the staged copy, returns the result.
-  using Writer = std::function<SaveResult(const ShardedStateDict& staged)>;
+  // It is called after a failure of this process's part too (the state could not be saved, did
+  // not fit the budget, or changed while it was staged), with `failed` set and `staged` empty:
+  // then it writes nothing and throws — a collective writer after taking part in its
+  // agreement with that error, so that every rank's save fails alike and the next saves of all
+  // ranks stay paired.
+  using Writer =
+      std::function<SaveResult(const ShardedStateDict& staged, const std::exception_ptr& failed)>;
 
   // Throws c10::Error if the budget is 0.
   explicit AsyncCheckpointSaver(AsyncSaveOptions options = {});
@@ -83,7 +90,9 @@ class AsyncCheckpointSaver {
   void save(const std::filesystem::path& root, const std::string& name, ShardedStateDict state,
             const SaveOptions& options = {});
   // The same with `write` as the background half (it gets the staged copy: the same keys,
-  // shards and common state, each written tensor a contiguous host copy).
+  // shards and common state, each written tensor a contiguous host copy). Errors of this
+  // process's part are not thrown here but given to `write` and thrown by
+  // wait_until_staged() (see Writer).
   void save(ShardedStateDict state, Writer write);
 
   // Returns once the save in flight (if any) has copied its state: from then on the state may
@@ -106,6 +115,10 @@ class AsyncCheckpointSaver {
   double last_background_seconds() const { return last_background_seconds_; }
 
  private:
+  // Both save()s: `defer_errors` gives an error of this process's part to `write` instead of
+  // throwing it.
+  void start(ShardedStateDict state, Writer write, bool defer_errors);
+
   AsyncSaveOptions options_;
   at::Tensor arena_;  // uint8, the staging memory
   std::size_t arena_bytes_ = 0;

@@ -3,6 +3,7 @@
 // fail every rank and change nothing. (Resuming on another number of ranks, and a rank
 // killed mid-save, need several launches: collective_resume_mp.cpp with tests/distributed/*.sh.)
 #include "distributed/mp/zero_support.h"
+#include "mixprec/checkpoint/async_save.h"
 #include "mixprec/checkpoint/format/box.h"
 #include "mixprec/checkpoint/format/manifest.h"
 #include "mixprec/checkpoint/format/safetensors_reader.h"
@@ -413,6 +414,94 @@ TEST(CollectiveCheckpoint, ARankThatNeverArrivesIsAnErrorNotAHang) {
   EXPECT_FALSE(fs::exists(root.path() / "second"));
   EXPECT_TRUE(staging_entries(root.path()).empty());
   EXPECT_TRUE(at::equal(checkpoint::read_checkpoint(root.path() / "first").at("v").local, values));
+}
+
+// An async save whose part fails on one rank only — its state changed before save() looked at
+// it, or while it was being staged — fails on every rank, commits nothing, and leaves the ranks'
+// next saves paired: the failing rank still takes part in the save's first agreement.
+TEST(CollectiveCheckpoint, AnAsyncSaveFailingOnOneRankFailsOnEveryRankAndTheNextOnePairs) {
+  const int n = world().size(), rank = world().rank();
+  if (n < 2) GTEST_SKIP() << "needs a rank that fails and one that does not";
+  const bool failing = rank == n - 1;
+  SharedTempDir root;
+  distributed::InitOptions options;
+  options.timeout = std::chrono::seconds(60);
+  auto group = distributed::init_with_store(test_store("async-one-rank-fails"), rank, n, options);
+  const at::Tensor values = at::arange(12, at::kFloat);
+  const auto mine = [&] {
+    ShardedStateDict dict;
+    dict.tensors.emplace(
+        "v",
+        ShardedTensor::flat(values.narrow(0, 12 * rank / n, 12 * (rank + 1) / n - 12 * rank / n),
+                            {12}, 12 * rank / n));
+    return dict;
+  };
+  bool sabotage_staging = failing;
+  checkpoint::AsyncCheckpointSaver saver(
+      checkpoint::AsyncSaveOptions().on_tensor_staged([&](const std::string&) {
+        // A write during staging (the version moves; the values stay, so later saves compare).
+        if (std::exchange(sabotage_staging, false)) values.add_(0);
+      }));
+
+  const auto expect_failed_everywhere = [&](const std::string& name, const std::string& why) {
+    const std::string staged = error_of([&] { saver.wait_until_staged(); });
+    const std::string waited = error_of([&] { saver.wait(); });
+    if (failing) {
+      EXPECT_NE(staged.find(why), std::string::npos) << "rank " << rank << ": " << staged;
+    } else {
+      EXPECT_EQ(staged, "") << "rank " << rank << " staged its part";
+      EXPECT_NE(waited.find("failed on rank " + std::to_string(n - 1) + " of " + std::to_string(n)),
+                std::string::npos)
+          << "rank " << rank << ": " << waited;
+      EXPECT_NE(waited.find(why), std::string::npos) << "rank " << rank << ": " << waited;
+    }
+    world().barrier();
+    EXPECT_FALSE(fs::exists(root.path() / name));
+    EXPECT_TRUE(staging_entries(root.path()).empty());
+  };
+
+  distributed::save_checkpoint_async(saver, group, root.path(), "a", mine());
+  expect_failed_everywhere("a", "while it was being staged");
+
+  ShardedStateDict changed = mine();
+  if (failing) values.add_(0);  // after the dict was built: save() itself finds it
+  distributed::save_checkpoint_async(saver, group, root.path(), "b", std::move(changed));
+  expect_failed_everywhere("b", "since the state dict was built");
+  EXPECT_FALSE(fs::exists(root.path() / "latest"));
+
+  distributed::save_checkpoint_async(saver, group, root.path(), "c", mine());
+  saver.wait_until_staged();
+  const std::optional<checkpoint::SaveResult> saved = saver.wait();
+  ASSERT_TRUE(saved.has_value());
+  EXPECT_EQ(saved->dir, root.path() / "c");
+  world().barrier();
+  EXPECT_EQ(read_latest(root.path()), "c");
+  EXPECT_TRUE(at::equal(checkpoint::read_checkpoint(root.path() / "c").at("v").local, values));
+}
+
+// Ranks whose saves are out of step (one saves under another name) are refused on every rank
+// before anything is written, rather than paired into one checkpoint.
+TEST(CollectiveCheckpoint, RanksSavingDifferentCheckpointsAreRefused) {
+  const int n = world().size(), rank = world().rank();
+  if (n < 2) GTEST_SKIP() << "needs two ranks";
+  SharedTempDir root;
+  ShardedStateDict mine;
+  const at::Tensor values = at::arange(12, at::kFloat);
+  mine.tensors.emplace(
+      "v", ShardedTensor::flat(values.narrow(0, 12 * rank / n, 12 * (rank + 1) / n - 12 * rank / n),
+                               {12}, 12 * rank / n));
+  const std::string name = rank == n - 1 ? "step-2" : "step-1";
+  const std::string message =
+      error_of([&] { distributed::save_checkpoint(world(), root.path(), name, mine); });
+  EXPECT_NE(message.find("the ranks are not saving the same checkpoint: rank 0 saves 'step-1', "
+                         "rank " +
+                         std::to_string(n - 1) + " 'step-2'"),
+            std::string::npos)
+      << message;
+  world().barrier();
+  EXPECT_FALSE(fs::exists(root.path() / "step-1"));
+  EXPECT_FALSE(fs::exists(root.path() / "step-2"));
+  EXPECT_TRUE(staging_entries(root.path()).empty());
 }
 
 }  // namespace MIXPREC_UNITY_ID
