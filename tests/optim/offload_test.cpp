@@ -165,6 +165,39 @@ TEST(Offload, StepBumpsTheVersionOfEveryParameterItWrites) {
   }
 }
 
+// A step that fails before it writes any parameter (here the host cannot allocate the staging
+// memory) leaves the optimizer as it was: its parameters must not look written from outside,
+// which would re-seed every master from its BF16 parameter (with remainders, dropping their
+// low halves).
+TEST(Offload, AStepThatFailsBeforeItWritesLeavesTheMastersAsTheyWere) {
+  const AlgoCase algo = mixprec::testing::algo_cases()[0];
+  for (const bool remainders : {false, true}) {
+    SCOPED_TRACE(remainders ? "remainders" : "fp32 masters");
+    Mixed trained_model, model;
+    auto trained = make_mixed_optimizer(*trained_model, algo,
+                                        Float16OptimizerOptions().master_remainders(remainders));
+    for (int64_t step = 0; step < 3; ++step) {
+      set_mixed_grads(*trained_model, step);
+      ASSERT_TRUE(trained->update().success);
+    }
+    {
+      at::NoGradGuard no_grad;
+      for (const auto& item : trained_model->named_parameters())
+        model->param(item.key()).copy_(item.value());
+    }
+    auto failing = make_mixed_optimizer(
+        *model, algo,
+        Float16OptimizerOptions()
+            .master_remainders(remainders)
+            .offload(OffloadOptions().chunk_bytes(int64_t{1} << 50)));  // no host stages a petabyte
+    failing->load_state_dict(trained->state_dict());
+    set_mixed_grads(*model, 3);
+    EXPECT_THROW(failing->update(), c10::Error);
+    expect_same_optimizer_state(*trained, *failing, "after the failed step");
+    expect_same_params(*trained_model, *model, "after the failed step");
+  }
+}
+
 TEST(Offload, OutsideWriteReseedsTheHostMasterAsWithoutOffloading) {
   const AlgoCase algo = mixprec::testing::algo_cases()[0];
   Mixed plain_model, offloaded_model;

@@ -73,7 +73,8 @@
 //
 // CPU offloading (Float16OptimizerOptions::offload, optim/offload.h): masters, remainders and
 // moments live on the host; each step copies gradients down and parameters up in overlapped
-// chunks. Results, state dicts and checkpoints are those without offloading, bit for bit.
+// chunks. Results, state dicts and checkpoints are those of the optimizer on the CPU without
+// offloading, bit for bit (a CUDA device's own Adam step rounds a few elements differently).
 //
 // Not thread-safe: like torch's optimizers, use one from one thread at a time (the checks
 // above update internal records even from const members).

@@ -11,6 +11,7 @@
 
 #include <algorithm>
 #include <chrono>
+#include <utility>
 
 namespace mixprec::optim::detail {
 namespace {
@@ -117,11 +118,18 @@ OffloadStats OffloadPipeline::run(const AlgorithmTraits& traits,
   const size_t n = chunks.size();
   stats.chunks = static_cast<int64_t>(n);
   if (n == 0) return stats;
-  // The parameters are written by copies, which bump no version counter on every engine: bump
-  // each once, before the write, as the kernels do for what they write.
-  for (const OffloadItem& item : items) item.param.unsafeGetTensorImpl()->bump_version();
   const size_t depth = std::min<size_t>(static_cast<size_t>(options_.chunks_in_flight()), n);
   while (staging_.size() < depth) staging_.push_back(copier_->staging(options_.chunk_bytes()));
+  // The parameters are written by copies, which bump no version counter on every engine: bump
+  // each once, just before the first write, as the kernels do for what they write. Not
+  // earlier: a step that fails before it writes a parameter (staging memory, a download) must
+  // not look like a write from outside, which the optimizer would answer by re-seeding every
+  // master from its parameter (with remainders: losing their low halves).
+  bool bumped = false;
+  const auto before_first_write = [&] {
+    if (std::exchange(bumped, true)) return;
+    for (const OffloadItem& item : items) item.param.unsafeGetTensorImpl()->bump_version();
+  };
 
   auto copies = [&](size_t k, bool down) {
     std::vector<CopySpan> spans;
@@ -177,6 +185,7 @@ OffloadStats OffloadPipeline::run(const AlgorithmTraits& traits,
     const auto step_start = std::chrono::steady_clock::now();
     step_chunk(traits, items, chunks[k], staging_[k % depth], grad_multiplier);
     stats.step_seconds += seconds_since(step_start);
+    before_first_write();
     up[k] = copier_->upload(copies(k, false));
     issued.push_back(up[k]);
     if (k + depth < n) {
