@@ -8,6 +8,7 @@
 //   - bad arguments are one line on stderr, and a failed export leaves OUT as it was;
 //   - a checkpoint written by 2 ranks (chunks) exports whole tensors.
 #include "mixprec/checkpoint/format/safetensors_reader.h"
+#include "mixprec/checkpoint/save.h"
 
 #include "train/train_program.h"
 
@@ -441,6 +442,23 @@ TEST_F(Export, TwoRankCheckpointExportsWholeTensors) {
   EXPECT_EQ(python_check(scratch(), {{ckpt, out, "keep"}}),
             std::vector<std::string>{"OK " + std::to_string(kModelTensors) + " 1 " +
                                      std::to_string(kKeptFp32)});
+}
+
+// A zero-size tensor (an empty expert, a [0, d] parameter) is exported like any other, with
+// its shape.
+TEST(ExportZeroSize, AZeroSizeTensorIsExportedWithItsShape) {
+  Scratch dir;
+  mixprec::ShardedStateDict state;
+  state.tensors.emplace("w", mixprec::ShardedTensor::whole(at::arange(4, at::kFloat)));
+  state.tensors.emplace("empty", mixprec::ShardedTensor::whole(at::zeros({0, 8}, at::kBFloat16)));
+  mixprec::checkpoint::save_checkpoint(dir / "root", "step-1", state);
+  const ProgramRun run =
+      export_tool(dir.path(), {(dir / "root/step-1").string(), (dir / "out").string()});
+  ASSERT_EQ(run.status, 0) << run.err;
+  const SafetensorsReader reader(dir / "out/model.safetensors");
+  ASSERT_NE(reader.header().find("empty"), nullptr) << run.out;
+  EXPECT_EQ(reader.header().find("empty")->shape, (std::vector<int64_t>{0, 8}));
+  ASSERT_NE(reader.header().find("w"), nullptr);
 }
 
 }  // namespace MIXPREC_UNITY_ID

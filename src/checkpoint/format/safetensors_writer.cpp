@@ -106,6 +106,11 @@ void SafetensorsWriter::checksum_blocks(std::uint64_t block_bytes) {
 
 void SafetensorsWriter::write(std::string_view name, std::span<const std::byte> piece) {
   if (closed_ || fd_ < 0) fail(path_.string(), ": write to tensor '", name, "' after close()");
+  if (piece.empty() && std::any_of(written_.begin(), written_.end(), [&](const WrittenTensor& t) {
+        return t.name == name && t.byte_size == 0;
+      })) {
+    return;  // a zero-byte tensor, complete from the start
+  }
   if (current_ >= specs_.size()) {
     fail(path_.string(), ": write to tensor '", name, "' but every declared tensor is complete");
   }

@@ -144,6 +144,24 @@ TEST(SafetensorsWriter, RefusesOutOfOrderOverlongAndIncompleteWrites) {
   EXPECT_FORMAT_ERROR(writer.close(), "twice");
 }
 
+// A writer fed every tensor in declared order, as an export does, may write zero bytes to a
+// zero-size tensor: complete from the start, it is a no-op wherever it comes.
+TEST(SafetensorsWriter, AnEmptyWriteToAZeroSizeTensorIsANoOp) {
+  TempDir dir;
+  const auto path = dir.path() / "z.safetensors";
+  SafetensorsWriter writer(
+      path, {{"a", Dtype::F32, {1}}, {"empty", Dtype::F32, {0, 8}}, {"b", Dtype::U8, {1}}});
+  writer.write("a", pattern_bytes(4, 0));
+  writer.write("empty", {});
+  writer.write("b", pattern_bytes(1, 0));
+  writer.write("empty", {});
+  EXPECT_FORMAT_ERROR(writer.write("nothing", {}), "'nothing'", "every declared tensor");
+  writer.close();
+  const SafetensorsReader reader(path);
+  ASSERT_NE(reader.header().find("empty"), nullptr);
+  EXPECT_EQ(reader.header().find("empty")->shape, (std::vector<int64_t>{0, 8}));
+}
+
 TEST(SafetensorsWriter, RejectsBadSpecsAndNeverClobbersAFile) {
   TempDir dir;
   const auto path = dir.path() / "x.safetensors";

@@ -66,8 +66,9 @@ class SafetensorsWriter {
 
   // Appends `piece` to tensor `name`, which must be the tensor currently being written: the
   // first declared tensor whose bytes are not all written yet (zero-byte tensors are complete
-  // from the start and are never written to). Throws FormatError if `name` is out of order
-  // or unknown, if the piece would run past the tensor's declared size, or if the write fails.
+  // from the start: an empty write to one, as a loop over every tensor makes, does nothing).
+  // Throws FormatError if `name` is out of order or unknown, if the piece would run past the
+  // tensor's declared size, or if the write fails.
   void write(std::string_view name, std::span<const std::byte> piece);
 
   // Index into the declared tensors of the tensor currently being written; == tensor count
