@@ -45,8 +45,14 @@ PositionalStateDict Float16Optimizer::state_dict() const {
       auto& entry = out.state[id];
       // torch stores the step as a float32 scalar; a double is exact up to 2^53 steps.
       entry["step"] = at::scalar_tensor(static_cast<double>(s.step), at::kDouble);
+      std::vector<at::Tensor> moments = s.state;
+      // A zero-size parameter's step allocates nothing, but torch's optimizers hold (empty)
+      // moments for it and step from them: give them, so that this dict steps in torch too.
+      if (s.param.numel() == 0) {
+        traits_->allocate_state(param_groups()[g].options(), s.param.sizes(), c10::kCPU, moments);
+      }
       for (size_t j = 0; j < kinds.size(); ++j) {
-        if (s.state[j].defined()) entry[std::string(kinds[j])] = copy_of(s.state[j]);
+        if (moments[j].defined()) entry[std::string(kinds[j])] = copy_of(moments[j]);
       }
     }
     out.param_groups.push_back(std::move(group));

@@ -94,7 +94,15 @@ TEST(OptimizerLoad, AStateWithAZeroSizeParameterLoadsBack) {
     auto o2 = make(m2);
     o2->load_sharded_state_dict(opt->sharded_state_dict());
     auto o3 = make(m2);
-    o3->load_state_dict(opt->state_dict());
+    const PositionalStateDict positional = opt->state_dict();
+    o3->load_state_dict(positional);
+    // As torch holds it: empty moments, which torch's own step reads.
+    const auto& entry = positional.state.at(1);
+    for (const char* kind : sgd ? std::vector<const char*>{"momentum_buffer"}
+                                : std::vector<const char*>{"exp_avg", "exp_avg_sq"}) {
+      ASSERT_TRUE(entry.count(kind)) << kind;
+      EXPECT_EQ(entry.at(kind).sizes(), at::IntArrayRef({0, 4})) << kind;
+    }
   }
 }
 
