@@ -5,6 +5,7 @@
 
 #include <algorithm>
 #include <cmath>
+#include <utility>
 
 namespace mixprec::optim {
 
@@ -78,8 +79,11 @@ void LossScaler::load_state(const nlohmann::json& state) {
   const int64_t hysteresis = field("hysteresis_tracker", true).get<int64_t>();
   TORCH_CHECK(std::isfinite(scale) && scale > 0,
               "[mixprec::LossScaler::load_state] scale must be positive, got ", scale);
-  TORCH_CHECK(growth >= 0 && hysteresis >= 0,
-              "[mixprec::LossScaler::load_state] trackers must be non-negative");
+  for (const auto& [name, value] :
+       {std::pair{"growth_tracker", growth}, {"hysteresis_tracker", hysteresis}}) {
+    TORCH_CHECK(value >= 0, "[mixprec::LossScaler::load_state] field '", name,
+                "' must not be negative, got ", value);
+  }
   // Within this scaler's configured range: a state from a run with other limits is brought
   // inside them rather than trusted.
   scale_ = options_.dynamic() ? std::clamp(scale, options_.min_scale(), options_.max_scale())

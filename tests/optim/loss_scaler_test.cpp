@@ -1,5 +1,7 @@
 #include "mixprec/optim/loss_scaler.h"
 
+#include "support/error_message.h"
+
 #include <c10/util/Exception.h>
 #include <gtest/gtest.h>
 #include <nlohmann/json.hpp>
@@ -63,6 +65,14 @@ TEST(LossScaler, StateRoundTripsAndBadStateIsRejected) {
   // Trackers are counts: a fraction is a corrupt state, not something to truncate.
   EXPECT_THROW(b.load_state({{"scale", 2.0}, {"growth_tracker", 0.5}, {"hysteresis_tracker", 1}}),
                c10::Error);
+  // A negative count names its field.
+  for (const char* field : {"growth_tracker", "hysteresis_tracker"}) {
+    nlohmann::json bad = {{"scale", 2.0}, {"growth_tracker", 0}, {"hysteresis_tracker", 1}};
+    bad[field] = -3;
+    EXPECT_EQ(mixprec::testing::error_of([&] { b.load_state(bad); }),
+              std::string("[mixprec::LossScaler::load_state] field '") + field +
+                  "' must not be negative, got -3");
+  }
   EXPECT_EQ(b.state(), before);
 }
 
