@@ -39,7 +39,9 @@ bool is_fp8(c10::ScalarType t) {
 void cast_in_place(at::Tensor& tensor, c10::ScalarType dtype) {
   at::NoGradGuard no_grad;
   tensor.set_data(tensor.to(dtype));
-  if (tensor.requires_grad() && tensor.grad().defined() && tensor.grad().scalar_type() != dtype) {
+  // Frozen or not: a parameter frozen after a backward still holds its gradient, which must
+  // keep matching its dtype.
+  if (tensor.grad().defined() && tensor.grad().scalar_type() != dtype) {
     tensor.mutable_grad() = tensor.grad().to(dtype);
   }
 }

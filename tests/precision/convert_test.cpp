@@ -119,8 +119,10 @@ TEST(Convert, MarkedTensorThatIsNotFp32EndsFp32) {
 TEST(Convert, CastsGradientsWithTheirParameters) {
   ToyNet net;
   net->forward(torch::randn({2, 8})).sum().backward();
+  net->fc->bias.set_requires_grad(false);  // frozen after the backward: its gradient stays
   convert_module_to_dtype_except_fp32_marked(*net, at::kHalf);
   EXPECT_EQ(net->fc->weight.grad().scalar_type(), at::kHalf);
+  EXPECT_EQ(net->fc->bias.grad().scalar_type(), at::kHalf);
   EXPECT_EQ(net->router_weight.grad().scalar_type(), at::kFloat);
 }
 
