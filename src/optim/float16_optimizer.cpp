@@ -144,8 +144,18 @@ std::vector<std::string> Float16Optimizer::new_param_problems(size_t first_group
       const at::Tensor& p = params[i];
       auto it = p.defined() ? fqn_of.find(p.unsafeGetTensorImpl()) : fqn_of.end();
       if (it == fqn_of.end()) {
-        problems.push_back("param " + std::to_string(i) + " of group " + std::to_string(g) +
-                           " (id " + std::to_string(id) + ") is not a parameter of the model");
+        // Unnamed here, so described by what it is. A group added later may hold a parameter
+        // registered since construction: the optimizer knows only the model it was built on.
+        std::string what = "param " + std::to_string(i) + " of group " + std::to_string(g) +
+                           " (id " + std::to_string(id);
+        if (p.defined()) what += c10::str(", ", p.scalar_type(), " ", p.sizes());
+        problems.push_back(what + ") " +
+                           (first_group == 0
+                                ? std::string("is not a parameter of the model")
+                                : std::string("was not a parameter of the model when the optimizer "
+                                              "was built (a parameter registered since cannot be "
+                                              "added: build the optimizer once the model is "
+                                              "complete)")));
         continue;
       }
       const std::string& fqn = *it->second;

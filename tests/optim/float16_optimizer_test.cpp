@@ -221,7 +221,7 @@ TEST(Float16Optimizer, ParamNotInModelIsAnError) {
   const std::string msg = error_of([&] {
     Float16Optimizer(*model, std::move(groups), std::make_unique<torch::optim::AdamWOptions>());
   });
-  EXPECT_NE(msg.find("param 1 of group 0 (id 1) is not a parameter of the model"),
+  EXPECT_NE(msg.find("param 1 of group 0 (id 1, Float [3]) is not a parameter of the model"),
             std::string::npos)
       << msg;
 }

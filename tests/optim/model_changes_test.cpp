@@ -308,7 +308,17 @@ TEST(ModelChanges, AddedGroupWithAParamAlreadyHeldIsRefusedAndChangesNothing) {
     opt.add_param_group(
         torch::optim::OptimizerParamGroup({torch::randn({3}, torch::requires_grad())}));
   });
-  EXPECT_NE(msg.find("is not a parameter of the model"), std::string::npos) << msg;
+  EXPECT_NE(msg.find("param 0 of group 1 (id 2, Float [3]) was not a parameter of the model "
+                     "when the optimizer was built"),
+            std::string::npos)
+      << msg;
+  // Registered since construction: still not one the optimizer can take, and said so.
+  const at::Tensor extra = model->register_parameter("extra", torch::randn({5}));
+  msg = error_of([&] { opt.add_param_group(torch::optim::OptimizerParamGroup({extra})); });
+  EXPECT_NE(msg.find("(id 2, Float [5]) was not a parameter of the model when the optimizer was "
+                     "built (a parameter registered since cannot be added"),
+            std::string::npos)
+      << msg;
   msg = error_of([&] {
     opt.add_param_group(torch::optim::OptimizerParamGroup(
         {model->post->weight}, std::make_unique<torch::optim::AdamWOptions>(-1.0)));
