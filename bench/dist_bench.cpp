@@ -12,7 +12,8 @@
 //
 // Figures, per configuration (one OpenMP thread per rank):
 //   step ms      zero_grad + forward + backward + reduction + optimizer step (+ parameter
-//                gather), the slowest rank's, median over the timed steps; the four
+//                gather), the slowest rank's, median over the timed steps; the step's data
+//                is made before the clock starts, as the peer's is; the four
 //                configurations take turns of four steps (interleaved rounds, so that a busy
 //                stretch of the machine slows all of them alike)
 //   peak MiB     growth of each process's resident memory from just before the model is built
@@ -22,8 +23,9 @@
 //   sent         bytes each rank sends per step under the backend's algorithms
 //                (distributed/communicator.h), against the ZeRO-1 minimum: a reduce-scatter
 //                plus an all-gather of the BF16/FP32 parameter bytes, 2(N-1)/N of them
-//   hidden       the share of gradient reduction that backward hides: 1 - finish() time with
-//                overlap / finish() time with every bucket started after backward
+//   hidden       the share of ZeRO-1's gradient reduction that backward hides: 1 - finish()
+//                time with overlap / finish() time of ZeRO-1 with every bucket started after
+//                backward ("-" for plain DP: its all-reduce has no serial configuration here)
 //   allocs       tensor allocations (a counting CPU allocator, every thread) per steady-state
 //                step inside zero_grad() and the optimizer's update()
 // Ranks share this machine's cores (oversubscribed beyond 2): compare ratios, not absolute
@@ -65,11 +67,15 @@ constexpr int64_t kWidth = 384, kLayers = 4, kMlpRows = 64;  // the MLP: 64 rows
 constexpr int64_t kGptBatch = 16;                            // the GPT: global batch
 constexpr int kWarmup = 3;
 
-// One of the two models, with its loss for a step's batch.
+// One of the two models, with its loss for a step's batch. The batch is made apart from the
+// loss, so that the timed step holds what the peer's does (bench/dist_peer.py makes its data
+// before its clock starts).
 struct Workload {
   virtual ~Workload() = default;
   virtual torch::nn::Module& module() = 0;
-  virtual at::Tensor loss(int64_t step, int rank, int world) = 0;
+  // Makes the batch of `step` on `rank` of `world`, for the next loss().
+  virtual void make_batch(int64_t step, int rank, int world) = 0;
+  virtual at::Tensor loss() = 0;
   // Before each part of the model is read in forward (overlapped parameter gathers).
   virtual void set_before_use(std::function<void(const torch::nn::Module&)> fn) = 0;
 };
@@ -104,9 +110,14 @@ struct MlpWorkload : Workload {
   Mlp mlp;
   std::function<void(const torch::nn::Module&)> before_use;
   torch::nn::Module& module() override { return *mlp; }
-  at::Tensor loss(int64_t step, int rank, int /*world*/) override {
+  at::Tensor input;
+  void make_batch(int64_t step, int rank, int /*world*/) override {
     at::manual_seed(100 + step + 1000 * rank);
-    at::Tensor h = at::randn({kMlpRows, kWidth}).to(at::kBFloat16);
+    input = at::randn({kMlpRows, kWidth});
+  }
+  at::Tensor loss() override {
+    // The cast to BF16 is the model's, as autocast's is in the peer's forward.
+    at::Tensor h = input.to(at::kBFloat16);
     for (int64_t i = 0; i < kLayers; ++i) {
       if (before_use) before_use(*mlp->layers[i]);
       h = mlp->layers[i](h);
@@ -130,11 +141,14 @@ struct GptWorkload : Workload {
     return train::apply_precision(train::Gpt(config), precision);
   }
   torch::nn::Module& module() override { return *model.gpt; }
-  at::Tensor loss(int64_t step, int rank, int world) override {
+  at::Tensor tokens;
+  void make_batch(int64_t step, int rank, int world) override {
     at::manual_seed(100 + step + 1000 * rank);
     const train::GptConfig& c = model.gpt->config;
-    const at::Tensor tokens =
-        at::randint(0, c.vocab, {kGptBatch / world, c.seq_len + 1}, at::kLong);
+    tokens = at::randint(0, c.vocab, {kGptBatch / world, c.seq_len + 1}, at::kLong);
+  }
+  at::Tensor loss() override {
+    const train::GptConfig& c = model.gpt->config;
     auto [logits, aux] = model.forward(tokens.narrow(1, 0, c.seq_len));
     const at::Tensor targets = tokens.narrow(1, 1, c.seq_len);
     return at::cross_entropy_loss(logits.reshape({-1, c.vocab}), targets.reshape({-1})) +
@@ -261,12 +275,13 @@ class ConfigRun {
 
  private:
   void step(bool timed, const testing::CountingAllocatorGuard& counting) {
+    work_->make_batch(index_++, comm_->rank(), comm_->size());
     comm_->barrier();
     const auto t0 = Clock::now();
     int64_t mark = counting.allocations();
     reducer_->zero_grad();
     int64_t ours = counting.allocations() - mark;
-    const at::Tensor loss = work_->loss(index_++, comm_->rank(), comm_->size());
+    const at::Tensor loss = work_->loss();
     const auto backward_start = Clock::now();
     loss.backward();
     const double backward =
@@ -416,15 +431,18 @@ int launcher(const std::string& self, std::string torchrun, std::string python, 
                {"zero1_serial", "mixprec ZeRO-1, reduction after bwd"}}) {
         const nlohmann::json& f = ours[key];
         const double ms = f["step_ms"].get<double>();
-        const double hidden = key == "zero1_serial" || serial_finish <= 0
-                                  ? 0.0
-                                  : 1.0 - f["finish_ms"].get<double>() / serial_finish;
+        // Only ZeRO-1's overlapped rows have a serial reference of the same reduction.
+        char hidden[16] = "-";
+        if ((key == "zero1" || key == "zero1_gather") && serial_finish > 0) {
+          std::snprintf(hidden, sizeof hidden, "%.0f%%",
+                        100 * (1.0 - f["finish_ms"].get<double>() / serial_finish));
+        }
         char peak[32] = "-";
         if (key == "zero1") std::snprintf(peak, sizeof peak, "%.1f", f["peak_mib"].get<double>());
-        std::printf("  %-34s %9.2f %7.2f %8s %9s %12.0f %7.2f %6.0f%% %7.1f\n", label.c_str(), ms,
+        std::printf("  %-34s %9.2f %7.2f %8s %9s %12.0f %7.2f %7s %7.1f\n", label.c_str(), ms,
                     ms / dp_ms,
                     peer_ms > 0 ? (std::to_string(ms / peer_ms).substr(0, 4)).c_str() : "-", peak,
-                    f["sent"].get<double>(), f["sent"].get<double>() / minimum, 100 * hidden,
+                    f["sent"].get<double>(), f["sent"].get<double>() / minimum, hidden,
                     f["allocs"].get<double>());
       }
       std::printf(

@@ -7,14 +7,32 @@
 //                                (torchrun beside the project's Python, or --torchrun PATH)
 //   torchrun ... bench_dist_checkpoint --save ROOT | --load ROOT     one launch's work
 //
-// Async save on N: the time training is blocked (the call; in the worst case until its copy is
-// staged) and the whole background save's time, each against the sync save of the same state.
 // Save on N: the bytes each rank writes (its data file) and the wall time of a save (max over
-// ranks, median of kRepeats) against the same ranks writing (write + fsync) as many bytes to
-// plain files at the same moment. Load on M (resharded when M != N): the bytes each rank
-// reads, of its optimizer pieces (verified block by block; "used" is exactly its pieces) and
-// of the model tensors and its RNG state (read whole), and the wall time of a load against
-// a plain pread of as many bytes. Reads come from the page cache, for both.
+// ranks, median of kRepeats) against the same ranks writing as many bytes to plain files at the
+// same moment (support/raw_write.h, the raw write bench_checkpoint uses: write(2), writeback
+// started every 32 MiB as the library's writer does, fsync).
+// Async save on N, against the sync save of the same state:
+//   hidden      (the goal's figure) save_checkpoint_async, then a synthetic training step's
+//               forward and backward on every rank (support/step_load.h: a fixed count of BF16
+//               GEMMs on the rank's one intra-op thread, sized to last about as long as the
+//               faster of two synchronous saves timed before the rounds), then wait_until_staged()
+//               — where the next optimizer update may run. Training is blocked by wall(save + step
+//               + wait_until_staged) − wall(the same step alone), slowest rank, the median of
+//               the rounds' differences: the copy the step did not hide, and what the save in
+//               flight (the copy, then the background writing, checksums and the ranks' agreement)
+//               took from the step. With ranks x 1 thread filling the cores, nothing is left for
+//               the background save but the step's cores.
+//   worst case  the call and at once wait_until_staged() (the next update comes at once: the
+//               whole copy), and the call alone.
+//   background  the call until the commit, with nothing else running.
+// The five (sync save, raw write, async worst case, step alone, step with an async save) take
+// turns round by round, in reversed order every other round, so that the machine's drift
+// favours none. Load on M (resharded when M != N): the bytes each rank reads, of its optimizer
+// pieces (verified block by block; "used" is exactly its pieces) and of the model tensors and
+// its RNG state (read whole), and the wall time of a load against a plain pread of as many
+// bytes, alternating which goes first. Reads come from the page cache, for both.
+// Against raw, ours is printed as a fraction of raw's throughput (raw time / ours, higher is
+// better), as bench_checkpoint prints it.
 // The root is under $TMPDIR; on this machine all ranks share one disk and two cores, so the
 // ratios (the protocol's and checksums' cost over raw I/O) are what carries over.
 #include "mixprec/checkpoint/async_save.h"
@@ -23,6 +41,8 @@
 #include "mixprec/precision/convert.h"
 #include "mixprec/precision/keep_fp32.h"
 #include "support/bench_paths.h"
+#include "support/raw_write.h"
+#include "support/step_load.h"
 
 #include <ATen/ATen.h>
 #include <torch/nn/modules/linear.h>
@@ -37,8 +57,10 @@
 #include <cstdlib>
 #include <cstring>
 #include <filesystem>
+#include <functional>
 #include <iostream>
 #include <memory>
+#include <span>
 #include <string>
 #include <vector>
 
@@ -49,7 +71,7 @@ namespace fs = std::filesystem;
 using Clock = std::chrono::steady_clock;
 
 constexpr int64_t kWidth = 1024, kLayers = 6;
-constexpr int kRepeats = 3;
+constexpr int kRepeats = 4;  // even: each order of the interleaved rounds runs as often
 
 struct MlpImpl : torch::nn::Module {
   MlpImpl() {
@@ -82,7 +104,8 @@ double max_over_ranks(distributed::Communicator& comm, double value) {
 
 double median(std::vector<double> v) {
   std::sort(v.begin(), v.end());
-  return v[v.size() / 2];
+  const size_t mid = v.size() / 2;
+  return v.size() % 2 == 1 ? v[mid] : (v[mid - 1] + v[mid]) / 2;
 }
 
 // Wall time of `fn` on every rank at once: barrier, run, max over ranks.
@@ -94,17 +117,15 @@ double timed(distributed::Communicator& comm, Fn&& fn) {
   return max_over_ranks(comm, std::chrono::duration<double>(Clock::now() - t0).count());
 }
 
-// The raw baseline: `bytes` written in 64 MiB write(2) calls and fsynced, then read back.
-void raw_write(const fs::path& path, uint64_t bytes, const std::vector<char>& buffer) {
-  const int fd = ::open(path.c_str(), O_WRONLY | O_CREAT | O_TRUNC | O_CLOEXEC, 0644);
-  if (fd < 0) std::abort();
-  for (uint64_t done = 0; done < bytes;) {
-    const size_t n = static_cast<size_t>(std::min<uint64_t>(buffer.size(), bytes - done));
-    if (::write(fd, buffer.data(), n) != static_cast<ssize_t>(n)) std::abort();
-    done += n;
+// The raw baseline's pieces: `bytes` of `buffer`, repeated (written by bench::raw_write).
+std::vector<std::span<const char>> raw_pieces(uint64_t bytes, const std::vector<char>& buffer) {
+  std::vector<std::span<const char>> pieces;
+  for (uint64_t left = bytes; left > 0;) {
+    const size_t n = static_cast<size_t>(std::min<uint64_t>(buffer.size(), left));
+    pieces.emplace_back(buffer.data(), n);
+    left -= n;
   }
-  if (::fsync(fd) != 0) std::abort();
-  ::close(fd);
+  return pieces;
 }
 
 void raw_read(const fs::path& path, uint64_t bytes, std::vector<char>& buffer) {
@@ -155,30 +176,8 @@ int save_worker(const std::string& given) {
   s.model->loss(at::randn({8, kWidth})).backward();
   s.optimizer->update();
 
-  std::vector<double> save_s, write_s;
-  uint64_t written = 0;
-  std::vector<char> buffer(size_t{64} << 20, 'x');
-  const fs::path raw = root / ("raw-" + std::to_string(rank));
-  for (int i = 0; i < kRepeats; ++i) {
-    fs::path dir;
-    save_s.push_back(timed(*comm, [&] {
-      dir =
-          distributed::save_training_state(root, "step-" + std::to_string(i), *s.model,
-                                           *s.optimizer, {}, checkpoint::SaveOptions().keep_last(1))
-              .dir;
-    }));
-    char file[48];
-    std::snprintf(file, sizeof file, "data-%05d.safetensors", rank);
-    written = fs::file_size(dir / file);
-    write_s.push_back(timed(*comm, [&] { raw_write(raw, written, buffer); }));
-  }
-  fs::remove(raw);
-
-  // The same state saved in the background, its collectives on a group of their own, as
-  // mixprec-train --async-save does. Training is blocked for the call (checks, the ranks'
-  // agreement to start) and, if the next optimizer update comes before the copy is staged, until
-  // it is: reported both ways, the second as the worst case (a step shorter than the copy). The
-  // whole save is the call until the commit, with nothing else running.
+  // The background saves' collectives run on a group of their own, as mixprec-train
+  // --async-save does.
   distributed::InitOptions group;
   group.group_name = "checkpoint";
   const std::shared_ptr<distributed::Communicator> checkpoint_comm =
@@ -186,36 +185,101 @@ int save_worker(const std::string& given) {
   checkpoint::AsyncCheckpointSaver saver;
   saver.reserve(
       checkpoint::staging_bytes_for(distributed::training_state_dict(*s.model, *s.optimizer)));
-  std::vector<double> in_call_s, blocked_s, async_s;
-  for (int i = 0; i < kRepeats; ++i) {
-    double in_call = 0, blocked = 0;
-    async_s.push_back(timed(*comm, [&] {
-      const auto t0 = Clock::now();
-      distributed::save_checkpoint_async(saver, checkpoint_comm, root, "async-" + std::to_string(i),
-                                         distributed::training_state_dict(*s.model, *s.optimizer),
-                                         checkpoint::SaveOptions().keep_last(1));
-      in_call = std::chrono::duration<double>(Clock::now() - t0).count();
-      saver.wait_until_staged();
-      blocked = std::chrono::duration<double>(Clock::now() - t0).count();
-      saver.wait();
-    }));
-    in_call_s.push_back(max_over_ranks(*comm, in_call));
-    blocked_s.push_back(max_over_ranks(*comm, blocked));
+
+  char file[48];
+  std::snprintf(file, sizeof file, "data-%05d.safetensors", rank);
+  uint64_t written = 0;
+  auto sync_save = [&](const std::string& name) {
+    const fs::path dir = distributed::save_training_state(root, name, *s.model, *s.optimizer, {},
+                                                          checkpoint::SaveOptions().keep_last(1))
+                             .dir;
+    written = fs::file_size(dir / file);
+  };
+  // Two untimed sync saves: the warm-up (the first of a run also flushes whatever else was
+  // dirty), and the faster one's length is what the synthetic step is sized to.
+  double first_save = 0;
+  for (int i = 0; i < 2; ++i) {
+    const double seconds = timed(*comm, [&] { sync_save("warmup-" + std::to_string(i)); });
+    first_save = i == 0 ? seconds : std::min(first_save, seconds);
   }
+  comm->barrier();  // every rank times its products at once, as they will run
+  const double per_gemm = max_over_ranks(*comm, bench::StepLoad::seconds_per_gemm());
+  const bench::StepLoad step_load(bench::StepLoad::gemms_for(first_save, per_gemm));
+
+  std::vector<char> buffer(size_t{64} << 20, 'x');
+  const std::vector<std::span<const char>> pieces = raw_pieces(written, buffer);
+  const fs::path raw = root / ("raw-" + std::to_string(rank));
+  std::vector<double> save_s, write_s, in_call_s, blocked_s, async_s;
+  // The step alone and with a save in flight run back to back in every round: the figure is the
+  // median of the rounds' differences (a pair shares the machine's state of the moment).
+  std::vector<double> step_alone_s, step_with_save_s;
+  int round = 0;
+  const std::vector<std::function<void()>> configurations = {
+      [&] { save_s.push_back(timed(*comm, [&] { sync_save("step-" + std::to_string(round)); })); },
+      [&] { write_s.push_back(timed(*comm, [&] { bench::raw_write(raw, pieces); })); },
+      // The worst case: the call, then at once the wait for the copy (as if the next optimizer
+      // update came at once), then the rest of the save with nothing else running.
+      [&] {
+        double in_call = 0, blocked = 0;
+        async_s.push_back(timed(*comm, [&] {
+          const auto t0 = Clock::now();
+          distributed::save_checkpoint_async(
+              saver, checkpoint_comm, root, "async-" + std::to_string(round),
+              distributed::training_state_dict(*s.model, *s.optimizer),
+              checkpoint::SaveOptions().keep_last(1));
+          in_call = std::chrono::duration<double>(Clock::now() - t0).count();
+          saver.wait_until_staged();
+          blocked = std::chrono::duration<double>(Clock::now() - t0).count();
+          saver.wait();
+        }));
+        in_call_s.push_back(max_over_ranks(*comm, in_call));
+        blocked_s.push_back(max_over_ranks(*comm, blocked));
+      },
+      [&] { step_alone_s.push_back(timed(*comm, [&] { step_load.run(); })); },
+      // The next step's forward and backward run while the copy is made; its update waits.
+      [&] {
+        step_with_save_s.push_back(timed(*comm, [&] {
+          distributed::save_checkpoint_async(
+              saver, checkpoint_comm, root, "hidden-" + std::to_string(round),
+              distributed::training_state_dict(*s.model, *s.optimizer),
+              checkpoint::SaveOptions().keep_last(1));
+          step_load.run();
+          saver.wait_until_staged();
+        }));
+        saver.wait();  // the rest of the save overlaps later steps in a job: not counted
+      },
+  };
+  for (round = 0; round < kRepeats; ++round) {
+    if (round % 2 == 0) {
+      for (const auto& run : configurations) run();
+    } else {
+      for (auto it = configurations.rbegin(); it != configurations.rend(); ++it) (*it)();
+    }
+  }
+  fs::remove(raw);
   const std::string all = per_rank(*comm, written);
   comm->barrier();
   if (rank == 0) {
     const double save = median(save_s), write = median(write_s);
-    const double in_call = median(in_call_s), blocked = median(blocked_s), async = median(async_s);
+    const double in_call = median(in_call_s), worst = median(blocked_s), async = median(async_s);
+    std::vector<double> differences;
+    for (size_t i = 0; i < step_alone_s.size(); ++i)
+      differences.push_back(step_with_save_s[i] - step_alone_s[i]);
+    const double hidden = median(differences), step_alone = median(step_alone_s);
     std::printf(
-        "save on N=%d: bytes written per rank [%s]; save %.1f ms vs raw write+fsync "
-        "%.1f ms: ratio %.2f\n"
-        "  async on N=%d: training blocked %.1f ms = %.1f%% of the sync save (goal <= 10%%) while "
-        "the next step's forward and backward hide the staging copy, %.1f ms = %.1f%% if its "
-        "update came at once; whole background save %.1f ms: throughput %.2f of the sync "
-        "save's (goal >= 0.8)\n",
-        n, all.c_str(), save * 1e3, write * 1e3, save / write, n, in_call * 1e3,
-        100 * in_call / save, blocked * 1e3, 100 * blocked / save, async * 1e3, save / async);
+        "save on N=%d: bytes written per rank [%s]; save %.1f ms vs raw write+fsync %.1f ms: "
+        "ours %.2f of raw's throughput (raw time / ours)\n"
+        "  async on N=%d: training blocked %.1f ms = %.1f%% of the sync save (goal <= 10%%) "
+        "behind a synthetic step (%lld BF16 GEMMs of %lld x %lld per rank, sized to one sync "
+        "save; %.1f ms alone = %.2f of the sync save): median over %d interleaved rounds of "
+        "(save + step + wait_until_staged) - (the step alone)\n"
+        "    worst case, the next update at once (no compute: the whole copy): blocked %.1f ms "
+        "= %.1f%% of the sync save (the call alone %.1f ms); whole background save %.1f ms: "
+        "throughput %.2f of the sync save's (goal >= 0.8)\n",
+        n, all.c_str(), save * 1e3, write * 1e3, write / save, n, hidden * 1e3, 100 * hidden / save,
+        static_cast<long long>(step_load.gemms()), static_cast<long long>(bench::StepLoad::kSide),
+        static_cast<long long>(bench::StepLoad::kSide), step_alone * 1e3, step_alone / save,
+        kRepeats, worst * 1e3, 100 * worst / save, in_call * 1e3, async * 1e3, save / async);
     std::fflush(stdout);
   }
   return 0;
@@ -228,12 +292,15 @@ int load_worker(const std::string& given) {
   std::vector<double> load_s, read_s;
   distributed::ResumeResult loaded;
   std::vector<char> buffer(size_t{64} << 20, 'x');
-  for (int i = 0; i < kRepeats; ++i) {
+  auto load = [&] {
     Setup fresh(comm);
     load_s.push_back(timed(*comm, [&] {
       loaded = distributed::load_training_state(root, *fresh.model, *fresh.optimizer);
     }));
-    // As many bytes, pread from the files this rank read (page cache, as the load's were).
+  };
+  // As many bytes as the last load read, pread from the files this rank read (page cache, as
+  // the load's were).
+  auto read = [&] {
     uint64_t left = loaded.optimizer_reads.bytes_read + loaded.model_reads.bytes_read;
     read_s.push_back(timed(*comm, [&] {
       for (const auto& entry : fs::directory_iterator(loaded.dir)) {
@@ -243,18 +310,29 @@ int load_worker(const std::string& given) {
         left -= take;
       }
     }));
+  };
+  // The raw read needs a load's byte counts: the first round loads first, then they alternate.
+  for (int i = 0; i < kRepeats; ++i) {
+    if (i % 2 == 0) {
+      load();
+      read();
+    } else {
+      read();
+      load();
+    }
   }
   const std::string opt_read = per_rank(*comm, loaded.optimizer_reads.bytes_read);
   const std::string opt_used = per_rank(*comm, loaded.optimizer_reads.bytes_used);
   const std::string model_read = per_rank(*comm, loaded.model_reads.bytes_read);
   comm->barrier();
   if (rank == 0) {
-    const double load = median(load_s), read = median(read_s);
+    const double load_ms = median(load_s) * 1e3, read_ms = median(read_s) * 1e3;
     std::printf(
         "  load on M=%d: optimizer bytes read per rank [%s] (used [%s]); model+RNG "
-        "bytes read per rank [%s]; load %.1f ms vs raw read %.1f ms: ratio %.2f\n",
-        m, opt_read.c_str(), opt_used.c_str(), model_read.c_str(), load * 1e3, read * 1e3,
-        load / read);
+        "bytes read per rank [%s]; load %.1f ms vs raw read %.1f ms: ours %.2f of raw's "
+        "throughput (raw time / ours)\n",
+        m, opt_read.c_str(), opt_used.c_str(), model_read.c_str(), load_ms, read_ms,
+        read_ms / load_ms);
     std::fflush(stdout);
   }
   return 0;

@@ -7,10 +7,12 @@ Run by bench_dist under torchrun, one process per rank:
 The same models as bench_dist (bench/peer_models.py), FP32 parameters trained under
 torch.autocast("cpu", dtype=torch.bfloat16) (what BF16 training is in PyTorch), wrapped in
 DistributedDataParallel on Gloo (gradients all-reduced in FP32 buckets during backward), and
-ZeroRedundancyOptimizer(AdamW): ZeRO-1, each rank steps its share of the parameters and
-broadcasts them. One thread per rank, as bench_dist's workers. Rank 0 prints one JSON line:
-the median over steps of the slowest rank's step time, and the largest per-rank growth of
-resident memory from just before the model is built to the end (VmHWM - VmRSS then).
+ZeroRedundancyOptimizer over AdamW(fused=True), as bench_train's peer: ZeRO-1, each rank steps
+its share of the parameters and broadcasts them. One thread per rank, as bench_dist's workers.
+A step's data is made before its clock starts, as bench_dist makes its own. Rank 0 prints one
+JSON line: the median over steps of the slowest rank's step time (zero_grad, forward, backward,
+optimizer step), and the largest per-rank growth of resident memory from just before the model
+is built to the end (VmHWM - VmRSS then).
 """
 import argparse
 import json
@@ -59,7 +61,7 @@ def main():
         batch = args.batch or 16
     ddp = DistributedDataParallel(model)
     optimizer = ZeroRedundancyOptimizer(ddp.parameters(), optimizer_class=torch.optim.AdamW,
-                                        lr=1e-3, weight_decay=0.01)
+                                        lr=1e-3, weight_decay=0.01, fused=True)
     rows = batch // world
     times = []
     for step in range(args.warmup + args.steps):
@@ -91,7 +93,7 @@ def main():
     if rank == 0:
         params = sum(p.numel() for p in model.parameters())
         print(json.dumps({
-            "impl": "pytorch DDP(gloo) + ZeroRedundancyOptimizer(AdamW), autocast bf16",
+            "impl": "pytorch DDP(gloo) + ZeroRedundancyOptimizer(AdamW(fused=True)), autocast bf16",
             "model": args.model, "n": world, "params": params,
             "step_ms": statistics.median(times) * 1e3,
             "peak_growth_mib": growth.item(),

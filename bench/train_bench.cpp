@@ -27,6 +27,10 @@
 // its peak over training (VmHWM), and the difference ("training": activations, gradients,
 // optimizer state created on the first step, kernel caches), and page faults per timed step
 // (pages malloc got from the system; a mean, with the steps in which the heap still grows).
+// Every row times the same region, the whole step as train_step runs it: the batch made from
+// the corpus, zero_grad, forward, backward, (reduction,) clipping, the optimizer step and the
+// expert-bias update. "optim ms" is the step less forward and backward: the optimizer and the
+// rest (batch, zero_grad, reduction wait, bookkeeping), as train_step's phases split it.
 // The model is mixprec-train's default
 // (2 layers, d_model 128, 4 experts top-2, batch 16 x 128 bytes of Python's pydoc topics).
 //
@@ -109,11 +113,16 @@ struct PhaseTimes {
   }
 };
 
-// Runs warmup + steps of `step` and reports the medians as one JSON line on stdout.
+// Runs warmup + steps of `step` and reports the medians as one JSON line on stdout. `step` runs
+// exactly one training step and records its phases: the page faults counted are the steps'.
 void measure(const Options& o, const std::string& name, const TrainConfig& config,
              const std::function<void(int64_t, PhaseTimes&)>& step) {
   // Data parallel: every rank steps, rank 0 reports (its memory is one rank's).
   PhaseTimes warm, timed;
+  // Recording a step's times allocates nothing, so its faults are not counted as the step's.
+  for (auto* v : {&timed.forward, &timed.backward, &timed.optimizer, &timed.total}) {
+    v->reserve(static_cast<size_t>(o.steps));
+  }
   const double before_mib = status_mib("VmRSS");  // runtime, data, model and optimizer built
   for (int64_t i = 0; i < o.warmup; ++i) step(i, warm);
   const int64_t faults_before = train::minor_page_faults();
@@ -166,8 +175,14 @@ struct MixprecSetup {
   train::MixedModel model;
 };
 
-// mixprec-train's own step. The headline time is train_step itself; the phase split comes from
-// the same calls made one by one.
+// train_step's phases as the table's three columns: everything but forward and backward (the
+// reduction wait, checkpoint wait (none), optimizer, batch, zero_grad, bookkeeping) counts with
+// the optimizer; their sum is train_step's wall time.
+void add_phases(const train::StepPhases& p, PhaseTimes& times) {
+  times.add(p.forward_s, p.backward_s, p.reduce_s + p.checkpoint_s + p.optimizer_s + p.other_s);
+}
+
+// mixprec-train's own step, one train_step per step; the split is its own phase timing.
 void run_mixprec(const Options& o, const std::string& fp8) {
   TrainConfig config = o.config;
   config.fp8 = fp8;
@@ -177,26 +192,8 @@ void run_mixprec(const Options& o, const std::string& fp8) {
   auto optimizer = train::make_single_process_optimizer(*model.module, config, setup.precision);
   measure(o, fp8 == "off" ? "mixprec bf16" : "mixprec bf16 + fp8 " + fp8, config,
           [&](int64_t i, PhaseTimes& times) {
-            const auto start = Clock::now();
-            train::train_step(config, model, *optimizer, batches, i, config.lr);
-            const double total = since(start);
-            // The split, measured on a separate step of the same kind.
-            const train::Batch b = batches.batch(i, config.batch, 0, config.batch);
-            optimizer->zero_grad();
-            auto t = Clock::now();
-            auto [logits, aux] = model.forward(b.inputs);
-            const at::Tensor loss = cross_entropy(logits, b.targets) + config.aux_loss_coef * aux;
-            const double f = since(t);
-            t = Clock::now();
-            (loss * optimizer->loss_scale()).backward();
-            const double bw = since(t);
-            t = Clock::now();
-            optimizer->step();
-            model.gpt->update_expert_biases(config.bias_update_rate);
-            const double op = since(t);
-            // Report the real step's total, split in the proportions just measured.
-            const double scale = total / (f + bw + op);
-            times.add(f * scale, bw * scale, op * scale);
+            add_phases(train::train_step(config, model, *optimizer, batches, i, config.lr).phases,
+                       times);
           });
 }
 
@@ -212,15 +209,13 @@ void run_mixprec_data_parallel(const Options& o) {
   const train::BatchSampler& batches = setup.batches;
   train::MixedModel& model = setup.model;
   auto optimizer = train::make_data_parallel_optimizer(model, config, setup.precision, ranks);
-  measure(o, "mixprec ZeRO-1, " + std::to_string(config.world_size) + " ranks", config,
-          [&](int64_t i, PhaseTimes& times) {
-            const train::StepOutcome out =
-                train::train_step(config, model, *optimizer, batches, i, config.lr, ranks.get());
-            const train::StepPhases& p = out.phases;
-            // Reduction, checkpoint (none) and bookkeeping count with the optimizer.
-            times.add(p.forward_s, p.backward_s,
-                      p.reduce_s + p.checkpoint_s + p.optimizer_s + p.other_s);
-          });
+  measure(
+      o, "mixprec ZeRO-1, " + std::to_string(config.world_size) + " ranks", config,
+      [&](int64_t i, PhaseTimes& times) {
+        add_phases(
+            train::train_step(config, model, *optimizer, batches, i, config.lr, ranks.get()).phases,
+            times);
+      });
 }
 
 // The same model in FP32 with LibTorch's own AdamW: what a LibTorch user has without mixprec.
@@ -246,9 +241,13 @@ void run_fp32(const Options& o) {
   groups.emplace_back(no_decay, std::make_unique<torch::optim::AdamWOptions>(
                                     torch::optim::AdamWOptions(adamw).weight_decay(0)));
   torch::optim::AdamW optimizer(std::move(groups), adamw);
+  // The same region as train_step's: the batch and zero_grad are inside the step's time, in
+  // the optimizer column as train_step's "other".
   measure(o, "libtorch fp32 + torch::optim::AdamW", config, [&](int64_t i, PhaseTimes& times) {
+    const auto start = Clock::now();
     const train::Batch b = batches.batch(i, config.batch, 0, config.batch);
     optimizer.zero_grad();
+    const double before = since(start);
     auto t = Clock::now();
     auto [logits, aux] = gpt->forward(b.inputs);
     const at::Tensor loss = cross_entropy(logits, b.targets) + config.aux_loss_coef * aux;
@@ -260,7 +259,7 @@ void run_fp32(const Options& o) {
     torch::nn::utils::clip_grad_norm_(all, config.clip_grad);
     optimizer.step();
     gpt->update_expert_biases(config.bias_update_rate);
-    times.add(f, bw, since(t));
+    times.add(f, bw, since(t) + before);
   });
 }
 
