@@ -13,6 +13,12 @@
 
 #include <gtest/gtest.h>
 
+#include <sys/resource.h>
+#include <unistd.h>
+
+#include <algorithm>
+#include <cerrno>
+
 namespace mixprec::checkpoint {
 namespace MIXPREC_UNITY_ID {  // anonymous outside unity builds (tests/CMakeLists.txt)
 
@@ -180,6 +186,35 @@ TEST(AsyncSave, StateLargerThanTheBudgetIsRefusedBeforeAnythingIsWritten) {
   EXPECT_FALSE(fs::exists(root.path / "big"));
   EXPECT_EQ(saver.staging_bytes(), 0u);
   EXPECT_THROW(AsyncCheckpointSaver(AsyncSaveOptions().staging_budget_bytes(0)), c10::Error);
+}
+
+// The background half runs at a lower CPU priority than the caller (by background_niceness,
+// capped at Linux's lowest, 19), so that a save takes only the cores training leaves idle; 0
+// keeps the caller's.
+TEST(AsyncSave, TheBackgroundSaveYieldsTheCoresToTraining) {
+  const auto niceness_of_this_thread = [] {
+    errno = 0;
+    const int value = ::getpriority(PRIO_PROCESS, static_cast<id_t>(::gettid()));
+    EXPECT_EQ(errno, 0);
+    return value;
+  };
+  const int caller = niceness_of_this_thread();
+  for (const int increment : {19, 5, 0}) {
+    SCOPED_TRACE("background_niceness " + std::to_string(increment));
+    TempRoot root;
+    TrainingSetup a(at::kBFloat16);
+    a.step();
+    int background = -100;
+    AsyncCheckpointSaver saver(AsyncSaveOptions().background_niceness(increment).on_tensor_staged(
+        [&](const std::string&) { background = niceness_of_this_thread(); }));
+    saver.save(root.path, "step-1", training_state_dict(*a.model, *a.optimizer));
+    saver.wait_until_staged();
+    ASSERT_TRUE(saver.wait().has_value());
+    EXPECT_EQ(background, std::min(caller + increment, 19));
+    EXPECT_EQ(niceness_of_this_thread(), caller) << "the caller's own priority is unchanged";
+  }
+  EXPECT_THROW(AsyncCheckpointSaver(AsyncSaveOptions().background_niceness(20)), c10::Error);
+  EXPECT_THROW(AsyncCheckpointSaver(AsyncSaveOptions().background_niceness(-1)), c10::Error);
 }
 
 }  // namespace MIXPREC_UNITY_ID

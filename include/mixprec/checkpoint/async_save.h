@@ -52,6 +52,11 @@ namespace mixprec::checkpoint {
 struct AsyncSaveOptions {
   // Most host memory the staging arena may take (it takes what the state needs).
   TORCH_ARG(std::size_t, staging_budget_bytes) = std::size_t{4} << 30;
+  // How much lower than the caller's the background thread's CPU priority is (a Linux nice
+  // increment; 0 keeps the caller's). A save then takes only the cores training leaves idle —
+  // and the staging copy, at the latest, the one wait_until_staged() frees — instead of slowing
+  // the step it runs behind; its own end comes later (the next save or wait() waits for it).
+  TORCH_ARG(int, background_niceness) = 19;
   // Called on the background thread after each tensor is copied, with its key (progress
   // reporting; tests use it to step the optimizer in the middle of staging).
   TORCH_ARG(std::function<void(const std::string& key)>, on_tensor_staged);
@@ -72,7 +77,7 @@ class AsyncCheckpointSaver {
   using Writer =
       std::function<SaveResult(const ShardedStateDict& staged, const std::exception_ptr& failed)>;
 
-  // Throws c10::Error if the budget is 0.
+  // Throws c10::Error if the budget is 0 or background_niceness is outside [0, 19].
   explicit AsyncCheckpointSaver(AsyncSaveOptions options = {});
   ~AsyncCheckpointSaver();
   AsyncCheckpointSaver(const AsyncCheckpointSaver&) = delete;
