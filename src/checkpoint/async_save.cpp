@@ -15,6 +15,8 @@
 #include <chrono>
 #include <cstdio>
 #include <cstring>
+#include <string>
+#include <utility>
 
 namespace mixprec::checkpoint {
 
@@ -38,9 +40,9 @@ double seconds_since(std::chrono::steady_clock::time_point start) {
 
 // The background thread yields the cores to training (async_save.h): with every core busy,
 // a save at training's priority took as much from the step as a synchronous save would have
-// (bench_checkpoint: training blocked 90–145% of a sync save behind a two-thread step; 20–35%
-// at the lowest priority). Linux gives each thread its own nice value, inherited by threads it
-// starts; failing to lower it (a sandbox) costs speed, not correctness.
+// (bench_checkpoint: training blocked 90–145% of a sync save behind a two-thread step; 21–37%,
+// the staging copy, at the lowest priority). Linux gives each thread its own nice value, inherited
+// by threads it starts; failing to lower it (a sandbox) costs speed, not correctness.
 void lower_this_threads_priority(int niceness) {
   if (niceness <= 0) return;
   errno = 0;
@@ -48,11 +50,18 @@ void lower_this_threads_priority(int niceness) {
   if (errno == 0) ::setpriority(PRIO_PROCESS, static_cast<id_t>(::gettid()), now + niceness);
 }
 
-// One thread copies: an intra-op team started from this low-priority thread would hold every
-// member at a barrier while any one of them waits for a core.
-void copy_into_staging(const at::Tensor& staged, const at::Tensor& live) {
+// One thread copies (a contiguous host tensor, as every state's is): an intra-op team started
+// from this low-priority thread would hold every member at a barrier while any one of them
+// waits for a core.
+void copy_into_staging(const std::string& key, const at::Tensor& staged, const at::Tensor& live) {
+  // Its slot was laid out when save() looked at it: a tensor resized or recast since (set_data
+  // moves no version counter) must not be copied past it.
+  TORCH_CHECK(live.scalar_type() == staged.scalar_type() && live.sizes() == staged.sizes(),
+              "[mixprec::checkpoint::AsyncCheckpointSaver] '", key, "' changed from ",
+              staged.scalar_type(), " ", staged.sizes(), " to ", live.scalar_type(), " ",
+              live.sizes(), " while it was being staged");
   if (live.is_cpu() && live.is_contiguous()) {
-    std::memcpy(staged.data_ptr(), live.const_data_ptr(), live.nbytes());
+    std::memcpy(staged.data_ptr(), live.const_data_ptr(), staged.nbytes());
     return;
   }
   at::NoGradGuard no_grad;
@@ -103,11 +112,16 @@ void AsyncCheckpointSaver::wait_until_staged() {
   staged_signal_.wait(lock, [this] { return !staging_; });
   last_blocked_seconds_ += seconds_since(start);
   if (staging_error_) {
+    // Thrown now, without waiting for the writer: a collective one is still telling the other
+    // ranks, and its agreed error (naming this rank) is what wait() and the next save() throw,
+    // here as on every rank, so that all ranks' next saves start together. A writer that only
+    // rethrows this error is not reported twice.
     std::exception_ptr error = staging_error_;
     staging_error_ = nullptr;
+    reported_ = error;
     lock.unlock();
-    if (worker_.joinable()) worker_.join();  // nothing more to do: it stops after staging
-    error_ = nullptr;
+    // This process's own writer only rethrows it: the save is over.
+    if (!writer_reports_ && worker_.joinable()) worker_.join();
     std::rethrow_exception(error);
   }
 }
@@ -117,11 +131,11 @@ std::optional<SaveResult> AsyncCheckpointSaver::wait() {
   state_ = ShardedStateDict();   // no more handles to live tensors
   staged_ = ShardedStateDict();  // the copy's views only; the arena stays
   staging_error_ = nullptr;      // the same error as error_, reported here or already
+  const std::exception_ptr reported = std::exchange(reported_, nullptr);
   if (error_) {
-    std::exception_ptr error = error_;
-    error_ = nullptr;
+    std::exception_ptr error = std::exchange(error_, nullptr);
     result_.reset();
-    std::rethrow_exception(error);
+    if (error != reported) std::rethrow_exception(error);
   }
   std::optional<SaveResult> result = std::move(result_);
   result_.reset();
@@ -155,6 +169,7 @@ void AsyncCheckpointSaver::save(ShardedStateDict state, Writer write) {
 void AsyncCheckpointSaver::start(ShardedStateDict state, Writer write, bool defer_errors) {
   const auto start = std::chrono::steady_clock::now();
   wait();  // one save in flight; rethrows its error
+  writer_reports_ = defer_errors;
   // This process's part only: on N ranks the writer's collective checks what they cover
   // together (collective_checkpoint.h).
   std::exception_ptr failed;
@@ -207,7 +222,7 @@ void AsyncCheckpointSaver::start(ShardedStateDict state, Writer write, bool defe
         for (auto& [key, copy] : staged_.tensors) {
           const ShardedTensor& shard = state_.tensors.at(key);
           if (shard.replica_id == 0 && shard.local.defined()) {
-            copy_into_staging(copy.local, shard.local);
+            copy_into_staging(key, copy.local, shard.local);
           }
           if (options_.on_tensor_staged()) options_.on_tensor_staged()(key);
         }

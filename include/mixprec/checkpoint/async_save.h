@@ -31,7 +31,8 @@
 // (and the destructor, which reports, never throws, an error nobody collected). An error while
 // staging (a tensor changed, a copy failed) is thrown, once, by wait_until_staged() (or else
 // by wait() or the next save()), and nothing is written — so, with a Writer of the caller's
-// (a collective save), is an error save() finds in the state; an error of the writing, by the
+// (a collective save), is an error save() finds in the state, and then the writer's error (the
+// one every rank gets) follows at wait() or the next save(); an error of the writing, by the
 // next wait() or save().
 #pragma once
 
@@ -70,8 +71,8 @@ class AsyncCheckpointSaver {
  public:
   // The background half of a save: writes and commits the staged copy, returns the result.
   // It is called after a failure of this process's part too (the state could not be saved, did
-  // not fit the budget, or changed while it was staged), with `failed` set and `staged` empty:
-  // then it writes nothing and throws — a collective writer after taking part in its
+  // not fit the budget, or changed while it was staged), with `failed` set (and `staged` not
+  // to be read): then it writes nothing and throws — a collective writer after taking part in its
   // agreement with that error, so that every rank's save fails alike and the next saves of all
   // ranks stay paired.
   using Writer =
@@ -101,7 +102,8 @@ class AsyncCheckpointSaver {
   void save(ShardedStateDict state, Writer write);
 
   // Returns once the save in flight (if any) has copied its state: from then on the state may
-  // change. Throws its staging error.
+  // change. Throws its staging error at once (a Writer's own error about it, such as a
+  // collective save's agreed one, follows at wait() or the next save()).
   void wait_until_staged();
   // Waits for the save in flight; returns its result (nullopt if none was in flight), or
   // rethrows its error.
@@ -131,6 +133,8 @@ class AsyncCheckpointSaver {
   ShardedStateDict staged_;  // its copy in the arena, which the background half writes
   std::optional<SaveResult> result_;
   std::exception_ptr error_;
+  std::exception_ptr reported_;  // a staging error wait_until_staged() threw: wait() skips it
+  bool writer_reports_ = false;  // the save in flight has a Writer that reports its failures
   // Staging's end, signalled by the background thread.
   std::mutex mutex_;
   std::condition_variable staged_signal_;
