@@ -31,6 +31,9 @@ struct Flag {
   std::string_view metavar;  // "" for switches
   std::string_view help;
   OnResume on_resume = OnResume::kThisRun;
+  // False for a fixed flag that older checkpoints did not save: resuming one of those keeps
+  // this run's value rather than refusing the checkpoint.
+  bool saved_by_every_version = true;
 };
 
 constexpr OnResume kFixed = OnResume::kFixed;
@@ -53,12 +56,14 @@ const std::vector<Flag>& flags() {
        "but costs time and saves nothing on a CPU",
        kFixed},
       {"precision", "loss-scale", &C::loss_scale, "F",
-       "fp16: initial dynamic loss scale (halved after overflows, doubled after 1000 clean steps)",
-       kCarried},
+       "fp16: initial dynamic loss scale (halved after overflows, doubled after 1000 clean "
+       "steps); it also bounds the scale from above, so it is fixed on resume (which continues "
+       "from the saved scale)",
+       kFixed, /*saved_by_every_version=*/false},
       {"data", "data", &C::data, "FILE",
-       "a text file to train on (default: Python's pydoc "
-       "topics, found through the venv's python)",
-       kFixed},
+       "a text file to train on (default: Python's pydoc topics, found through the venv's "
+       "python); on resume it may name another path to the same text, checked by content",
+       kCarried},
       {"data", "val-fraction", &C::val_fraction, "F", "held-out tail of the text for validation",
        kFixed},
       {"training", "steps", &C::steps, "N", "optimizer steps in total", kCarried},
@@ -405,9 +410,10 @@ std::vector<ResumeChange> adopt_run_shape(TrainConfig& config, const nlohmann::j
     if (f.on_resume == OnResume::kThisRun) continue;
     const std::string key = key_of(f.name);
     if (!shape.contains(key)) {
-      // Checkpoints from before the run's course was saved hold the fixed flags only.
-      check(f.on_resume != kFixed, source + " holds no value for --" + std::string(f.name) +
-                                       " (not written by this version of mixprec-train?)");
+      // Checkpoints from before the run's course was saved hold the first fixed flags only.
+      check(f.on_resume != kFixed || !f.saved_by_every_version,
+            source + " holds no value for --" + std::string(f.name) +
+                " (not written by this version of mixprec-train?)");
       continue;
     }
     const nlohmann::json saved = shape.at(key);

@@ -3,10 +3,13 @@
 #include "config.h"
 #include "pydoc_corpus.h"
 
+#include "mixprec/checkpoint/format/checksum.h"
+
 #include <ATen/ATen.h>
 #include <ATen/CPUGeneratorImpl.h>
 
 #include <cerrno>
+#include <cstdio>
 #include <cstring>
 #include <fstream>
 #include <sstream>
@@ -26,6 +29,19 @@ std::string read_file(const fs::path& path) {
 }
 
 }  // namespace
+
+std::string fingerprint(const Corpus& corpus) {
+  const auto hash = [](const at::Tensor& bytes) {
+    const auto* data = static_cast<const std::byte*>(bytes.const_data_ptr());
+    char hex[17];
+    std::snprintf(hex, sizeof hex, "%016llx",
+                  static_cast<unsigned long long>(
+                      mixprec::checkpoint::xxh3_64({data, static_cast<size_t>(bytes.numel())})));
+    return std::string(hex);
+  };
+  return std::to_string(corpus.train.numel()) + " + " + std::to_string(corpus.val.numel()) +
+         " bytes, xxh3 " + hash(corpus.train) + "/" + hash(corpus.val);
+}
 
 Corpus load_corpus(const std::string& path, double val_fraction, int64_t seq_len) {
   Corpus corpus;

@@ -23,6 +23,10 @@ struct Corpus {
   at::Tensor val;      // uint8, the rest
 };
 
+// "419646 + 46627 bytes, xxh3 9e3c…/41d0…": what a resumed run compares to be sure it trains on
+// the text it started with.
+std::string fingerprint(const Corpus& corpus);
+
 // Reads `path` ("" for the default corpus) and splits it. Throws UsageError naming the file if
 // it is missing, unreadable, empty, or too short for one sequence of `seq_len` + 1 bytes in
 // each split.

@@ -34,6 +34,7 @@ nlohmann::json RunState::to_json(const TrainConfig& config,
           {"elapsed_s", elapsed_s},
           // Batch `step` is the next one drawn: batches are indexed by step (data.h).
           {"data_position", step},
+          {"text", text},
           {"metrics", std::filesystem::absolute(metrics).lexically_normal().string()}};
 }
 
@@ -43,6 +44,7 @@ RunState RunState::from_json(const nlohmann::json& user, const std::string& sour
     s.step = user.at("step").get<int64_t>();
     s.skipped_total = user.at("skipped_total").get<int64_t>();
     s.elapsed_s = user.at("elapsed_s").get<double>();
+    if (user.contains("text")) s.text = user.at("text").get<std::string>();
   } catch (const nlohmann::json::exception&) {
     throw UsageError(source + " lacks the run state mixprec-train saves (step, skipped_total)");
   }

@@ -35,6 +35,7 @@ struct RunState {
   int64_t step = 0;           // optimizer steps done (the next step is `step`, 0-based)
   int64_t skipped_total = 0;  // steps the optimizer skipped (FP16 overflow)
   double elapsed_s = 0;       // training wall time so far
+  std::string text;           // the training text's fingerprint (data.h); "" in older checkpoints
 
   // The user metadata of a checkpoint (checkpointing.h lists its fields).
   nlohmann::json to_json(const TrainConfig& config, const std::filesystem::path& metrics) const;

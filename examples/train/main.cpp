@@ -123,6 +123,18 @@ void print_resume_changes(const TrainConfig& config, const RunPaths& paths) {
   }
 }
 
+// A resumed run trains on the text it was started with, whatever path names it now (--data
+// may be given again as another path, or resolve from another directory): the same bytes, by
+// their fingerprint. Checkpoints from before the fingerprint was saved are not checked.
+void check_same_text(const Corpus& corpus, const RunPaths& paths) {
+  if (!paths.resume_from || paths.saved_text.empty()) return;
+  const std::string now = fingerprint(corpus);
+  if (now == paths.saved_text) return;
+  throw UsageError("--data: " + corpus.source + " is not the text checkpoint " +
+                   paths.resume_from->string() + " was trained on (" + paths.saved_text +
+                   "; this one: " + now + ")");
+}
+
 // The first line of an error message: the one line the user gets.
 std::string first_line(const std::string& message) { return message.substr(0, message.find('\n')); }
 
@@ -138,8 +150,6 @@ int run(int argc, char** argv, const std::string& malloc_policy) {
     return 0;
   }
   TrainConfig config = args.config;
-  // Saved absolute, so that a resume from another working directory reads the same file.
-  if (!config.data.empty()) config.data = std::filesystem::absolute(config.data).lexically_normal();
   const std::shared_ptr<mixprec::distributed::Communicator> ranks = join_ranks();
   adopt_ranks(config, ranks.get());
   // A fresh run's directory is named by the time it starts: rank 0's time, for every rank.
@@ -155,6 +165,7 @@ int run(int argc, char** argv, const std::string& malloc_policy) {
   if (!held_elsewhere) {
     find_resume_point(config, paths);
     checked_corpus = load_corpus(config.data, config.val_fraction, config.seq_len);
+    check_same_text(*checked_corpus, paths);
   }
   // One run per checkpoint directory, for the whole run (rank 0 commits every save), taken
   // before the directory is read for good: a run that waited for another one's end sees what it
@@ -181,6 +192,7 @@ int run(int argc, char** argv, const std::string& malloc_policy) {
   const Corpus corpus = checked_corpus
                             ? std::move(*checked_corpus)
                             : load_corpus(config.data, config.val_fraction, config.seq_len);
+  check_same_text(corpus, paths);
   const BatchSampler train_batches(corpus.train, config.seq_len, config.seed, /*stream=*/0);
   const BatchSampler val_batches(corpus.val, config.seq_len, config.seed, /*stream=*/1);
 
@@ -218,6 +230,7 @@ int run(int argc, char** argv, const std::string& malloc_policy) {
     }
     state = RunState::from_json(user, paths.resume_from->string());
   }
+  state.text = fingerprint(corpus);
 
   // 7. The loop, with progress on the terminal and one JSON line per step.
   std::optional<MetricsLog> metrics;

@@ -99,7 +99,9 @@ void find_resume_point(TrainConfig& config, RunPaths& paths) {
   if (!user.contains("config")) throw UsageError(source + " was not written by mixprec-train");
   paths.changes = adopt_run_shape(config, user.at("config"), source);
   paths.saved_shape = user.at("config");
-  paths.resume_step = RunState::from_json(user, source).step;
+  const RunState saved = RunState::from_json(user, source);
+  paths.resume_step = saved.step;
+  paths.saved_text = saved.text;
   if (config.steps < paths.resume_step) {
     throw UsageError("--steps " + std::to_string(config.steps) + ": " + source +
                      " is already at step " + std::to_string(paths.resume_step) +

@@ -25,6 +25,7 @@ struct RunPaths {
   std::optional<std::filesystem::path> resume_from;  // the checkpoint to load (with --resume)
   std::string resume_note;     // why that is not what `latest` names (a save ended early); or ""
   int64_t resume_step = 0;     // the step resume_from was saved after
+  std::string saved_text;      // the fingerprint of its training text (data.h), or "" if older
   nlohmann::json saved_shape;  // its run settings (config.h, run_shape)
   std::vector<ResumeChange> changes;  // settings this run gives anew (config.h)
   // Newer checkpoints than resume_from that do not verify (set_aside_unverified moves them).

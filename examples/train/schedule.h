@@ -12,7 +12,8 @@
 namespace train {
 
 // Learning rate for optimizer step `step` (0-based) of `total`: the first step after warm-up
-// takes the peak, the last one (total − 1) exactly lr · min_lr_ratio.
+// takes the peak, the last one (total − 1) exactly lr · min_lr_ratio when the decay has a
+// step of its own (total − 1 > warmup).
 inline double learning_rate(int64_t step, int64_t total, double lr, int64_t warmup,
                             double min_lr_ratio) {
   if (step < warmup) return lr * static_cast<double>(step + 1) / static_cast<double>(warmup);

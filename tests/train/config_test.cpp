@@ -160,7 +160,8 @@ TEST(TrainConfig, ResumeCarriesTheRunsSettingsAndReportsWhatIsGivenAnew) {
   // A checkpoint from before the run's course was saved holds the fixed flags only: the
   // defaults stand for the rest, as they did then.
   nlohmann::json fixed_only = shape;
-  for (const char* key : {"steps", "lr", "warmup", "weight_decay", "prompt"}) fixed_only.erase(key);
+  for (const char* key : {"steps", "lr", "warmup", "weight_decay", "prompt", "loss_scale"})
+    fixed_only.erase(key);
   TrainConfig old = parse({"--resume"}).config;
   adopt_run_shape(old, fixed_only, "checkpoint X");
   EXPECT_EQ(old.steps, defaults.steps);

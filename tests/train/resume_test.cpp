@@ -106,7 +106,22 @@ TEST(ResumeSettings, AFlagGivenAgainChangesTheRunAndIsReported) {
       mine + std::vector<std::string>{"--out", "a", "--resume", "--data", "./corpus.txt"}, "same");
   ASSERT_EQ(same.status, 0) << same.err;
   EXPECT_NE(same.out.find("run          8 steps"), std::string::npos) << same.out;
-  EXPECT_EQ(same.out.find("changed"), std::string::npos) << same.out;
+  EXPECT_NE(same.out.find("changed      --data ./corpus.txt (was --data corpus.txt)"),
+            std::string::npos)
+      << same.out;
+
+  // Another text under the old name is refused, before anything is written.
+  fs::create_directories(dir / "elsewhere");
+  write_corpus(dir / "elsewhere/corpus.txt", 300);
+  const auto before_other = snapshot(dir / "b");
+  const ProgramRun other = run_program(
+      dir.path(),
+      mine + std::vector<std::string>{"--out", "b", "--resume", "--data", "elsewhere/corpus.txt"},
+      "other");
+  EXPECT_EQ(other.status, 2);
+  EXPECT_NE(other.err.find("elsewhere/corpus.txt is not the text checkpoint "), std::string::npos)
+      << other.err;
+  EXPECT_EQ(snapshot(dir / "b"), before_other);
 
   const ProgramRun decayed = run_program(
       dir.path(), mine + std::vector<std::string>{"--out", "b", "--resume", "--weight-decay", "5"},
