@@ -121,10 +121,11 @@ OffloadStats OffloadPipeline::run(const AlgorithmTraits& traits,
   const size_t depth = std::min<size_t>(static_cast<size_t>(options_.chunks_in_flight()), n);
   while (staging_.size() < depth) staging_.push_back(copier_->staging(options_.chunk_bytes()));
   // The parameters are written by copies, which bump no version counter on every engine: bump
-  // each once, just before the first write, as the kernels do for what they write. Not
-  // earlier: a step that fails before it writes a parameter (staging memory, a download) must
+  // each once, before the first host step, as the kernels do for what they write. Not
+  // earlier: a step that fails before it changes anything (staging memory, a download) must
   // not look like a write from outside, which the optimizer would answer by re-seeding every
-  // master from its parameter (with remainders: losing their low halves).
+  // master from its parameter (with remainders: losing their low halves). From the first host
+  // step on, a failure leaves masters ahead of their parameters, and the re-seed is the repair.
   bool bumped = false;
   const auto before_first_write = [&] {
     if (std::exchange(bumped, true)) return;
@@ -182,10 +183,10 @@ OffloadStats OffloadPipeline::run(const AlgorithmTraits& traits,
   }
   for (size_t k = 0; k < n; ++k) {
     copier_->wait(down[k]);
+    before_first_write();
     const auto step_start = std::chrono::steady_clock::now();
     step_chunk(traits, items, chunks[k], staging_[k % depth], grad_multiplier);
     stats.step_seconds += seconds_since(step_start);
-    before_first_write();
     up[k] = copier_->upload(copies(k, false));
     issued.push_back(up[k]);
     if (k + depth < n) {
