@@ -30,8 +30,11 @@ inline constexpr std::size_t kRawWriteback = std::size_t{32} << 20;  // writebac
 
 inline void raw_write(const std::filesystem::path& path,
                       const std::vector<std::span<const char>>& pieces) {
-  auto fail = [&](const char* what) {
-    throw std::runtime_error(std::string(what) + " " + path.string() + ": " + std::strerror(errno));
+  // errno read before anything else can change it (the close on the way out).
+  auto fail = [&](const char* what, int fd = -1, int error = errno) {
+    if (fd >= 0) ::close(fd);
+    throw std::runtime_error(std::string(what) + " " + path.string() + ": " +
+                             (error != 0 ? std::strerror(error) : "wrote nothing"));
   };
   const int fd = ::open(path.c_str(), O_WRONLY | O_CREAT | O_TRUNC | O_CLOEXEC, 0644);
   if (fd < 0) fail("open");
@@ -39,10 +42,7 @@ inline void raw_write(const std::filesystem::path& path,
   for (const std::span<const char> piece : pieces) {
     for (std::size_t done = 0; done < piece.size();) {
       const ssize_t n = ::write(fd, piece.data() + done, std::min(kRawPiece, piece.size() - done));
-      if (n <= 0) {
-        ::close(fd);
-        fail("write");
-      }
+      if (n <= 0) fail("write", fd, n == 0 ? 0 : errno);
       done += static_cast<std::size_t>(n);
       written += static_cast<std::size_t>(n);
       if (written - writeback_from >= kRawWriteback) {
@@ -52,10 +52,7 @@ inline void raw_write(const std::filesystem::path& path,
       }
     }
   }
-  if (::fsync(fd) != 0) {
-    ::close(fd);
-    fail("fsync");
-  }
+  if (::fsync(fd) != 0) fail("fsync", fd);
   if (::close(fd) != 0) fail("close");
 }
 
