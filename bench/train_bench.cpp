@@ -420,6 +420,16 @@ int main(int argc, char** argv) {
       if (i + 1 >= argc) throw std::runtime_error(arg + " needs a value");
       return argv[++i];
     };
+    if (arg == "--help" || arg == "-h") {
+      std::printf(
+          "usage: bench_train [--steps N] [--warmup N] [--repeats N] [--threads N]\n"
+          "                   [--omp-wait active|passive] [--ranks N] [mixprec-train model "
+          "flags]\n"
+          "The main job's training step against LibTorch FP32 and PyTorch autocast BF16 (and,\n"
+          "with --ranks N, ZeRO-1 against DDP + ZeroRedundancyOptimizer): bench/train_bench.cpp\n"
+          "says what each row runs.\n");
+      return 0;
+    }
     if (arg == "--steps")
       o.steps = std::stoll(value());
     else if (arg == "--warmup")
