@@ -461,6 +461,7 @@ TEST(CollectiveCheckpoint, AnAsyncSaveFailingOnOneRankFailsOnEveryRankAndTheNext
     world().barrier();
     EXPECT_FALSE(fs::exists(root.path() / name));
     EXPECT_TRUE(staging_entries(root.path()).empty());
+    world().barrier();  // every rank has looked before rank 0 stages the next save
   };
 
   distributed::save_checkpoint_async(saver, group, root.path(), "a", mine());
