@@ -188,6 +188,27 @@ TEST(AsyncSave, StateLargerThanTheBudgetIsRefusedBeforeAnythingIsWritten) {
   EXPECT_THROW(AsyncCheckpointSaver(AsyncSaveOptions().staging_budget_bytes(0)), c10::Error);
 }
 
+// Large tensors are copied in 1 MiB pieces over several threads, with a strided one (copy_)
+// and tensors smaller than a piece among them: every byte lands in its own slot.
+TEST(AsyncSave, PiecesOfLargeTensorsLandWhereTheyBelong) {
+  TempRoot root;
+  ShardedStateDict state;
+  const at::Tensor big = at::randn({(7 << 20) / 8 + 3, 2});  // 3.5 MiB + 24 bytes: a partial piece
+  const at::Tensor small = at::arange(5, at::kInt);
+  const at::Tensor strided = at::randn({64, 64}).t();
+  state.tensors.emplace("big", ShardedTensor::whole(big));
+  state.tensors.emplace("small", ShardedTensor::whole(small));
+  state.tensors.emplace("strided", ShardedTensor::whole(strided));
+  AsyncCheckpointSaver saver;
+  saver.save(root.path, "pieces", state);
+  saver.wait_until_staged();
+  ASSERT_TRUE(saver.wait().has_value());
+  const ShardedStateDict back = read_checkpoint(root.path / "pieces");
+  EXPECT_TRUE(at::equal(back.at("big").local, big));
+  EXPECT_TRUE(at::equal(back.at("small").local, small));
+  EXPECT_TRUE(at::equal(back.at("strided").local, strided));
+}
+
 // The background half runs at a lower CPU priority than the caller (by background_niceness,
 // capped at Linux's lowest, 19), so that a save takes only the cores training leaves idle; 0
 // keeps the caller's.
