@@ -57,8 +57,7 @@ const std::vector<Flag>& flags() {
        kFixed},
       {"precision", "loss-scale", &C::loss_scale, "F",
        "fp16: initial dynamic loss scale (halved after overflows, doubled after 1000 clean "
-       "steps); it also bounds the scale from above, so it is fixed on resume (which continues "
-       "from the saved scale)",
+       "steps), and its upper bound; a resumed run continues from the saved scale",
        kFixed, /*saved_by_every_version=*/false},
       {"data", "data", &C::data, "FILE",
        "a text file to train on (default: Python's pydoc topics, found through the venv's "
