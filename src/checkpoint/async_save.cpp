@@ -87,8 +87,8 @@ void copy_pieces(const std::vector<CopyPiece>& pieces, unsigned threads) {
   helpers.reserve(threads);
   try {
     for (unsigned t = 1; t < threads && t < pieces.size(); ++t) helpers.emplace_back(copy);
-  } catch (const std::system_error&) {
-    // No thread to spare: fewer copy, as fast as they can.
+  } catch (...) {
+    // No thread to spare (or no memory for one): fewer copy, as fast as they can.
   }
   copy();
   for (std::thread& helper : helpers) helper.join();
@@ -121,6 +121,8 @@ AsyncCheckpointSaver::~AsyncCheckpointSaver() {
   } catch (const std::exception& e) {
     std::fprintf(stderr, "[%s] a background checkpoint save failed and nobody asked: %s\n", kWho,
                  e.what());
+  } catch (...) {
+    std::fprintf(stderr, "[%s] a background checkpoint save failed and nobody asked\n", kWho);
   }
 }
 
@@ -242,6 +244,21 @@ void AsyncCheckpointSaver::start(ShardedStateDict state, Writer write, bool defe
     staging_error_ = nullptr;
   }
   last_blocked_seconds_ = seconds_since(start);
+  // If the thread cannot start, nothing is in flight: undone before the error leaves save().
+  struct Unstarted {
+    AsyncCheckpointSaver& saver;
+    bool armed = true;
+    ~Unstarted() {
+      if (!armed) return;
+      {
+        std::lock_guard<std::mutex> lock(saver.mutex_);
+        saver.staging_ = false;
+        saver.staging_error_ = nullptr;
+      }
+      saver.state_ = ShardedStateDict();
+      saver.staged_ = ShardedStateDict();
+    }
+  } unstarted{*this};
   worker_ = std::thread([this, write = std::move(write), failed] {
     lower_this_threads_priority(options_.background_niceness());
     const auto staging_start = std::chrono::steady_clock::now();
@@ -253,6 +270,26 @@ void AsyncCheckpointSaver::start(ShardedStateDict state, Writer write, bool defe
         // on this thread, in key order, as that callback promises.
         const bool in_order = static_cast<bool>(options_.on_tensor_staged());
         std::vector<CopyPiece> pieces;
+        // The tensors whose pieces are pending, with their memory held: a tensor given new
+        // storage meanwhile (set_data) must not free what a piece reads, and is refused after.
+        struct Source {
+          const std::string* key;
+          const at::Tensor* staged;
+          const at::Tensor* live;
+          const void* data;
+          c10::Storage storage;
+        };
+        std::vector<Source> sources;
+        const auto copy_pending = [&](unsigned threads) {
+          copy_pieces(pieces, threads);
+          for (const Source& s : sources) {
+            check_slot(*s.key, *s.staged, *s.live);
+            TORCH_CHECK(s.live->const_data_ptr() == s.data, "[", kWho, "] '", *s.key,
+                        "' was given other memory while it was being staged");
+          }
+          pieces.clear();
+          sources.clear();
+        };
         for (auto& [key, copy] : staged_.tensors) {
           const ShardedTensor& shard = state_.tensors.at(key);
           if (shard.replica_id == 0 && shard.local.defined()) {
@@ -261,6 +298,7 @@ void AsyncCheckpointSaver::start(ShardedStateDict state, Writer write, bool defe
             if (live.is_cpu() && live.is_contiguous()) {
               auto* dst = static_cast<std::byte*>(copy.local.data_ptr());
               const auto* src = static_cast<const std::byte*>(live.const_data_ptr());
+              sources.push_back({&key, &copy.local, &live, src, live.storage()});
               for (std::size_t at = 0; at < copy.local.nbytes(); at += kCopyPieceBytes) {
                 pieces.push_back(
                     {dst + at, src + at, std::min(kCopyPieceBytes, copy.local.nbytes() - at)});
@@ -271,12 +309,11 @@ void AsyncCheckpointSaver::start(ShardedStateDict state, Writer write, bool defe
             }
           }
           if (in_order) {
-            copy_pieces(pieces, 1);
-            pieces.clear();
+            copy_pending(1);
             options_.on_tensor_staged()(key);
           }
         }
-        copy_pieces(pieces, copy_threads());
+        copy_pending(copy_threads());
         detail::check_unchanged({&state_}, "while it was being staged");
       } catch (...) {
         error = std::current_exception();
@@ -301,6 +338,7 @@ void AsyncCheckpointSaver::start(ShardedStateDict state, Writer write, bool defe
     }
     last_background_seconds_ = seconds_since(background_start);
   });
+  unstarted.armed = false;
 }
 
 }  // namespace mixprec::checkpoint

@@ -115,6 +115,8 @@ class AsyncCheckpointSaver {
   // Seconds the caller spent in the last save() (waiting for the previous save, checks) and in
   // wait_until_staged() for it: the time training was blocked by the save.
   double last_blocked_seconds() const { return last_blocked_seconds_; }
+  // The two below are written by the background thread: read them after wait_until_staged()
+  // (staging) or wait() (both), not while a save is in flight.
   // Seconds the last completed staging copy took on the background thread.
   double last_staging_seconds() const { return last_staging_seconds_; }
   // Seconds the last completed writing took on the background thread (after staging: files,
