@@ -63,6 +63,7 @@
 #include "mixprec/checkpoint/training_state.h"
 
 #include "support/copy_bandwidth.h"
+#include "support/median.h"
 #include "support/ratio_reporter.h"
 #include "support/raw_write.h"
 #include "support/step_load.h"
@@ -610,13 +611,8 @@ int main(int argc, char** argv) {
               peak("BM_TorchSave").c_str());
   const double sync_save = t("BM_OursSave");
   if (step_load && !hidden_blocked_seconds.empty()) {
-    const auto median = [](std::vector<double> v) {
-      std::sort(v.begin(), v.end());
-      const size_t n = v.size();
-      return n % 2 == 1 ? v[n / 2] : (v[n / 2 - 1] + v[n / 2]) / 2;
-    };
-    const double blocked = median(hidden_blocked_seconds);
-    const double alone = median(hidden_step_alone_seconds);
+    const double blocked = mixprec::bench::median(hidden_blocked_seconds);
+    const double alone = mixprec::bench::median(hidden_step_alone_seconds);
     std::printf(
         "  async save          training blocked %.3f s = %.1f%% of a sync save (%.2f s; goal <= "
         "10%%) behind a synthetic step (%lld BF16 GEMMs, sized at start to one sync save; "

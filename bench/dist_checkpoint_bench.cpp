@@ -41,6 +41,7 @@
 #include "mixprec/precision/convert.h"
 #include "mixprec/precision/keep_fp32.h"
 #include "support/bench_paths.h"
+#include "support/median.h"
 #include "support/raw_write.h"
 #include "support/step_load.h"
 
@@ -100,12 +101,6 @@ double max_over_ranks(distributed::Communicator& comm, double value) {
   at::Tensor t = at::tensor({value}, at::kDouble);
   comm.all_reduce_max(t).wait();
   return t.item<double>();
-}
-
-double median(std::vector<double> v) {
-  std::sort(v.begin(), v.end());
-  const size_t mid = v.size() / 2;
-  return v.size() % 2 == 1 ? v[mid] : (v[mid - 1] + v[mid]) / 2;
 }
 
 // Wall time of `fn` on every rank at once: barrier, run, max over ranks.
@@ -260,12 +255,13 @@ int save_worker(const std::string& given) {
   const std::string all = per_rank(*comm, written);
   comm->barrier();
   if (rank == 0) {
-    const double save = median(save_s), write = median(write_s);
-    const double in_call = median(in_call_s), worst = median(blocked_s), async = median(async_s);
+    const double save = bench::median(save_s), write = bench::median(write_s);
+    const double in_call = bench::median(in_call_s), worst = bench::median(blocked_s),
+                 async = bench::median(async_s);
     std::vector<double> differences;
     for (size_t i = 0; i < step_alone_s.size(); ++i)
       differences.push_back(step_with_save_s[i] - step_alone_s[i]);
-    const double hidden = median(differences), step_alone = median(step_alone_s);
+    const double hidden = bench::median(differences), step_alone = bench::median(step_alone_s);
     std::printf(
         "save on N=%d: bytes written per rank [%s]; save %.1f ms vs raw write+fsync %.1f ms: "
         "ours %.2f of raw's throughput (raw time / ours)\n"
@@ -326,7 +322,7 @@ int load_worker(const std::string& given) {
   const std::string model_read = per_rank(*comm, loaded.model_reads.bytes_read);
   comm->barrier();
   if (rank == 0) {
-    const double load_ms = median(load_s) * 1e3, read_ms = median(read_s) * 1e3;
+    const double load_ms = bench::median(load_s) * 1e3, read_ms = bench::median(read_s) * 1e3;
     std::printf(
         "  load on M=%d: optimizer bytes read per rank [%s] (used [%s]); model+RNG "
         "bytes read per rank [%s]; load %.1f ms vs raw read %.1f ms: ours %.2f of raw's "
