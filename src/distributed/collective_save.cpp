@@ -71,23 +71,23 @@ ckpt::SaveResult save_collectively(Communicator& comm, const std::filesystem::pa
     }
     return out.dump();
   });
+  std::vector<nlohmann::json> payloads;
+  for (const std::string& text : prepared) payloads.push_back(nlohmann::json::parse(text));
+  const std::string first_name = payloads[0].at("name").get<std::string>();
   std::vector<RankPlan> plans;
-  const std::string first_name = nlohmann::json::parse(prepared[0]).at("name").get<std::string>();
-  for (size_t r = 0; r < prepared.size(); ++r) {
-    const nlohmann::json payload = nlohmann::json::parse(prepared[r]);
+  for (size_t r = 0; r < payloads.size(); ++r) {
     // Ranks whose saves are out of step (a rank that skipped one) must not pair two saves:
     // every rank compares the same names, so all throw alike.
-    const std::string theirs = payload.at("name").get<std::string>();
+    const std::string theirs = payloads[r].at("name").get<std::string>();
     TORCH_CHECK(theirs == first_name, "[", kSaveOp,
                 "] the ranks are not saving the same checkpoint: rank 0 saves '", first_name,
                 "', rank ", r, " '", theirs,
                 "' (every rank must save at the same step, under the same name)");
-    plans.push_back(detail::plan_from_json(payload.at("plan")));
+    plans.push_back(detail::plan_from_json(payloads[r].at("plan")));
   }
   // Every rank checks the same plans alike: all throw, or none does.
   std::map<std::string, ckpt::KeyEntry> keys = ckpt::detail::merge_plans(plans);
-  const std::string staging_name =
-      nlohmann::json::parse(prepared[0]).at("staging").get<std::string>();
+  const std::string staging_name = payloads[0].at("staging").get<std::string>();
 
   // 2. write: each rank its own data file, fsynced.
   const std::vector<std::string> written = detail::agree(comm, kSaveOp, [&] {
