@@ -28,8 +28,6 @@ std::string read_file(const fs::path& path) {
   return s.str();
 }
 
-}  // namespace
-
 std::string fingerprint(const Corpus& corpus) {
   const auto hash = [](const at::Tensor& bytes) {
     const auto* data = static_cast<const std::byte*>(bytes.const_data_ptr());
@@ -42,6 +40,8 @@ std::string fingerprint(const Corpus& corpus) {
   return std::to_string(corpus.train.numel()) + " + " + std::to_string(corpus.val.numel()) +
          " bytes, xxh3 " + hash(corpus.train) + "/" + hash(corpus.val);
 }
+
+}  // namespace
 
 Corpus load_corpus(const std::string& path, double val_fraction, int64_t seq_len) {
   Corpus corpus;
@@ -75,6 +75,7 @@ Corpus load_corpus(const std::string& path, double val_fraction, int64_t seq_len
   std::memcpy(all.data_ptr(), bytes.data(), bytes.size());
   corpus.train = all.narrow(0, 0, n - n_val);
   corpus.val = all.narrow(0, n - n_val, n_val);
+  corpus.fingerprint = fingerprint(corpus);
   return corpus;
 }
 

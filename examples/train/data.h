@@ -21,11 +21,10 @@ struct Corpus {
   std::string source;  // the file it came from, for messages and the summary
   at::Tensor train;    // uint8, the first (1 - val_fraction) of the bytes
   at::Tensor val;      // uint8, the rest
+  // "419646 + 46627 bytes, xxh3 9e3c…/41d0…": what a resumed run compares to be sure it trains
+  // on the text it started with.
+  std::string fingerprint;
 };
-
-// "419646 + 46627 bytes, xxh3 9e3c…/41d0…": what a resumed run compares to be sure it trains on
-// the text it started with.
-std::string fingerprint(const Corpus& corpus);
 
 // Reads `path` ("" for the default corpus) and splits it. Throws UsageError naming the file if
 // it is missing, unreadable, empty, or too short for one sequence of `seq_len` + 1 bytes in

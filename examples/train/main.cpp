@@ -128,7 +128,7 @@ void print_resume_changes(const TrainConfig& config, const RunPaths& paths) {
 // their fingerprint. Checkpoints from before the fingerprint was saved are not checked.
 void check_same_text(const Corpus& corpus, const RunPaths& paths) {
   if (!paths.resume_from || paths.saved_text.empty()) return;
-  const std::string now = fingerprint(corpus);
+  const std::string& now = corpus.fingerprint;
   if (now == paths.saved_text) return;
   throw UsageError("--data: " + corpus.source + " is not the text checkpoint " +
                    paths.resume_from->string() + " was trained on (" + paths.saved_text +
@@ -230,7 +230,7 @@ int run(int argc, char** argv, const std::string& malloc_policy) {
     }
     state = RunState::from_json(user, paths.resume_from->string());
   }
-  state.text = fingerprint(corpus);
+  state.text = corpus.fingerprint;
 
   // 7. The loop, with progress on the terminal and one JSON line per step.
   std::optional<MetricsLog> metrics;
