@@ -182,7 +182,7 @@ std::string summary(const RunReport& r) {
     const auto* q = item.value()->as<mixprec::quant::QuantLinearImpl>();
     if (q == nullptr) continue;
     const auto& c = q->last_compute();
-    if (c.kept_fp32)
+    if (c.kept_fp32 || c.input_kept_fp32)
       ++fp32_linears;
     else if (c.operands != mixprec::quant::QuantFormat::kNone)
       ++fp8_linears, fp8_how = c.to_string();

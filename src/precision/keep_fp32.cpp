@@ -71,8 +71,11 @@ MarkRegistry& registry() {
 
 at::Tensor keep_in_fp32(at::Tensor tensor) {
   TORCH_CHECK(tensor.defined(), "[mixprec::keep_in_fp32] the tensor is undefined");
-  TORCH_CHECK(at::isFloatingType(tensor.scalar_type()),
-              "[mixprec::keep_in_fp32] only floating-point tensors can be kept in FP32; got a ",
+  // LibTorch counts FP8 dtypes as floating; an FP8 tensor is quantized by definition, and a
+  // mark on it would report it "kept FP32" while it stays FP8.
+  TORCH_CHECK(at::isFloatingType(tensor.scalar_type()) && !at::isFloat8Type(tensor.scalar_type()),
+              "[mixprec::keep_in_fp32] only high-precision floating-point tensors can be kept in "
+              "FP32 (an FP8 tensor is quantized already); got a ",
               tensor.scalar_type(), " tensor of shape ", tensor.sizes());
   registry().update(tensor, [](MarkRegistry::Record& r) { r.marked = true; });
   return tensor;

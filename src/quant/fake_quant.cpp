@@ -12,23 +12,39 @@
 
 namespace mixprec::quant {
 
+namespace {
+
+// Throws c10::Error naming `function` (the caller's public entry point) unless `dtype` is
+// one of the two FP8 formats.
+void check_fp8_dtype(c10::ScalarType dtype, const char* function) {
+  TORCH_CHECK(dtype == at::kFloat8_e4m3fn || dtype == at::kFloat8_e5m2,
+              "[mixprec::quant::", function,
+              "] the target format must be Float8_e4m3fn or Float8_e5m2, got ", dtype);
+}
+
+// Throws c10::Error naming `function` unless `x` is a defined floating tensor of a
+// high-precision dtype: an FP8 tensor is already quantized (and LibTorch counts FP8 dtypes
+// as floating, so isFloatingType alone would let one through).
+void check_high_precision_input(const at::Tensor& x, const char* function) {
+  TORCH_CHECK(
+      x.defined() && at::isFloatingType(x.scalar_type()) && !at::isFloat8Type(x.scalar_type()),
+      "[mixprec::quant::", function,
+      "] input must be a floating tensor of a high-precision dtype (FP32, BF16, FP16, "
+      "FP64), got ",
+      x.defined() ? c10::str(x.scalar_type(), " of shape ", x.sizes())
+                  : std::string("an undefined tensor"));
+}
+
+}  // namespace
+
 double fp8_max(c10::ScalarType fp8_dtype) {
-  switch (fp8_dtype) {
-    case at::kFloat8_e4m3fn:
-      return 448.0;
-    case at::kFloat8_e5m2:
-      return 57344.0;
-    default:
-      break;
-  }
-  TORCH_CHECK(false, "[mixprec::quant::fp8_max] expected Float8_e4m3fn or Float8_e5m2, got ",
-              fp8_dtype);
+  check_fp8_dtype(fp8_dtype, "fp8_max");
+  return fp8_dtype == at::kFloat8_e4m3fn ? 448.0 : 57344.0;
 }
 
 ScaledFp8 quantize_fp8(const at::Tensor& x, c10::ScalarType fp8_dtype) {
-  TORCH_CHECK(x.defined() && at::isFloatingType(x.scalar_type()),
-              "[mixprec::quant::quantize_fp8] input must be a floating tensor, got ",
-              x.defined() ? c10::toString(x.scalar_type()) : "undefined");
+  check_high_precision_input(x, "quantize_fp8");
+  check_fp8_dtype(fp8_dtype, "quantize_fp8");
   const double max = fp8_max(fp8_dtype);
   at::NoGradGuard no_grad;
   const at::Tensor xf = x.to(at::kFloat);
@@ -51,10 +67,8 @@ at::Tensor dequantize_fp8(const ScaledFp8& q, c10::ScalarType dtype) {
 }
 
 at::Tensor fake_quantize_fp8(const at::Tensor& x, c10::ScalarType fp8_dtype) {
-  TORCH_CHECK(x.defined() && at::isFloatingType(x.scalar_type()),
-              "[mixprec::quant::fake_quantize_fp8] input must be a floating tensor, got ",
-              x.defined() ? c10::toString(x.scalar_type()) : "undefined");
-  fp8_max(fp8_dtype);  // throws for a dtype that is not FP8
+  check_high_precision_input(x, "fake_quantize_fp8");
+  check_fp8_dtype(fp8_dtype, "fake_quantize_fp8");
   // The ATen composition below makes seven passes over the tensor and six temporaries; the
   // fused kernel computes the same values in two reads and one write.
   if (detail::fused_fake_quant_supports(x)) return detail::fused_fake_quantize_fp8(x, fp8_dtype);
@@ -78,8 +92,7 @@ at::Tensor round_to_e2m1(const at::Tensor& v) {
 }  // namespace
 
 at::Tensor fake_quantize_nvfp4(const at::Tensor& x) {
-  TORCH_CHECK(x.defined() && at::isFloatingType(x.scalar_type()),
-              "[mixprec::quant::fake_quantize_nvfp4] input must be a floating tensor");
+  check_high_precision_input(x, "fake_quantize_nvfp4");
   at::NoGradGuard no_grad;
   if (x.numel() == 0) return x.clone();
   const int64_t last = x.dim() ? x.size(-1) : 1;
@@ -120,34 +133,56 @@ at::Tensor fake_quantize_for(const at::Tensor& x, QuantFormat format, bool gradi
   TORCH_INTERNAL_ASSERT(false, "unknown QuantFormat");
 }
 
-// Straight-through: the incoming gradient, fake-quantized in the format forward recorded.
-at::Tensor gemm_operand_gradient(torch::autograd::AutogradContext* ctx, const at::Tensor& grad) {
-  const auto format = static_cast<QuantFormat>(ctx->saved_data["format"].toInt());
-  return fake_quantize_for(grad, format, /*gradient=*/true);
-}
-
-struct GemmOperandQuant : torch::autograd::Function<GemmOperandQuant> {
-  static at::Tensor forward(torch::autograd::AutogradContext* ctx, const at::Tensor& x,
+// The gradient GEMMs' operand: the incoming gradient rounded in the recipe's gradient format.
+// Its own backward is straight-through, so a graph built through it (create_graph: a gradient
+// penalty) stays differentiable.
+struct GradientRound : torch::autograd::Function<GradientRound> {
+  static at::Tensor forward(torch::autograd::AutogradContext* /*ctx*/, const at::Tensor& grad,
                             int64_t format) {
-    ctx->saved_data["format"] = format;
+    return fake_quantize_for(grad, static_cast<QuantFormat>(format), /*gradient=*/true);
+  }
+  static torch::autograd::variable_list backward(torch::autograd::AutogradContext* /*ctx*/,
+                                                 torch::autograd::variable_list grads) {
+    return {grads[0], at::Tensor()};
+  }
+};
+
+// Forward fake-quantizes a GEMM operand; backward passes the gradient straight through.
+struct GemmOperandQuant : torch::autograd::Function<GemmOperandQuant> {
+  static at::Tensor forward(torch::autograd::AutogradContext* /*ctx*/, const at::Tensor& x,
+                            int64_t format) {
     return fake_quantize_for(x, static_cast<QuantFormat>(format), /*gradient=*/false);
   }
-  static torch::autograd::variable_list backward(torch::autograd::AutogradContext* ctx,
+  static torch::autograd::variable_list backward(torch::autograd::AutogradContext* /*ctx*/,
                                                  torch::autograd::variable_list grads) {
-    return {gemm_operand_gradient(ctx, grads[0]), at::Tensor()};
+    return {grads[0], at::Tensor()};
   }
 };
 
 // The same node with forward's result computed by the caller (QuantLinear's kept weight).
 struct KeptGemmOperandQuant : torch::autograd::Function<KeptGemmOperandQuant> {
-  static at::Tensor forward(torch::autograd::AutogradContext* ctx, const at::Tensor& x,
-                            int64_t format, const at::Tensor& forward_value) {
-    ctx->saved_data["format"] = format;
+  static at::Tensor forward(torch::autograd::AutogradContext* /*ctx*/, const at::Tensor& /*x*/,
+                            const at::Tensor& forward_value) {
     return forward_value;  // an input: autograd returns a view of it carrying this node
+  }
+  static torch::autograd::variable_list backward(torch::autograd::AutogradContext* /*ctx*/,
+                                                 torch::autograd::variable_list grads) {
+    return {grads[0], at::Tensor()};
+  }
+};
+
+// Identity forward; backward rounds the GEMM output's gradient dY (GradientRound), which both
+// backward GEMMs then read. The format is recorded in the node, so backward (on any thread)
+// does what forward decided whatever scopes are active then.
+struct GemmOutputGradientQuant : torch::autograd::Function<GemmOutputGradientQuant> {
+  static at::Tensor forward(torch::autograd::AutogradContext* ctx, const at::Tensor& y,
+                            int64_t format) {
+    ctx->saved_data["format"] = format;
+    return y;  // an input: autograd returns a view of it carrying this node
   }
   static torch::autograd::variable_list backward(torch::autograd::AutogradContext* ctx,
                                                  torch::autograd::variable_list grads) {
-    return {gemm_operand_gradient(ctx, grads[0]), at::Tensor(), at::Tensor()};
+    return {GradientRound::apply(grads[0], ctx->saved_data["format"].toInt()), at::Tensor()};
   }
 };
 
@@ -173,7 +208,12 @@ at::Tensor quantize_for_gemm(const at::Tensor& x, QuantFormat format,
                   ? c10::str(forward_value.sizes(), " ", forward_value.scalar_type())
                   : std::string("undefined"));
   if (format == QuantFormat::kNone) return x;
-  return KeptGemmOperandQuant::apply(x, static_cast<int64_t>(format), forward_value.detach());
+  return KeptGemmOperandQuant::apply(x, forward_value.detach());
+}
+
+at::Tensor quantize_gemm_output_gradient(const at::Tensor& y, QuantFormat format) {
+  if (format == QuantFormat::kNone) return y;
+  return GemmOutputGradientQuant::apply(y, static_cast<int64_t>(format));
 }
 
 }  // namespace mixprec::quant

@@ -39,6 +39,7 @@ bool OperandCache::SourceKey::matches(const at::Tensor& t) const {
 
 at::Tensor OperandCache::get(std::initializer_list<at::Tensor> sources, const OperandRecipe& recipe,
                              const std::function<at::Tensor()>& compute) {
+  std::lock_guard<std::mutex> lock(mutex_);
   const bool cacheable = std::all_of(sources.begin(), sources.end(), identifiable);
   if (cacheable && value_.defined() && recipe_ == recipe && sources_.size() == sources.size() &&
       value_._version() == value_version_ &&
@@ -46,7 +47,7 @@ at::Tensor OperandCache::get(std::initializer_list<at::Tensor> sources, const Op
                  [](const SourceKey& k, const at::Tensor& t) { return k.matches(t); })) {
     return value_;
   }
-  clear();
+  clear_locked();
   std::vector<SourceKey> keys;
   if (cacheable) {
     // Recorded before compute(): what the result is computed from.
@@ -73,6 +74,11 @@ at::Tensor OperandCache::get(std::initializer_list<at::Tensor> sources, const Op
 }
 
 void OperandCache::clear() {
+  std::lock_guard<std::mutex> lock(mutex_);
+  clear_locked();
+}
+
+void OperandCache::clear_locked() {
   sources_.clear();
   value_ = at::Tensor();
   value_version_ = 0;

@@ -28,15 +28,23 @@ std::string short_name(c10::ScalarType t) {
       return c10::toString(t);
   }
 }
+
+// What a format's forward rounding is: both FP8 recipes round operands to E4M3 in forward
+// (they differ in backward only), so one kept weight operand serves both.
+QuantFormat forward_operand_format(QuantFormat format) {
+  return format == QuantFormat::kFp8Hybrid ? QuantFormat::kFp8E4M3 : format;
+}
+
 }  // namespace
 
 std::string LinearCompute::to_string() const {
-  std::string out = operands == QuantFormat::kNone
-                        ? short_name(dtype)
-                        : std::string(quant::to_string(operands)) + " operands, " +
-                              short_name(dtype) + " accumulate";
+  std::string out =
+      operands == QuantFormat::kNone
+          ? short_name(dtype)
+          : std::string(quant::to_string(operands)) + " operands, " + short_name(dtype) + " GEMM";
   if (fp8_weight) out += ", fp8 primary weight";
   if (kept_fp32) out += ", weight kept fp32";
+  if (input_kept_fp32) out += ", input kept fp32";
   return out;
 }
 
@@ -85,24 +93,29 @@ at::Tensor QuantLinearImpl::forward(const at::Tensor& input) {
               "[mixprec::QuantLinear] a QuantLinear(", options.in_features(), ", ",
               options.out_features(), ") expects input (..., ", options.in_features(),
               "), got shape ", input.sizes());
-  TORCH_CHECK(at::isFloatingType(input.scalar_type()), "[mixprec::QuantLinear] a QuantLinear(",
-              options.in_features(), ", ", options.out_features(), ") takes a floating input, got ",
+  // LibTorch counts FP8 dtypes as floating; an FP8 input would make the GEMM run in FP8.
+  TORCH_CHECK(at::isFloatingType(input.scalar_type()) && !at::isFloat8Type(input.scalar_type()),
+              "[mixprec::QuantLinear] a QuantLinear(", options.in_features(), ", ",
+              options.out_features(),
+              ") takes a high-precision floating input (FP32, BF16, FP16, FP64), got ",
               input.scalar_type(), " of shape ", input.sizes());
   LinearCompute record;
   record.fp8_weight = has_fp8_weight();
   // Kept FP32 by any of the plan's three mechanisms (a mark, a name, a pattern).
   record.kept_fp32 = is_kept_fp32_by_mark_or_plan(weight);
-  // FP32-marked weights pull the GEMM up to FP32; FP8 weights run in the input's dtype.
-  record.dtype = record.kept_fp32    ? at::kFloat
+  record.input_kept_fp32 = is_kept_in_fp32(input);
+  // An FP32-kept operand (weight or input) pulls the GEMM up to FP32 and out of quantization;
+  // FP8 weights run in the input's dtype.
+  const bool fp32_gemm = record.kept_fp32 || record.input_kept_fp32;
+  record.dtype = fp32_gemm           ? at::kFloat
                  : record.fp8_weight ? input.scalar_type()
                                      : weight.scalar_type();
   const QuantScopeState scope = autocast_state();
-  if (scope.enabled && scope.format != QuantFormat::kNone && !record.kept_fp32) {
+  if (scope.enabled && scope.format != QuantFormat::kNone && !fp32_gemm) {
     record.operands = scope.format;
   }
   at::Tensor x = input.to(record.dtype);
   if (record.operands != QuantFormat::kNone) x = quantize_for_gemm(x, record.operands);
-  at::Tensor b = bias.defined() ? bias.to(record.dtype) : bias;
   at::Tensor w;
   // The weight operand changes only when the weight does (an optimizer step, a load): it comes
   // from weight_cache_, which recomputes it after any write to the weight (operand_cache.h).
@@ -119,15 +132,18 @@ at::Tensor QuantLinearImpl::forward(const at::Tensor& input) {
   } else {
     w = weight.to(record.dtype);
     if (record.operands != QuantFormat::kNone) {
-      const at::Tensor forward = weight_cache_.get({weight}, {record.operands, record.dtype}, [&] {
-        return fake_quantize_operand(w, record.operands);
-      });
-      // Straight-through as before: the autograd node quantizes the weight's gradient.
+      const QuantFormat format = forward_operand_format(record.operands);
+      const at::Tensor forward = weight_cache_.get(
+          {weight}, {format, record.dtype}, [&] { return fake_quantize_operand(w, format); });
       w = quantize_for_gemm(w, record.operands, forward);
     }
   }
-  last_compute_ = record;
-  return at::linear(x, w, b);
+  last_compute_.set(record);
+  const at::Tensor b = bias.defined() ? bias.to(record.dtype) : bias;
+  if (record.operands == QuantFormat::kNone) return at::linear(x, w, b);
+  // The bias comes after the output-gradient node: its gradient is the unrounded dY.
+  at::Tensor y = quantize_gemm_output_gradient(at::linear(x, w), record.operands);
+  return b.defined() ? y + b : y;
 }
 
 }  // namespace mixprec::quant

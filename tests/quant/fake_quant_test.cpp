@@ -102,7 +102,9 @@ TEST(FakeQuantNvFp4, ValuesLieOnTheScaledE2M1Grid) {
   EXPECT_GT(rel.item<float>(), 0.0);
 }
 
-TEST(QuantizeForGemm, BackwardQuantizesGradientsInTheRecipesFormat) {
+// Operands pass their gradient straight through; the output node rounds dY in the recipe's
+// gradient format.
+TEST(QuantizeForGemm, OperandsPassGradientsThroughAndTheOutputRoundsThem) {
   at::manual_seed(3);
   at::Tensor g = torch::randn({32}) * 1e-3;
   for (auto [format, grad_dtype] : {std::pair{QuantFormat::kFp8Hybrid, at::kFloat8_e5m2},
@@ -111,10 +113,40 @@ TEST(QuantizeForGemm, BackwardQuantizesGradientsInTheRecipesFormat) {
     at::Tensor y = quantize_for_gemm(x, format);
     EXPECT_TRUE(at::equal(y.detach(), fake_quantize_fp8(x.detach(), at::kFloat8_e4m3fn)));
     y.backward(g);
-    EXPECT_TRUE(at::equal(x.grad(), fake_quantize_fp8(g, grad_dtype)));
+    EXPECT_TRUE(at::equal(x.grad(), g));
+
+    at::Tensor out = torch::randn({32}).requires_grad_(true);
+    at::Tensor same = quantize_gemm_output_gradient(out, format);
+    EXPECT_TRUE(at::equal(same.detach(), out.detach()));
+    same.backward(g);
+    EXPECT_TRUE(at::equal(out.grad(), fake_quantize_fp8(g, grad_dtype)));
   }
   at::Tensor x = torch::randn({4}).requires_grad_(true);
   EXPECT_TRUE(quantize_for_gemm(x, QuantFormat::kNone).is_same(x));
+  EXPECT_TRUE(quantize_gemm_output_gradient(x, QuantFormat::kNone).is_same(x));
+}
+
+// Errors name the function the caller called and what it was given.
+TEST(FakeQuantErrors, NameTheCallAndTheDtype) {
+  auto message = [](auto&& call) {
+    try {
+      call();
+    } catch (const c10::Error& e) {
+      return std::string(e.what_without_backtrace());
+    }
+    return std::string("no error");
+  };
+  const std::string wrong_format = message([] { fake_quantize_fp8(torch::randn({4}), at::kHalf); });
+  EXPECT_NE(wrong_format.find("[mixprec::quant::fake_quantize_fp8] the target format"),
+            std::string::npos)
+      << wrong_format;
+  EXPECT_NE(wrong_format.find("Half"), std::string::npos) << wrong_format;
+  const std::string fp4_int = message([] { fake_quantize_nvfp4(torch::ones({4}, at::kInt)); });
+  EXPECT_NE(fp4_int.find("[mixprec::quant::fake_quantize_nvfp4]"), std::string::npos) << fp4_int;
+  EXPECT_NE(fp4_int.find("Int of shape [4]"), std::string::npos) << fp4_int;
+  const std::string fp8_input =
+      message([] { quantize_fp8(torch::randn({4}).to(at::kFloat8_e5m2), at::kFloat8_e4m3fn); });
+  EXPECT_NE(fp8_input.find("Float8_e5m2"), std::string::npos) << fp8_input;
 }
 
 }  // namespace MIXPREC_UNITY_ID

@@ -9,11 +9,15 @@
 
 #include <ATen/ATen.h>
 #include <gtest/gtest.h>
+#include <torch/autograd.h>
 #include <torch/optim/adamw.h>
 #include <torch/serialize.h>
 #include <torch/types.h>
 
+#include <atomic>
 #include <filesystem>
+#include <thread>
+#include <vector>
 
 namespace mixprec::quant {
 namespace MIXPREC_UNITY_ID {  // anonymous outside unity builds (tests/CMakeLists.txt)
@@ -166,16 +170,23 @@ TEST(QuantLinear, BackwardFollowsTheForwardDecision) {
   }
   at::Tensor g = torch::randn({2, 4});
   y.backward(g);
+  // Transformer Engine's hybrid recipe: both backward GEMMs read dY rounded to E5M2 and the
+  // E4M3 operands forward used; their results (and the bias gradient) are not rounded.
   const at::Tensor wq = fake_quantize_fp8(layer->weight.detach(), at::kFloat8_e4m3fn);
-  const at::Tensor expected = at::matmul(g, wq);
-  EXPECT_TRUE(at::allclose(fake_quantize_fp8(x.grad(), at::kFloat8_e5m2), x.grad()));
-  EXPECT_TRUE(at::allclose(x.grad(), fake_quantize_fp8(expected, at::kFloat8_e5m2), 1e-5, 1e-6));
+  const at::Tensor xq = fake_quantize_fp8(x.detach(), at::kFloat8_e4m3fn);
+  const at::Tensor gq = fake_quantize_fp8(g, at::kFloat8_e5m2);
+  EXPECT_TRUE(at::allclose(x.grad(), at::matmul(gq, wq), 1e-5, 1e-6));
+  EXPECT_TRUE(at::allclose(layer->weight.grad(), at::matmul(gq.t(), xq), 1e-5, 1e-6));
+  EXPECT_TRUE(at::equal(layer->bias.grad(), g.sum(0)));
+  EXPECT_FALSE(at::equal(x.grad(), fake_quantize_fp8(x.grad(), at::kFloat8_e5m2)));
 }
 
-// What forward must compute, from scratch: both operands through quantize_for_gemm.
+// What forward must compute, from scratch: both operands through quantize_for_gemm, the
+// output through quantize_gemm_output_gradient, the bias after it.
 at::Tensor uncached_forward(QuantLinearImpl& layer, const at::Tensor& x, QuantFormat format) {
-  return at::linear(quantize_for_gemm(x, format), quantize_for_gemm(layer.weight, format),
-                    layer.bias);
+  const at::Tensor y = quantize_gemm_output_gradient(
+      at::linear(quantize_for_gemm(x, format), quantize_for_gemm(layer.weight, format)), format);
+  return layer.bias.defined() ? y + layer.bias : y;
 }
 
 // The weight operand is computed once per weight version; the results (values and gradients)
@@ -201,8 +212,10 @@ TEST(QuantLinear, WeightOperandIsKeptBetweenForwardsAndEqualsRecomputation) {
     EXPECT_TRUE(at::equal(y, expected));
     EXPECT_TRUE(at::equal(weight_grad, layer->weight.grad()));
     EXPECT_TRUE(at::equal(input_grad, xr.grad()));
-    // The hybrid recipe's gradient is E5M2: the kept operand did not bypass the STE node.
-    EXPECT_TRUE(at::equal(weight_grad, fake_quantize_fp8(weight_grad, at::kFloat8_e5m2)));
+    // The kept operand's gradient is the straight-through one: dYq · Xq, with dY in E5M2.
+    const at::Tensor gq = fake_quantize_fp8(g, at::kFloat8_e5m2);
+    EXPECT_TRUE(at::allclose(
+        weight_grad, at::matmul(gq.t(), fake_quantize_fp8(x, at::kFloat8_e4m3fn)), 1e-5, 1e-6));
   }
   EXPECT_EQ(layer->operand_computations(), 1);
 }
@@ -284,9 +297,9 @@ TEST(QuantLinear, Fp8PrimaryWeightOperandFollowsWeightAndScale) {
   const at::Tensor x = torch::randn({3, 32});
   auto check = [&] {
     QuantAutocastGuard autocast(kFp8Param);
-    EXPECT_TRUE(
-        at::equal(layer(x), at::linear(fake_quantize_fp8(x, at::kFloat8_e4m3fn),
-                                       layer->dequantized_weight(at::kFloat), layer->bias)));
+    EXPECT_TRUE(at::equal(layer(x), at::linear(fake_quantize_fp8(x, at::kFloat8_e4m3fn),
+                                               layer->dequantized_weight(at::kFloat)) +
+                                        layer->bias));
     return layer->operand_computations();
   };
   EXPECT_EQ(check(), 1);
@@ -310,6 +323,109 @@ TEST(QuantLinear, BadInputNamesTheShape) {
     EXPECT_NE(msg.find("expects input (..., 16), got shape [2, 15]"), std::string::npos) << msg;
   }
   EXPECT_THROW(QuantLinear(0, 4), c10::Error);
+}
+
+// LibTorch counts FP8 dtypes as floating: an FP8 input would run the GEMM in FP8 itself.
+TEST(QuantLinear, AnFp8InputIsRefusedNamingTheLayer) {
+  QuantLinear layer(nullptr);
+  {
+    QuantModelInitGuard init(kFp8Param);
+    layer = QuantLinear(16, 4);
+  }
+  const at::Tensor x = torch::randn({2, 16}).to(at::kFloat8_e4m3fn);
+  try {
+    layer(x);
+    FAIL() << "expected an error";
+  } catch (const c10::Error& e) {
+    const std::string msg = e.what_without_backtrace();
+    EXPECT_NE(msg.find("QuantLinear(16, 4) takes a high-precision floating input"),
+              std::string::npos)
+        << msg;
+    EXPECT_NE(msg.find("Float8_e4m3fn"), std::string::npos) << msg;
+  }
+  // An FP8 weight cannot be marked FP32 either: it would be reported kept while quantized.
+  EXPECT_THROW(keep_in_fp32(layer->weight), c10::Error);
+}
+
+// SPEC: FP32-marked tensors are never quantized — an input as much as a weight.
+TEST(QuantLinear, AnFp32MarkedInputIsNeverQuantized) {
+  at::manual_seed(11);
+  QuantLinear layer(16, 4);
+  convert_module_to_dtype_except_fp32_marked(*layer, at::kBFloat16);
+  const at::Tensor x = keep_in_fp32(torch::randn({3, 16}));
+  QuantAutocastGuard autocast(kFp8);
+  const at::Tensor y = layer(x);
+  EXPECT_EQ(layer->last_compute().operands, QuantFormat::kNone);
+  EXPECT_TRUE(layer->last_compute().input_kept_fp32);
+  EXPECT_EQ(y.scalar_type(), at::kFloat);
+  EXPECT_TRUE(
+      at::equal(y, at::linear(x, layer->weight.to(at::kFloat), layer->bias.to(at::kFloat))));
+  // The same values unmarked are quantized.
+  EXPECT_FALSE(at::equal(layer(x.clone()).to(at::kFloat), y));
+}
+
+// Both FP8 recipes round the weight to E4M3 in forward: one kept operand serves both.
+TEST(QuantLinear, BothFp8RecipesShareTheKeptWeightOperand) {
+  at::manual_seed(12);
+  QuantLinear layer(32, 8);
+  const at::Tensor x = torch::randn({4, 32});
+  for (int i = 0; i < 4; ++i) {
+    QuantAutocastGuard autocast(i % 2 ? kFp8 : QuantConfig().fp8(Fp8Recipe::kE4M3));
+    layer(x);
+  }
+  EXPECT_EQ(layer->operand_computations(), 1);
+}
+
+// A gradient penalty differentiates through backward (create_graph): every backward node of a
+// quantized GEMM is differentiable, straight through.
+TEST(QuantLinear, SecondOrderGradientsFlowThroughAQuantizedGemm) {
+  at::manual_seed(13);
+  QuantLinear layer(8, 4);
+  const at::Tensor x = torch::randn({5, 8}).requires_grad_(true);
+  at::Tensor y;
+  {
+    QuantAutocastGuard autocast(kFp8);
+    y = layer(x);
+  }
+  const at::Tensor gx = torch::autograd::grad({y.square().sum()}, {x}, {}, /*retain_graph=*/true,
+                                              /*create_graph=*/true)[0];
+  ASSERT_TRUE(gx.requires_grad());
+  gx.square().sum().backward();
+  ASSERT_TRUE(layer->weight.grad().defined());
+  EXPECT_TRUE(at::isfinite(layer->weight.grad()).all().item<bool>());
+  EXPECT_GT(layer->weight.grad().abs().sum().item<float>(), 0.0f);
+}
+
+// Forward may run on several threads at once, as torch::nn::Linear's can; the threads share
+// the kept operand while the weight changes between rounds.
+TEST(QuantLinear, ThreadsShareOneLayerWhileTheWeightChanges) {
+  at::manual_seed(14);
+  QuantLinear layer(64, 64);
+  const at::Tensor x = torch::randn({16, 64});
+  constexpr int kThreads = 4, kRounds = 400;
+  std::atomic<int> mismatches{0};
+  for (int round = 0; round < kRounds; ++round) {
+    {
+      at::NoGradGuard no_grad;
+      layer->weight.add_(1e-3);
+    }
+    at::Tensor expected;
+    {
+      at::NoGradGuard no_grad;
+      expected = uncached_forward(*layer, x, QuantFormat::kFp8Hybrid);
+    }
+    std::vector<std::thread> threads;
+    for (int t = 0; t < kThreads; ++t) {
+      threads.emplace_back([&, t] {
+        QuantAutocastGuard autocast(t % 2 ? kFp8 : QuantConfig().fp8(Fp8Recipe::kE4M3));
+        at::NoGradGuard no_grad;
+        if (!at::equal(layer(x), expected)) ++mismatches;
+      });
+    }
+    for (auto& thread : threads) thread.join();
+  }
+  EXPECT_EQ(mismatches.load(), 0);
+  EXPECT_EQ(layer->operand_computations(), kRounds);
 }
 
 }  // namespace MIXPREC_UNITY_ID

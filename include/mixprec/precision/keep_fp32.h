@@ -19,7 +19,7 @@ namespace mixprec {
 
 // Marks `tensor` to stay FP32 through mixprec's conversions and returns it (the same handle,
 // so `register_parameter("w", keep_in_fp32(torch::randn({4})))` works).
-// Throws c10::Error if `tensor` is undefined or its dtype is not floating point.
+// Throws c10::Error if `tensor` is undefined or its dtype is not floating point, or is FP8.
 // The mark is thread-safe and is dropped automatically when the tensor is destroyed.
 at::Tensor keep_in_fp32(at::Tensor tensor);
 

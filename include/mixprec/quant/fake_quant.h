@@ -25,7 +25,8 @@ double fp8_max(c10::ScalarType fp8_dtype);
 // Quantizes a floating tensor (any float dtype) with per-tensor amax scaling (scale_inv =
 // amax / fp8_max, at least FP32's smallest denormal; 1 for an all-zero tensor). A NaN or Inf
 // anywhere in x makes every value of the dequantized result NaN: non-finite input is loud.
-// Throws c10::Error if `x` is not floating or `fp8_dtype` is not e4m3fn/e5m2.
+// Throws c10::Error if `x` is not a floating tensor of a high-precision dtype (an FP8 tensor
+// is refused) or `fp8_dtype` is not e4m3fn/e5m2.
 ScaledFp8 quantize_fp8(const at::Tensor& x, c10::ScalarType fp8_dtype);
 
 // data * scale_inv, in `dtype`.
@@ -42,14 +43,24 @@ at::Tensor fake_quantize_fp8(const at::Tensor& x, c10::ScalarType fp8_dtype);
 // NVFP4 fake quantization along the last dimension: blocks of 16 values share an E4M3 scale
 // (itself scaled by an FP32 per-tensor scale so block scales fit E4M3); values are rounded to
 // nearest-even on the E2M1 grid {0, 0.5, 1, 1.5, 2, 3, 4, 6}. Returns x's dtype and shape.
+// Throws c10::Error like quantize_fp8 for an input that is not high-precision floating.
 at::Tensor fake_quantize_nvfp4(const at::Tensor& x);
 
-// Differentiable GEMM-operand quantization for `format` (kNone returns x):
-//   forward  — fake-quantize x (E4M3 for both FP8 recipes, NVFP4 for kNvFp4);
-//   backward — straight-through, with the incoming gradient fake-quantized in the recipe's
-//              gradient format (E4M3 for kFp8E4M3, E5M2 for kFp8Hybrid, NVFP4 for kNvFp4).
-// The format is recorded in the autograd node, so backward (on any thread) does what forward
-// decided regardless of the scopes active then.
+// A fake-quantized GEMM in autograd, as Transformer Engine's recipes define it: forward
+// Y = Xq · Wqᵀ on operands rounded to the recipe's forward format; backward dX = dYq · Wq and
+// dW = dYqᵀ · Xq, where dYq is the output gradient rounded to the recipe's gradient format and
+// the results dX, dW stay in the GEMM's dtype. Three pieces build it around any GEMM:
+//   quantize_for_gemm(X), quantize_for_gemm(W)  — the operands (forward rounding; backward
+//                                                  passes the gradient straight through);
+//   quantize_gemm_output_gradient(Y)            — the output (identity in forward; backward
+//                                                  rounds dY).
+// Formats: forward E4M3 for both FP8 recipes and NVFP4 for kNvFp4; gradient E4M3 for
+// kFp8E4M3, E5M2 for kFp8Hybrid, NVFP4 for kNvFp4. A bias is added after
+// quantize_gemm_output_gradient, so its gradient is the unrounded dY. Each piece records the
+// format in its autograd node: backward (on any thread) does what forward decided, whatever
+// scopes are active then. Every backward is itself differentiable (straight-through), so a
+// graph built with create_graph (a gradient penalty) can be differentiated again.
+// kNone returns the input itself.
 at::Tensor quantize_for_gemm(const at::Tensor& x, QuantFormat format);
 
 // What quantize_for_gemm(x, format) computes in forward, as a plain tensor outside autograd.
@@ -57,10 +68,14 @@ at::Tensor fake_quantize_operand(const at::Tensor& x, QuantFormat format);
 
 // quantize_for_gemm(x, format) with its forward result supplied: `forward_value` must equal
 // fake_quantize_operand(x, format) (e.g. kept from an earlier call while x is unchanged, as
-// QuantLinear does for its weight). Returns a view of forward_value that carries the same
-// autograd node as quantize_for_gemm (backward identical). Throws c10::Error if the shapes or
-// dtypes of x and forward_value differ.
+// QuantLinear does for its weight). Returns a view of forward_value whose gradient flows to x
+// straight through, as quantize_for_gemm's does. Throws c10::Error if the shapes or dtypes of
+// x and forward_value differ.
 at::Tensor quantize_for_gemm(const at::Tensor& x, QuantFormat format,
                              const at::Tensor& forward_value);
+
+// The output side of a quantized GEMM (see above): returns a view of `y` whose backward rounds
+// the incoming gradient in `format`'s gradient format.
+at::Tensor quantize_gemm_output_gradient(const at::Tensor& y, QuantFormat format);
 
 }  // namespace mixprec::quant

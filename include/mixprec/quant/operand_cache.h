@@ -17,7 +17,8 @@
 // counter) or through raw data pointers without bump_version. Call clear() after such a write.
 // Inference tensors have no version counter: a source that is one is never cached.
 //
-// Not thread-safe: like a module's forward, one thread at a time.
+// Thread-safe: get() and clear() may be called from several threads at once; a get() that
+// has to compute holds the cache while it does, so the others wait and then share its result.
 #pragma once
 
 #include "mixprec/quant/quant_config.h"
@@ -29,6 +30,7 @@
 #include <cstdint>
 #include <functional>
 #include <initializer_list>
+#include <mutex>
 #include <vector>
 
 namespace mixprec::quant {
@@ -62,7 +64,10 @@ class OperandCache {
   void clear();
 
   // How many times get() has called compute() (for tests and benchmarks).
-  int64_t computations() const { return computations_; }
+  int64_t computations() const {
+    std::lock_guard<std::mutex> lock(mutex_);
+    return computations_;
+  }
 
  private:
   // What identifies a source's contents (see above), recorded from `t`.
@@ -79,6 +84,9 @@ class OperandCache {
     int64_t version;
   };
 
+  void clear_locked();
+
+  mutable std::mutex mutex_;  // guards everything below
   std::vector<SourceKey> sources_;
   OperandRecipe recipe_;
   at::Tensor value_;

@@ -7,8 +7,9 @@
 
 namespace mixprec::quant {
 
-// FP8 recipe. kE4M3: E4M3 for activations, weights and gradients. kHybrid: E4M3 forward,
-// E5M2 for gradients in backward (wider range, as Transformer Engine's "hybrid").
+// FP8 recipe. kE4M3: E4M3 for activations, weights and output gradients. kHybrid: E4M3 for
+// forward's operands, E5M2 (wider range) for the output gradient backward's GEMMs read — as
+// Transformer Engine's "hybrid" format (fake_quant.h: which tensors are rounded).
 enum class Fp8Recipe { kOff, kE4M3, kHybrid };
 
 // FP4 recipe. kNvFp4: E2M1 values, one E4M3 scale per 16 elements, one FP32 tensor scale.
@@ -31,7 +32,9 @@ struct QuantConfig {
   TORCH_ARG(Fp4Recipe, fp4) = Fp4Recipe::kOff;
   // Create parameters as FP8 primary weights under model-init (needs fp8 on).
   TORCH_ARG(bool, fp8_param) = false;
-  // Create parameters as FP4 primary weights under model-init (needs fp4 on).
+  // Round parameters onto the NVFP4 grid when they are created under model-init (needs fp4
+  // on). Unlike fp8_param they stay in their floating dtype and train normally, leaving the
+  // grid at the first optimizer step (quant_linear.h).
   TORCH_ARG(bool, fp4_param) = false;
 
  public:
