@@ -5,7 +5,8 @@
 // and optimizer state, this program's user metadata:
 //   {"program": "mixprec-train", "config": run_shape(config), "step": steps done,
 //    "skipped_total": skipped steps, "elapsed_s": training time, "data_position": global
-//    batches drawn, "metrics": the metrics file}
+//    batches drawn, "text": the training text's fingerprint, "threads": intra-op threads per
+//    rank, "metrics": the metrics file}
 // A resumed run checks "config" before it loads a single tensor.
 #pragma once
 

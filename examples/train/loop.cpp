@@ -35,6 +35,7 @@ nlohmann::json RunState::to_json(const TrainConfig& config,
           // Batch `step` is the next one drawn: batches are indexed by step (data.h).
           {"data_position", step},
           {"text", text},
+          {"threads", threads},
           {"metrics", std::filesystem::absolute(metrics).lexically_normal().string()}};
 }
 
@@ -45,6 +46,7 @@ RunState RunState::from_json(const nlohmann::json& user, const std::string& sour
     s.skipped_total = user.at("skipped_total").get<int64_t>();
     s.elapsed_s = user.at("elapsed_s").get<double>();
     if (user.contains("text")) s.text = user.at("text").get<std::string>();
+    if (user.contains("threads")) s.threads = user.at("threads").get<int64_t>();
   } catch (const nlohmann::json::exception&) {
     throw UsageError(source + " lacks the run state mixprec-train saves (step, skipped_total)");
   }

@@ -36,6 +36,9 @@ struct RunState {
   int64_t skipped_total = 0;  // steps the optimizer skipped (FP16 overflow)
   double elapsed_s = 0;       // training wall time so far
   std::string text;           // the training text's fingerprint (data.h); "" in older checkpoints
+  // Intra-op threads per rank: LibTorch's CPU kernels split their sums by thread, so a resume
+  // with another count is not bit for bit the unstopped run. 0 in older checkpoints.
+  int64_t threads = 0;
 
   // The user metadata of a checkpoint (checkpointing.h lists its fields).
   nlohmann::json to_json(const TrainConfig& config, const std::filesystem::path& metrics) const;

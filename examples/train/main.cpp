@@ -231,6 +231,8 @@ int run(int argc, char** argv, const std::string& malloc_policy) {
     state = RunState::from_json(user, paths.resume_from->string());
   }
   state.text = corpus.fingerprint;
+  const int64_t saved_threads = state.threads;
+  state.threads = at::get_num_threads();
 
   // 7. The loop, with progress on the terminal and one JSON line per step.
   std::optional<MetricsLog> metrics;
@@ -257,6 +259,14 @@ int run(int argc, char** argv, const std::string& malloc_policy) {
       std::printf("resumed      from %s at step %lld\n", paths.resume_from->string().c_str(),
                   static_cast<long long>(state.step));
       if (!paths.resume_note.empty()) std::printf("             (%s)\n", paths.resume_note.c_str());
+      if (saved_threads > 0 && saved_threads != state.threads) {
+        std::printf(
+            "             %lld intra-op threads per rank where the checkpoint's run had %lld: the "
+            "run goes on, but not bit for bit as it would have unstopped (--threads %lld keeps "
+            "it)\n",
+            static_cast<long long>(state.threads), static_cast<long long>(saved_threads),
+            static_cast<long long>(saved_threads));
+      }
       print_resume_changes(config, paths);
       for (const std::string& moved : held.set_aside) {
         std::printf("set aside    %s (it does not verify; kept for inspection)\n", moved.c_str());

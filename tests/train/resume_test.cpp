@@ -109,6 +109,7 @@ TEST(ResumeSettings, AFlagGivenAgainChangesTheRunAndIsReported) {
   EXPECT_NE(same.out.find("changed      --data ./corpus.txt (was --data corpus.txt)"),
             std::string::npos)
       << same.out;
+  EXPECT_EQ(same.out.find("intra-op threads per rank where"), std::string::npos) << same.out;
 
   // Another text under the old name is refused, before anything is written.
   fs::create_directories(dir / "elsewhere");
@@ -139,10 +140,16 @@ TEST(ResumeSettings, AFlagGivenAgainChangesTheRunAndIsReported) {
   EXPECT_EQ(b[4].lr, a[4].lr);
   EXPECT_NE(b[5].loss, a[5].loss) << "step 5's update decayed the weights 50x harder";
 
+  // Another thread count is this process's own, and said to leave the bitwise path.
   const ProgramRun longer = run_program(
-      dir.path(), mine + std::vector<std::string>{"--out", "a", "--resume", "--steps", "12"},
+      dir.path(),
+      {"--progress", "lines", "--threads", "2", "--out", "a", "--resume", "--steps", "12"},
       "longer");
   ASSERT_EQ(longer.status, 0) << longer.err;
+  EXPECT_NE(longer.out.find("2 intra-op threads per rank where the checkpoint's run had 1: the "
+                            "run goes on, but not bit for bit"),
+            std::string::npos)
+      << longer.out;
   EXPECT_NE(longer.out.find("changed      --steps 12 (was --steps 8)"), std::string::npos)
       << longer.out;
   EXPECT_NE(longer.out.find("the learning rate goes from 1.00e-03 at step 8 to"), std::string::npos)
