@@ -12,6 +12,8 @@
 
 #include <c10/util/Exception.h>
 
+#include <cerrno>
+#include <cstring>
 #include <iostream>
 #include <new>
 #include <string>
@@ -29,10 +31,14 @@ commands:
   inspect DIR   format, sequence, step, loss scaler; every key with dtype, shape, bytes and
                 chunks; every optimizer parameter with its role (fp32 master, native fp32,
                 frozen) and model dtype, with totals per role; which tensors the precision
-                plan kept FP32 and by which rule. Reads metadata only.
+                plan kept FP32 and by which rule. Reads metadata only (given a root
+                whose 'latest' is stale, finding its newest complete checkpoint
+                verifies the newer ones: see below).
   verify DIR    reads every byte and checks all checksums against the manifest.
   diff A B      per-key max |A - B| for keys in both, keys only in A or B, dtype/shape
                 mismatches, and common-state (step, hyper-parameters...) differences.
+                Values are compared bit for bit: +0 and -0, or NaNs with different
+                payloads, differ (with a max |A - B| of 0 or nan).
   export CKPT OUT [--dtype bf16|fp16|fp32|keep] [--max-shard-size SIZE] [--force]
                 the model alone (no optimizer or RNG state) as safetensors in OUT, a new
                 directory: model.safetensors, or shards model-00001-of-0000K.safetensors...
@@ -52,8 +58,9 @@ stderr says so).
 exit status:
   0  success; diff: the checkpoints are identical
   1  verify: the checkpoint is corrupt or malformed; diff: the checkpoints differ
-  2  bad arguments, a path that is not a checkpoint, a file that cannot be read, or an
-     export that failed
+  2  bad arguments, a path that is not a checkpoint, a file that cannot be read, a
+     checkpoint of a newer format version than this tool reads, an export that failed, or
+     a report that could not be written to standard output
   130, 143  export interrupted by SIGINT or SIGTERM (OUT left as it was, nothing beside it)
 )";
 
@@ -123,9 +130,21 @@ int fail(int code, std::string_view message) {
 
 }  // namespace
 
+// The report is the command's result: one that could not be written (a full disk, a closed
+// pipe) is a failure, not a success with nothing to show.
+int checked_output(int code) {
+  errno = 0;
+  std::cout.flush();
+  if (std::cout.good()) return code;
+  const int err = errno;
+  std::cout.clear();
+  return fail(kExitUsage, std::string("write error on standard output") +
+                              (err != 0 ? std::string(": ") + std::strerror(err) : std::string()));
+}
+
 int main(int argc, char** argv) {
   try {
-    return run(std::vector<std::string>(argv + 1, argv + argc));
+    return checked_output(run(std::vector<std::string>(argv + 1, argv + argc)));
   } catch (const ToolError& e) {
     return fail(e.code(), e.what());
   } catch (const mixprec::checkpoint::FormatError& e) {

@@ -225,6 +225,9 @@ TEST_F(CkptTool, DiffReportsMissingKeysAndMismatches) {
   b.tensors["dtype"] = ShardedTensor::whole(at::zeros({2, 2}, at::kBFloat16));
   a.tensors["shape"] = ShardedTensor::whole(at::zeros({4}, at::kLong));
   b.tensors["shape"] = ShardedTensor::whole(at::zeros({2, 2}, at::kLong));
+  // 2^60 and 2^60 + 1 are one double apart only in int64 arithmetic.
+  a.tensors["big"] = ShardedTensor::whole(at::full({2}, int64_t{1} << 60, at::kLong));
+  b.tensors["big"] = ShardedTensor::whole(at::full({2}, (int64_t{1} << 60) + 1, at::kLong));
   a.tensors["gone"] = ShardedTensor::whole(at::ones({3}, at::kInt));
   b.tensors["new"] = ShardedTensor::whole(at::ones({1}, at::kBool));
   a.common = {{"step", 1}, {"list", {1}}};
@@ -235,6 +238,7 @@ TEST_F(CkptTool, DiffReportsMissingKeysAndMismatches) {
   EXPECT_EQ(run.status, 1) << run.err;
   EXPECT_TRUE(run.has_line("^  same_nan +F32 +\\[3\\] +0 +0/3$")) << run.out;
   EXPECT_TRUE(run.has_line("^  changed +F32 +\\[4\\] +1 +2/4$")) << run.out;
+  EXPECT_TRUE(run.has_line("^  big +I64 +\\[2\\] +1 +2/2$")) << run.out;
   EXPECT_TRUE(run.has_line("^mismatch: dtype: A F32 \\[2, 2\\], B BF16 \\[2, 2\\]$")) << run.out;
   EXPECT_TRUE(run.has_line("^mismatch: shape: A I64 \\[4\\], B I64 \\[2, 2\\]$")) << run.out;
   EXPECT_TRUE(run.has_line("^only in A: gone \\(I32 \\[3\\]\\)$")) << run.out;
@@ -246,6 +250,34 @@ TEST_F(CkptTool, DiffReportsMissingKeysAndMismatches) {
   const ToolRun inspect = tool({"inspect", pa.string()});
   EXPECT_EQ(inspect.status, 0) << inspect.err;
   EXPECT_TRUE(inspect.has_line("^optimizer +none")) << inspect.out;
+}
+
+// A report that cannot be written is a failure, not a silent success; a checkpoint of a newer
+// format version is not called corrupt (it may be intact: this tool cannot tell).
+TEST_F(CkptTool, UnwritableReportsAndNewerVersionsAreStatusTwo) {
+  const fs::path ckpt = save("step-2");
+  if (fs::exists("/dev/full")) {
+    const fs::path err = dir_.path() / "full.err";
+    const std::string command = shell_quote(tool_path().string()) + " inspect " +
+                                shell_quote(ckpt.string()) + " >/dev/full 2>" +
+                                shell_quote(err.string());
+    const int raw = std::system(command.c_str());
+    ASSERT_TRUE(raw != -1 && WIFEXITED(raw)) << raw;
+    EXPECT_EQ(WEXITSTATUS(raw), 2);
+    EXPECT_NE(testing::read_file(err).find("mixprec-ckpt: write error on standard output: No "
+                                           "space left on device"),
+              std::string::npos)
+        << testing::read_file(err);
+  }
+  std::string manifest = testing::read_file(ckpt / "manifest.json");
+  const auto field = manifest.find("\"version\"");
+  ASSERT_NE(field, std::string::npos) << manifest.substr(0, 200);
+  const auto digit = manifest.find('2', field);
+  ASSERT_NE(digit, std::string::npos);
+  manifest[digit] = '3';
+  testing::write_file(ckpt / "manifest.json", manifest);
+  expect_one_line_error(tool({"verify", ckpt.string()}), 2,
+                        "manifest version 3 is newer than this reader supports");
 }
 
 // However the user spells a checkpoint — a trailing slash, a link to it, a directory called

@@ -51,8 +51,14 @@ ValueDiff compare_values(const at::Tensor& a, const at::Tensor& b) {
     if (count == 0) continue;
     out.differing += count;
     // Only elements whose bits differ: equal NaNs and equal infinities contribute nothing.
-    const double m =
-        (sa.to(at::kDouble) - sb.to(at::kDouble)).abs().masked_select(differs).max().item<double>();
+    at::Tensor distance = (sa.to(at::kDouble) - sb.to(at::kDouble)).abs();
+    if (at::isIntegralType(sa.scalar_type(), /*includeBool=*/false)) {
+      // Integers past 2^53 round alike in double (2^60 and 2^60 + 1 would show 0): exact in
+      // int64 wherever the difference is small enough to matter.
+      const at::Tensor exact = (sa.to(at::kLong) - sb.to(at::kLong)).abs().to(at::kDouble);
+      distance = at::where(distance < 9007199254740992.0, exact, distance);
+    }
+    const double m = distance.masked_select(differs).max().item<double>();
     if (std::isnan(m) || std::isnan(out.max_abs)) {
       out.max_abs = std::nan("");
     } else {

@@ -23,7 +23,9 @@
 // directory's name), "mixprec.dtype" (the --dtype given) and, when the checkpoint has them,
 // "mixprec.step", "mixprec.config" (the run's configuration, common["user"]["config"], as
 // JSON) and "mixprec.kept_fp32" (common["precision"] as JSON: which tensors the plan kept
-// FP32 and why). The same checkpoint and options always give the same bytes.
+// FP32 in training and why — how they were trained, not how this file stores them: with
+// --dtype bf16|fp16 they are converted like the rest). The same checkpoint and options always
+// give the same bytes.
 //
 // Never half-written: everything goes into a sibling directory OUT.tmp-<pid>, every file and
 // that directory are fsynced, and only then is it renamed to OUT (renameat2 RENAME_NOREPLACE;

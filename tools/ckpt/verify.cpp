@@ -12,6 +12,9 @@ int run_verify(const std::filesystem::path& dir, std::ostream& out) {
   checkpoint::VerifyReport report;
   try {
     report = checkpoint::verify_checkpoint(dir);
+  } catch (const checkpoint::UnsupportedVersionError& e) {
+    // Not known to be damaged: only too new to check here.
+    throw ToolError(kExitUsage, std::string("cannot verify: ") + e.what());
   } catch (const checkpoint::FormatError& e) {
     // The path was a checkpoint (the caller resolved it), so anything the format layer
     // rejects — a checksum, a truncated file, a missing data file — means it is not intact:

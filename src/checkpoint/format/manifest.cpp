@@ -180,8 +180,10 @@ Manifest parse_manifest(std::string_view json_text, std::string_view source) {
   }
   std::uint64_t version = detail::u64_field(root, "version", source);
   if (version > static_cast<std::uint64_t>(kManifestVersion)) {
-    fail(source, ": manifest version ", version, " is newer than this reader supports (",
-         kManifestVersion, "); upgrade mixprec to load this checkpoint");
+    throw UnsupportedVersionError(
+        detail::concat("[mixprec::checkpoint] ", source, ": manifest version ", version,
+                       " is newer than this reader supports (", kManifestVersion,
+                       "); upgrade mixprec to load this checkpoint"));
   }
   if (version != static_cast<std::uint64_t>(kManifestVersion) &&
       version != static_cast<std::uint64_t>(kManifestVersionWithoutBlocks)) {
