@@ -7,8 +7,10 @@ module needs only `torch` and the `safetensors` package; it contains none of mix
     import mixprec_reader as mr
     ckpt = mr.Checkpoint("runs/root")                 # a checkpoint, or a root with `latest`
     weights = ckpt.fp32_params()                      # {fqn: FP32 value}: masters where saved
-    opt = torch.optim.AdamW(model.parameters(), fused=True)
-    opt.load_state_dict(ckpt.torch_optimizer_state_dict([[n for n, _ in model.named_parameters()]]))
+    groups = ckpt.param_group_names()                 # the saved groups' trained FQNs
+    params = dict(model.named_parameters())
+    opt = torch.optim.AdamW([{"params": [params[n] for n in g]} for g in groups], fused=True)
+    opt.load_state_dict(ckpt.torch_optimizer_state_dict(groups, like=opt))
 
 The reserved names below are those of include/mixprec/checkpoint/format/state_keys.h, one for
 one (kOptimizerStatePrefix -> OPTIMIZER_STATE_PREFIX); tests/checkpoint/state_keys_test.cpp
@@ -18,12 +20,16 @@ What this reader does not do, which mixprec's own (C++) reader does: verify chec
 past `latest` for a newer complete checkpoint (a save that ended between its commit and the
 `latest` update). Run `mixprec-ckpt verify CKPT` first on files you do not trust; `mixprec-ckpt
 inspect ROOT` says which checkpoint mixprec would load. It does check what it assembles: every
-chunk lies inside its key's shape, chunks neither overlap nor leave gaps, and every error names
-the file and the key.
+file it opens is a regular file (not a link, FIFO or device: no read can hang), every chunk lies
+inside its key's shape, chunks neither overlap nor leave gaps (checked by count before anything
+is allocated), and every error is a CheckpointError naming the file and the key. Unlike mixprec
+it takes BOOL bytes other than 0 and 1 as True.
 """
 import contextlib
 import json
+import math
 import os
+import stat
 
 import torch
 from safetensors import safe_open
@@ -101,6 +107,30 @@ def _is_plain_name(name):
     return bool(name) and not name.startswith(".") and "/" not in name and os.sep not in name
 
 
+def _regular_file(path):
+    """`path`, if it is a regular file (not a link, FIFO, socket or device: opening a FIFO
+    would block forever); else CheckpointError naming it."""
+    try:
+        st = os.lstat(path)
+    except OSError as e:
+        raise CheckpointError(f"{path}: {e.strerror}") from e
+    if not stat.S_ISREG(st.st_mode):
+        raise CheckpointError(f"{path}: not a regular file")
+    return path
+
+
+def _read_json(path, raw=None):
+    """The JSON value of file `path` (or of its bytes `raw`, already read); CheckpointError
+    naming the file if it is not valid JSON."""
+    try:
+        if raw is None:
+            with open(_regular_file(path), "rb") as f:
+                raw = f.read()
+        return json.loads(raw)
+    except (ValueError, UnicodeDecodeError) as e:
+        raise CheckpointError(f"{path}: not valid JSON: {e}") from e
+
+
 def resolve(path):
     """The checkpoint directory: `path` itself if it holds manifest.json, else the checkpoint
     its `latest` file names (a plain name of a directory in the root; anything else is refused,
@@ -112,7 +142,7 @@ def resolve(path):
     if not os.path.isfile(latest):
         raise CheckpointError(f"{path}: neither a checkpoint (no manifest.json) "
                               "nor a root with a 'latest' file")
-    with open(latest, encoding="utf-8", errors="replace") as f:
+    with open(_regular_file(latest), encoding="utf-8", errors="replace") as f:
         name = f.read().strip()
     target = os.path.join(path, name)
     if not _is_plain_name(name) or name in ("lock", "latest") or name.startswith("latest.") or \
@@ -129,12 +159,13 @@ class Checkpoint:
     def __init__(self, path):
         self.dir = resolve(path)
         manifest_path = os.path.join(self.dir, "manifest.json")
-        with open(manifest_path) as f:
-            self.manifest = json.load(f)
+        self.manifest = _read_json(manifest_path)
         # Version 2 only adds per-block checksums ("block_bytes", chunks' "block_xxh3"), which
         # this reader does not need: safetensors reads whole tensors.
-        if self.manifest.get("format") != "mixprec-checkpoint" or \
-                self.manifest.get("version") not in (1, 2):
+        if not isinstance(self.manifest, dict) or \
+                self.manifest.get("format") != "mixprec-checkpoint" or \
+                self.manifest.get("version") not in (1, 2) or \
+                not isinstance(self.manifest.get("keys"), dict):
             raise CheckpointError(
                 f"{manifest_path}: not a mixprec-checkpoint version 1 or 2 manifest")
         self.common = self._read_common()
@@ -143,12 +174,15 @@ class Checkpoint:
         if "common" in self.manifest:
             return self.manifest["common"]
         ref = self.manifest["common_file"]
+        if not _is_plain_name(ref["file"]):
+            raise CheckpointError(f"{self.dir}/manifest.json: common_file {ref['file']!r} is not "
+                                  "a file of the checkpoint")
         path = os.path.join(self.dir, ref["file"])
-        with open(path, "rb") as f:
+        with open(_regular_file(path), "rb") as f:
             raw = f.read()
         if len(raw) != ref["bytes"]:
             raise CheckpointError(f"{path}: {len(raw)} bytes, the manifest says {ref['bytes']}")
-        return json.loads(raw)
+        return _read_json(path, raw)
 
     # ---- tensors ---------------------------------------------------------------------------
 
@@ -169,6 +203,7 @@ class Checkpoint:
                     raise CheckpointError(f"{self.dir}: no key '{key}'")
                 entry = self.manifest["keys"][key]
                 shape = entry["shape"]
+                self._check_counts(key, entry)
                 whole = torch.empty(shape, dtype=DTYPES[entry["dtype"]])
                 # Which elements a chunk filled: none twice, all in the end (torch.empty would
                 # otherwise hand back whatever memory held).
@@ -184,10 +219,13 @@ class Checkpoint:
                         raise CheckpointError(
                             f"{path}: tensor '{chunk['tensor']}' of key '{key}': offset {offset} "
                             f"and shape {size} do not lie inside the key's shape {shape}")
-                    if path not in files:
-                        files[path] = stack.enter_context(safe_open(path, framework="pt"))
                     try:
+                        if path not in files:
+                            files[path] = stack.enter_context(
+                                safe_open(_regular_file(path), framework="pt"))
                         part = files[path].get_tensor(chunk["tensor"])
+                    except CheckpointError:
+                        raise
                     except Exception as e:  # safetensors names neither file nor key
                         raise CheckpointError(f"{path}: tensor '{chunk['tensor']}' of key "
                                               f"'{key}': {e}") from e
@@ -207,6 +245,26 @@ class Checkpoint:
                                           f"{int((~covered).sum())} of its elements unwritten")
                 out[key] = whole
         return out
+
+    def _check_counts(self, key, entry):
+        """Before anything is allocated: a known dtype, a shape of non-negative integers, and
+        chunks whose element counts add up to the key's (a manifest claiming a huge shape for a
+        few stored elements is refused here, not by a failed allocation)."""
+        shape, chunks = entry.get("shape"), entry.get("chunks")
+        where = f"{self.dir}/manifest.json: key '{key}'"
+        if entry.get("dtype") not in DTYPES:
+            raise CheckpointError(f"{where}: unknown dtype {entry.get('dtype')!r}")
+        if not isinstance(shape, list) or not all(
+                isinstance(d, int) and not isinstance(d, bool) and d >= 0 for d in shape):
+            raise CheckpointError(f"{where}: shape {shape!r} is not a list of sizes")
+        if not isinstance(chunks, list) or not all(
+                isinstance(c, dict) and isinstance(c.get("shape"), list) and
+                all(isinstance(d, int) and d >= 0 for d in c["shape"]) for c in chunks):
+            raise CheckpointError(f"{where}: chunks are not a list of chunks with shapes")
+        stored = sum(math.prod(c["shape"]) for c in chunks)
+        if stored != math.prod(shape):
+            raise CheckpointError(f"{where}: chunks hold {stored} of its {math.prod(shape)} "
+                                  "elements")
 
     def tensor(self, key):
         return self.tensors([key])[key]
@@ -240,6 +298,15 @@ class Checkpoint:
             out[fqn] = value.float() if value.is_floating_point() else value
         return out
 
+    def param_group_names(self):
+        """The saved optimizer's param groups as lists of FQNs, frozen parameters left out: the
+        groups a torch optimizer built from them takes this checkpoint's state into."""
+        opt = self.optimizer()
+        if opt is None:
+            raise CheckpointError(f"{self.dir}: the common state has no '{COMMON_OPTIMIZER}'")
+        frozen = set(opt.get(FROZEN, []))
+        return [[f for f in group[PARAMS] if f not in frozen] for group in opt[PARAM_GROUPS]]
+
     def torch_optimizer_state_dict(self, param_groups=None, like=None):
         """A torch.optim state dict ({"state", "param_groups"}) of this checkpoint's optimizer,
         for a torch optimizer whose param groups hold the parameters named in `param_groups`
@@ -261,8 +328,7 @@ class Checkpoint:
         saved_group_of = {fqn: g for g, group in enumerate(opt[PARAM_GROUPS])
                           for fqn in group[PARAMS]}
         if param_groups is None:
-            param_groups = [[f for f in group[PARAMS] if f not in frozen]
-                            for group in opt[PARAM_GROUPS]]
+            param_groups = self.param_group_names()
 
         state, groups, pid = {}, [], 0
         for g, fqns in enumerate(param_groups):

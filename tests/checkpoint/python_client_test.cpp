@@ -170,6 +170,31 @@ TEST_P(PythonClient, PyTorchAdamWContinuesFromOurCheckpoint) {
   EXPECT_EQ(checked, 3);  // pre.weight, gate, post.weight
 }
 
+// Damaged copies of a good checkpoint (a FIFO or a link for a data file, the manifest or the
+// common state; truncated files; a manifest claiming a huge shape) end in the reader's
+// CheckpointError naming the file: no hang (the timeout would fail the test), no foreign
+// exception, no allocation of the claimed size.
+TEST(PythonReader, DamagedFilesAreErrorsNamingTheFile) {
+  const std::string python = mixprec::test::python();
+  if (python.empty()) GTEST_SKIP() << "no Python with torch and safetensors (MIXPREC_PYTHON)";
+  TempDir dir;
+  at::manual_seed(6);
+  mixprec::testing::Interleaved model;
+  auto optimizer = mixprec::testing::make_optimizer(model, torch::optim::AdamWOptions(1e-2));
+  mixprec::testing::set_grads(*model, 1);
+  ASSERT_TRUE(optimizer->update().success);
+  save_training_state(dir.path() / "root", "step-1", *model, *optimizer);
+  fs::create_directories(dir.path() / "scratch");
+  const fs::path script =
+      fs::path(mixprec::test::source_dir()) / "tests" / "checkpoint" / "python_reader_damaged.py";
+  const auto [status, output] = run(quote(python) + " " + quote(script.string()) + " " +
+                                        quote((dir.path() / "root" / "step-1").string()) + " " +
+                                        quote((dir.path() / "scratch").string()),
+                                    /*seconds=*/120);
+  EXPECT_EQ(status, 0) << output;
+  EXPECT_NE(output.find("ok "), std::string::npos) << output;
+}
+
 INSTANTIATE_TEST_SUITE_P(Implementations, PythonClient,
                          ::testing::Values(Case{"fused", false}, Case{"fused", true},
                                            Case{"single_tensor", false},
