@@ -364,7 +364,7 @@ std::string usage() {
        "Trains a small GPT with mixture-of-experts blocks on bytes of text: BF16 (or FP16)\n"
        "weights, router, expert bias and norms in FP32, FP8 expert GEMMs, AdamW with FP32\n"
        "masters, durable checkpoints. With no flags it trains on Python's documentation\n"
-       "topics for about two minutes on two cores. SIGINT/SIGTERM save and exit.\n"
+       "topics for about a minute on two cores. SIGINT/SIGTERM save and exit.\n"
        "--resume continues with the settings the run was started with: a flag given\n"
        "again changes its setting, except those fixed on resume; threads, paths, output\n"
        "and switches are this run's own.\n";

@@ -326,7 +326,8 @@ int run(int argc, char** argv, const std::string& malloc_policy) {
                          outcome.stopped_early,
                          outcome.stop_signal,
                          gemm_peak_flops,
-                         memory_report(*model.module, optimizer->memory(), outcome)};
+                         memory_report(*model.module, optimizer->memory(), outcome),
+                         argv[0]};
   std::printf("%s", summary(report).c_str());
   if (!profiler.written().empty()) {
     std::printf("trace       %s, one per rank (open in ui.perfetto.dev or chrome://tracing)\n",

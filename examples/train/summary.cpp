@@ -1,5 +1,7 @@
 #include "summary.h"
 
+#include "pydoc_corpus.h"
+
 #include "flops.h"
 #include "progress.h"
 
@@ -337,13 +339,21 @@ std::string summary(const RunReport& r) {
     s << line;
   }
   if (!r.metrics_path.empty()) {
-    s << "metrics     " << r.metrics_path.string() << "  (plot: scripts/plot_metrics.py "
-      << r.metrics_path.string() << ")\n";
+    // The plotting script needs matplotlib, which set-up installs into the build's Python.
+    // Shown relative to the working directory when it lies below it (.venv/bin/python).
+    std::string python = "python3";
+    if (*kBuildPython != '\0') {
+      std::error_code ec;
+      const std::filesystem::path near = std::filesystem::proximate(kBuildPython, ec);
+      python = !ec && !near.empty() && *near.begin() != ".." ? near.string() : kBuildPython;
+    }
+    s << "metrics     " << r.metrics_path.string() << "  (plot: " << python
+      << " scripts/plot_metrics.py " << r.metrics_path.string() << ")\n";
   }
   const std::string root = r.saves.last_dir.empty() ? "" : r.saves.last_dir.parent_path().string();
   if (!root.empty()) {
     // Any number of ranks resumes it: the same command alone, or under torchrun.
-    s << "resume      mixprec-train --resume --ckpt-dir " << root;
+    s << "resume      " << r.program << " --resume --ckpt-dir " << root;
     // An explicit --ckpt-dir puts metrics beside it unless told otherwise (run_paths.h).
     if (!r.metrics_path.empty() &&
         r.metrics_path.lexically_normal() !=

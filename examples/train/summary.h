@@ -39,6 +39,8 @@ struct RunReport {
     double page_faults_median = -1;
     double page_faults_mean = -1;
   } memory;
+  // How this program was invoked (argv[0]): the resume hint's command, runnable as printed.
+  std::string program = "mixprec-train";
 };
 
 // A line of block characters (▁▂▃▄▅▆▇█) tracing `values`, averaged into at most `width` bins.
