@@ -53,8 +53,15 @@ ensure_venv() {
     python3 -m venv "$MIXPREC_VENV"
   fi
   if ! "$MIXPREC_VENV/bin/python" -c "import torch, sys; sys.exit(torch.__version__.split('+')[0] != '$MIXPREC_TORCH_VERSION')" 2>/dev/null; then
-    log "installing torch==$MIXPREC_TORCH_VERSION (LibTorch comes from its wheel)"
-    "$MIXPREC_VENV/bin/pip" install -q --no-compile "torch==$MIXPREC_TORCH_VERSION"
+    # The CPU build: on PyPI, Linux torch wheels are CUDA builds, against which CMake refuses to
+    # configure without a CUDA toolkit. A local wheel or index (pip's find-links) that has the
+    # +cpu build is used as it is; otherwise PyTorch's own CPU index supplies it.
+    log "installing torch==$MIXPREC_TORCH_VERSION+cpu (LibTorch comes from its wheel)"
+    if ! "$MIXPREC_VENV/bin/pip" install -q --no-compile "torch==$MIXPREC_TORCH_VERSION+cpu" \
+      2>/dev/null; then
+      "$MIXPREC_VENV/bin/pip" install -q --no-compile "torch==$MIXPREC_TORCH_VERSION+cpu" \
+        --extra-index-url https://download.pytorch.org/whl/cpu
+    fi
     installing=1
   fi
   # The tests use numpy-free PyTorch and safetensors as reference readers.
