@@ -9,7 +9,7 @@ struct BlockImpl : torch::nn::Module {
   BlockImpl() {
     norm = register_module("norm", torch::nn::LayerNorm(torch::nn::LayerNormOptions({64})));
     proj = register_module("proj", torch::nn::Linear(64, 64));
-    // On the tensor: the mark survives to(), load, clone_module and the conversion.
+    // On the tensor: the mark survives to(), load, mixprec::clone_module and the conversion.
     router = register_parameter("router", mixprec::keep_in_fp32(torch::randn({8, 64})));
     expert_bias = register_buffer("expert_bias", torch::zeros({8}));
     tokens = register_buffer("tokens", torch::zeros({8}, torch::kLong));
