@@ -154,8 +154,9 @@ CheckedOptimizerState Float16Optimizer::check_parsed(Parsed&& saved,
     if (role == ParamRole::kFrozen) continue;
     out.fp32 = fp32;
     if (role == ParamRole::kMaster && !p.fp32.local.defined()) {
-      report.notes.push_back("'" + info.fqn + "': main copy re-derived from the " +
-                             c10::toString(param.scalar_type()) + " model parameter");
+      report.notes.push_back("'" + info.fqn + "': no main copy in the state; re-derived from the " +
+                             c10::toString(param.scalar_type()) +
+                             " model parameter if the load goes ahead");
     } else if (role == ParamRole::kNativeFp32 && p.fp32.local.defined()) {
       report.notes.push_back("'" + info.fqn + "' is now native FP32: took its value from " +
                              p.fp32_source);

@@ -134,7 +134,16 @@ CheckedOptimizerState Float16Optimizer::check_state_dict(const PositionalStateDi
   for (int64_t id = 0; id < count; ++id) {
     auto& p = saved.params[id];
     p.fresh_ok = !state.state.count(id);
-    if (role(id) == ParamRole::kMaster && !p.fp32.local.defined()) {
+    // torch.optim.SGD keeps no "step": its momentum buffer alone says the parameter was
+    // stepped (how often, SGD never uses).
+    if (!p.fresh_ok && traits_->algorithm() == Algorithm::kSgd && !p.moments.empty() &&
+        !state.state.at(id).count("step")) {
+      p.step = 1;
+    }
+    // A parameter without state and without a main copy was frozen or not yet stepped when the
+    // state was saved (torch saves neither for it): its main copy is re-derived from the model
+    // (the load notes it), as a trainable parameter's is at construction.
+    if (role(id) == ParamRole::kMaster && !p.fp32.local.defined() && !p.fresh_ok) {
       report.missing_keys.push_back("fp32_params[" + std::to_string(id) + "] for id " +
                                     std::to_string(id) + " ('" + info_[id].fqn + "')");
     }

@@ -139,13 +139,23 @@ detail::SyncPlan Float16Optimizer::plan_sync(detail::SyncPurpose purpose) const 
       return name() + " changed dtype from " + c10::toString(s.seen.dtype) + " to " +
              c10::toString(p.scalar_type());
     };
+    // A conversion leaves the value the old parameter held — its master rounded — in the new
+    // dtype: then the master is the better value. Anything else is a new value written with the
+    // change (set_data, a load into a converted model): it is the truth, as an outside write is.
+    // (A remainder's parameter is gone with its old dtype: that cannot be told, the master wins.)
+    auto converted_from_master = [&] {
+      if (purpose != detail::SyncPurpose::kUse || !s.master.defined()) return true;
+      const at::Tensor piece = s.piece();
+      return at::equal(piece, s.master.to(s.seen.dtype).to(piece.device(), piece.scalar_type()));
+    };
     if (*role != info.role) {  // FP32 <-> BF16/FP16
       change.role = *role;
       change.master_from_param = *role == ParamRole::kMaster;
-      change.param_from_master = *role == ParamRole::kNativeFp32;  // the master is the better value
+      change.param_from_master = *role == ParamRole::kNativeFp32 && converted_from_master();
       if (refuse_changes) changed.push_back(retype());
     } else if (info.role == ParamRole::kMaster && retyped) {  // BF16 <-> FP16
-      change.param_from_master = true;
+      change.param_from_master = converted_from_master();
+      change.master_from_param = !change.param_from_master;
       if (refuse_changes) changed.push_back(retype());
     } else if (info.role == ParamRole::kMaster && purpose == detail::SyncPurpose::kUse &&
                s.maybe_written() && s.param_differs_from_master()) {

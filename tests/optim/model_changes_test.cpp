@@ -234,6 +234,73 @@ TEST(ModelChanges, MasteredParamRetypedToFp32TakesTheMasterValue) {
   EXPECT_TRUE(opt->update().success);
 }
 
+// A new value that arrives with a new dtype (set_data of another tensor, not a conversion of
+// the old one) is the truth, as any outside write is: it is neither replaced by the master nor
+// lost to it (SPEC 3: never silently undone by the next step).
+TEST(ModelChanges, ANewValueArrivingWithANewDtypeIsKept) {
+  for (const at::ScalarType to : {at::kFloat, at::kHalf}) {
+    SCOPED_TRACE(c10::toString(to));
+    Interleaved model(/*gate_fp32=*/false);
+    auto opt = mixprec::testing::make_optimizer(model, torch::optim::SGDOptions(0.0));
+    set_grads(*model, 0);
+    ASSERT_TRUE(opt->update().success);
+    const at::Tensor fresh = at::full_like(model->gate, 5.0, at::TensorOptions().dtype(to));
+    {
+      at::NoGradGuard no_grad;
+      model->gate.set_data(fresh.clone());
+    }
+    set_grads(*model, 1);
+    ASSERT_TRUE(opt->update().success);  // lr 0: nothing moves but what the sync decides
+    EXPECT_TRUE(bitwise_equal(model->gate, fresh)) << model->gate;
+    if (to == at::kHalf) {
+      EXPECT_TRUE(bitwise_equal(opt->main_param("gate"), fresh.to(at::kFloat)));
+    }
+  }
+}
+
+// torch.optim.SGD keeps no "step": its state dict loads as it is (optimizer_state.h).
+TEST(ModelChanges, TorchsSgdStateWithoutAStepLoads) {
+  Interleaved ma;
+  auto a = mixprec::testing::make_optimizer(ma, torch::optim::SGDOptions(0.1).momentum(0.9));
+  set_grads(*ma, 0);
+  ASSERT_TRUE(a->update().success);
+  PositionalStateDict sd = a->state_dict();
+  ASSERT_FALSE(sd.state.empty());
+  for (auto& [id, entry] : sd.state) {
+    ASSERT_TRUE(entry.count("momentum_buffer")) << id;
+    entry.erase("step");
+  }
+  Interleaved mb;
+  load_model_sharded_state_dict(*mb, model_sharded_state_dict(*ma));
+  auto b = mixprec::testing::make_optimizer(mb, torch::optim::SGDOptions(0.1).momentum(0.9));
+  const LoadReport report = b->load_state_dict(sd);
+  EXPECT_TRUE(report.clean()) << report.to_string();
+  set_grads(*ma, 1);
+  set_grads(*mb, 1);
+  ASSERT_TRUE(a->update().success);
+  ASSERT_TRUE(b->update().success);
+  EXPECT_TRUE(bitwise_equal(mb->pre->weight, ma->pre->weight)) << "the momentum was carried";
+}
+
+// A positional state saved while a parameter was frozen holds nothing for it; where it is
+// trainable now, its main copy comes from the model, as the FQN-keyed load does.
+TEST(ModelChanges, PositionalStateSavedWhileFrozenLoadsWhereItIsTrainable) {
+  Interleaved ma;
+  auto a = mixprec::testing::make_optimizer(ma, torch::optim::AdamWOptions(1e-2));
+  set_grads(*ma, 0);
+  ASSERT_TRUE(a->update().success);
+  const PositionalStateDict saved = a->state_dict();
+  Interleaved mb;
+  mb->frozen->weight.set_requires_grad(true);
+  load_model_sharded_state_dict(*mb, model_sharded_state_dict(*ma));
+  auto b = mixprec::testing::make_optimizer(mb, torch::optim::AdamWOptions(1e-2));
+  const LoadReport report = b->load_state_dict(saved);
+  EXPECT_TRUE(report.missing_keys.empty()) << report.to_string();
+  EXPECT_TRUE(bitwise_equal(b->main_param("frozen.weight"), ma->frozen->weight.to(at::kFloat)));
+  set_grads(*mb, 1);
+  EXPECT_TRUE(b->update().success);
+}
+
 TEST(ModelChanges, ShapeChangeOfATrainableParamIsAnError) {
   Interleaved model;
   auto opt = mixprec::testing::make_optimizer(model, torch::optim::AdamWOptions(1e-2));

@@ -28,7 +28,9 @@
 //     construction keeps its role and state (it is not stepped while it has no gradient).
 //   * dtype changed (a conversion run after construction), trainable parameters: FP32 →
 //     BF16/FP16 gains a main copy from its value; BF16/FP16 → FP32 takes its main copy's value
-//     and drops the copy; BF16 ↔ FP16 keeps the main copy and rewrites the parameter from it.
+//     and drops the copy; BF16 ↔ FP16 keeps the main copy and rewrites the parameter from it —
+//     when the parameter holds its old value converted (a conversion). A new value that came
+//     with the new dtype (set_data of another tensor) is kept instead, and seeds the main copy.
 //     With ExternalParamChange::kError each of these is an error instead (loads excepted).
 //   * an error naming the parameter: a trainable dtype other than FP32/BF16/FP16, a new shape,
 //     device or layout of a trainable parameter, a group's options replaced by another type,
@@ -195,7 +197,9 @@ class Float16Optimizer : private detail::GroupOptionsCheck, public torch::optim:
   // their options must all be AdamWOptions, all AdamOptions or all SGDOptions (groups without
   // options take `defaults`), with values the step accepts. Throws c10::Error naming the
   // parameter if one is not in the model, appears twice, is trainable with a dtype other than
-  // FP32/BF16/FP16, or is sparse; naming the group and hyper-parameter for a bad value.
+  // FP32/BF16/FP16, or is sparse or not contiguous; naming the group and hyper-parameter for a
+  // bad value. Its state lives in the optimizer's own slots, not in torch::optim::Optimizer's
+  // state(), which stays empty: use state_dict() / sharded_state_dict().
   // The optimizer keeps handles to the model's parameters (not to the module): a parameter
   // given later to add_param_group must be one the model had at construction.
   Float16Optimizer(const torch::nn::Module& model,
@@ -269,8 +273,9 @@ class Float16Optimizer : private detail::GroupOptionsCheck, public torch::optim:
   // Checks the FQN-keyed form as check_state_dict does. Works across a changed precision plan:
   // a parameter saved with a main copy that is now native FP32 takes the saved main copy's
   // value; one saved as native FP32 that now needs a main copy seeds it from the model tensor
-  // under its FQN in `state` (an FP32 value; a checkpoint holds both), else from the model
-  // parameter as it is when applied; one frozen when saved and trainable now takes its main copy
+  // under its FQN in `state` (an FP32 value; a checkpoint holds both), else — in a non-strict
+  // load; a strict one reports the key missing — from the model parameter as it is when
+  // applied; one frozen when saved and trainable now takes its main copy
   // from the model parameter (no key is missing: it had none). Keys that do not start with
   // "optimizer." are the model's and are not reported as unexpected.
   CheckedOptimizerState check_sharded_state_dict(const ShardedStateDict& state,
