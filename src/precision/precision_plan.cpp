@@ -114,6 +114,14 @@ PrecisionPlan::Resolved PrecisionPlan::resolve(const torch::nn::Module& module) 
       problems.push_back("name '" + name + "' is registered but undefined");
       continue;
     }
+    bool is_submodule = false;
+    for (const auto& item : module.named_modules("", /*include_self=*/false)) {
+      if (item.key() == name) is_submodule = true;
+    }
+    if (is_submodule) {
+      problems.push_back("name '" + name + "' is a submodule without parameters or buffers");
+      continue;
+    }
     auto near = detail::close_matches(name, all_names);
     problems.push_back("name '" + name + "' matches no parameter, buffer or submodule" +
                        (near.empty() ? std::string(" (the module has none like it)")

@@ -5,6 +5,9 @@
 #include "support/error_message.h"
 
 #include <gtest/gtest.h>
+#include <torch/nn/modules/activation.h>
+#include <torch/nn/modules/container/sequential.h>
+#include <torch/nn/modules/linear.h>
 
 namespace mixprec {
 namespace MIXPREC_UNITY_ID {  // anonymous outside unity builds (tests/CMakeLists.txt)
@@ -56,6 +59,14 @@ TEST(PrecisionPlan, UnknownNameListsCloseMatches) {
       error_of([&] { PrecisionPlan().keep_fp32_name("router_weights").resolve(*net); });
   EXPECT_NE(msg.find("name 'router_weights' matches no parameter"), std::string::npos) << msg;
   EXPECT_NE(msg.find("close matches: router_weight"), std::string::npos) << msg;
+}
+
+// A submodule that holds no tensor (an activation) is named as what it is.
+TEST(PrecisionPlan, NameOfASubmoduleWithoutTensorsSaysSo) {
+  torch::nn::Sequential net(torch::nn::Linear(4, 4), torch::nn::ReLU());
+  const std::string msg = error_of([&] { PrecisionPlan().keep_fp32_name("1").resolve(*net); });
+  EXPECT_NE(msg.find("name '1' is a submodule without parameters or buffers"), std::string::npos)
+      << msg;
 }
 
 TEST(PrecisionPlan, NameOfIntegerBufferIsAnError) {
