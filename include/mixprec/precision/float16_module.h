@@ -1,4 +1,6 @@
-// Float16Module: run any module in BF16/FP16 with the precision plan applied.
+// Float16Module: run a module in BF16/FP16 with the precision plan applied — any module with
+// a forward() LibTorch's AnyModule can hold (not a templated one, such as
+// torch::nn::Sequential's: wrap a subclass whose forward calls it).
 //
 // Megatron's Float16Module, for LibTorch: the wrapped module is converted once with
 // convert_module_to_dtype_except_fp32_marked; on the first pipeline stage FP32 floating
@@ -8,7 +10,8 @@
 //
 // The wrapper adopts the wrapped module's parameters, buffers and children under their own
 // names, so its named_parameters(), state and saved archive carry no wrapper prefix: a
-// checkpoint of the wrapper loads into the bare module and back.
+// checkpoint of the wrapper loads into the bare module and back — a bare module converted the
+// same way (LibTorch's archive load keeps each tensor's dtype and refuses another).
 #pragma once
 
 #include "mixprec/detail/nested_cast.h"
