@@ -110,6 +110,16 @@ void DistributedOptimizer::agree(GradientAgreement& agreement) {
 
 void DistributedOptimizer::publish_params() { reducer_.start_param_gather(); }
 
+void DistributedOptimizer::agree_to_load(const std::exception_ptr& failed) {
+  at::Tensor refused = at::full({1}, failed ? 1.0f : 0.0f, at::kFloat);
+  reducer_.communicator().all_reduce_sum(refused).wait();
+  if (failed) std::rethrow_exception(failed);
+  const int others = static_cast<int>(refused.item<float>());
+  TORCH_CHECK(others == 0, "[", kWho, "] cannot load the state: ", others, " other rank",
+              others == 1 ? "" : "s",
+              " refused its part (its error says why); nothing was changed on any rank");
+}
+
 std::span<const std::string_view> DistributedOptimizer::state_kinds() const {
   return optim::detail::traits_for(defaults(), kWho).state_kinds();
 }

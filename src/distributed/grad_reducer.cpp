@@ -68,6 +68,7 @@ void GradReducer::State::count_waiting() {
 
 void GradReducer::State::reset_step() {
   std::fill(ready.begin(), ready.end(), 0);
+  std::fill(hooked.begin(), hooked.end(), 0);
   std::fill(arrival.begin(), arrival.end(), -1);
   std::fill(launched_at.begin(), launched_at.end(), -1);
   arrivals = 0;
@@ -164,6 +165,28 @@ void GradReducer::State::on_grad_ready(size_t i) {
               "' arrived while its all-gather was never waited for: forward read it as it was "
               "being written. Call wait_for_params(module) before a module's forward, or turn "
               "overlap_param_gather off");
+  // Autograd has just added this gradient into the .grad: where that is a buffer range whose
+  // reduction is in flight, the collective reads (or writes) it meanwhile, and what each rank
+  // ends up with is anyone's guess. Nothing can repair that: the group is failed for good.
+  const auto corrupted = [&](const std::string& what) {
+    const std::string message =
+        std::string("[") + kReducer + "] the gradient of '" + layout.params[i].fqn + "' " + what;
+    comm->fail(message);
+    TORCH_CHECK(false, message);
+  };
+  if (flights[b].pending() && grad_is_adopted(i)) {
+    corrupted(
+        "was added into its buffer while the buffer's reduction was in flight (a second "
+        "backward before finish()); the ranks' gradients can no longer agree. Call finish() "
+        "after each backward, or accumulate micro-batches inside a NoSyncGuard");
+  }
+  TORCH_CHECK(!shards_stale || !grad_is_adopted(i), "[", kReducer, "] the gradient of '",
+              layout.params[i].fqn,
+              "' would be added to the last step's: after finish() in reduce-scatter mode a "
+              ".grad holds the average only in this rank's shard, so gradients cannot carry "
+              "over into the next step. Call zero_grad() (or clear the .grad tensors) before "
+              "the step's first backward, or reduce with ReduceMode::kAllReduce");
+  hooked[i] = 1;
   if (finished && options.accumulate_in_fp32() && options.mode() == ReduceMode::kReduceScatter) {
     // A backward after finish() without zero_grad() (gradients cleared some other way, e.g.
     // torch's Optimizer::zero_grad()): the FP32 buffers hold the last step's reduced shards
@@ -202,8 +225,13 @@ void GradReducer::State::on_grad_ready(size_t i) {
 // After the first reduced step: every rank takes the order in which rank 0 saw buckets
 // complete (by the arrival of their last gradient; a bucket missing a gradient goes last).
 void GradReducer::State::agree_on_order() {
-  order_agreed = true;
-  if (!options.overlap() || arrivals == 0) return;
+  // Collective whenever overlap is on: a rank whose backward reached nothing this step (an
+  // empty micro-batch, .grad set from outside) must not skip the broadcast the others make.
+  // Rank 0's arrivals decide, on every rank, whether this step's order is worth taking.
+  if (!options.overlap()) {
+    order_agreed = true;
+    return;
+  }
   std::vector<std::pair<int64_t, size_t>> completion;  // (last arrival, bucket)
   for (size_t position = 0; position < order.size(); ++position) {
     const size_t id = order[position];
@@ -217,11 +245,16 @@ void GradReducer::State::agree_on_order() {
   }
   std::stable_sort(completion.begin(), completion.end(),
                    [](const auto& a, const auto& b) { return a.first < b.first; });
-  at::Tensor agreed = at::empty({static_cast<int64_t>(order.size())}, at::kLong);
-  auto* ids = agreed.mutable_data_ptr<int64_t>();
+  // [rank 0 saw gradients arrive, the order...]
+  at::Tensor agreed = at::empty({static_cast<int64_t>(order.size()) + 1}, at::kLong);
+  auto* flag = agreed.mutable_data_ptr<int64_t>();
+  flag[0] = arrivals > 0;
+  int64_t* ids = flag + 1;
   for (size_t j = 0; j < completion.size(); ++j)
     ids[j] = static_cast<int64_t>(completion[j].second);
   comm->broadcast(agreed, 0).wait();
+  order_agreed = flag[0] != 0;  // else: no order seen yet, agree after a later step
+  if (!order_agreed) return;
   for (size_t j = 0; j < order.size(); ++j) {
     TORCH_INTERNAL_ASSERT(ids[j] >= 0 && static_cast<size_t>(ids[j]) < buckets.size());
     order[j] = static_cast<size_t>(ids[j]);
@@ -367,6 +400,7 @@ GradReducer::GradReducer(std::shared_ptr<Communicator> comm, torch::nn::Module& 
   s.rounded.assign(n, 0);
   s.any_rank_got = at::zeros({static_cast<int64_t>(n)}, at::kFloat);
   s.ready.assign(n, 0);
+  s.hooked.assign(n, 0);
   s.arrival.assign(n, -1);
   s.waiting.assign(s.buckets.size(), 0);
   s.flights.resize(s.buckets.size());
@@ -407,6 +441,7 @@ void GradReducer::zero_grad() {
   std::fill(s.rounded.begin(), s.rounded.end(), 0);
   s.reset_step();
   s.finished = false;
+  s.shards_stale = false;
 }
 
 void GradReducer::finish() {
@@ -415,6 +450,17 @@ void GradReducer::finish() {
   s.comm->check_usable("mixprec::distributed::GradReducer::finish");
   TORCH_CHECK(s.sync, "[mixprec::distributed::GradReducer::finish] called inside a NoSyncGuard");
   if (s.finished) return;  // already reduced: averaging again would change the gradients
+  if (s.shards_stale) {
+    // A parameter no backward reached since the last finish() whose .grad is still in its
+    // buffer would be reduced again from what that finish() left there.
+    for (size_t i = 0; i < s.params.size(); ++i) {
+      TORCH_CHECK(s.hooked[i] || !s.params[i].requires_grad() || !s.grad_is_adopted(i),
+                  "[mixprec::distributed::GradReducer::finish] the gradient of '",
+                  s.layout.params[i].fqn,
+                  "' is the last step's: in reduce-scatter mode it cannot be reduced again. "
+                  "Call zero_grad() (or clear the .grad tensors) before the step's first backward");
+    }
+  }
   RECORD_USER_SCOPE("mixprec::bucket_finish");
   const auto t0 = std::chrono::steady_clock::now();
   s.wait_all_gathers();
@@ -448,12 +494,18 @@ void GradReducer::finish() {
   if (!s.order_agreed) s.agree_on_order();
   s.reset_step();
   s.finished = true;
+  s.shards_stale = s.options.mode() == ReduceMode::kReduceScatter;
   s.timing.finish_seconds =
       std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();
 }
 
 GradReducer::NoSyncGuard::NoSyncGuard(GradReducer& reducer) : reducer_(reducer) {
   std::lock_guard<std::mutex> lock(reducer_.state_->mutex);
+  // Gradients accumulated now would land in buffers being reduced.
+  TORCH_CHECK(reducer_.state_->next == 0, "[mixprec::distributed::GradReducer::NoSyncGuard] ",
+              reducer_.state_->next,
+              " bucket reduction(s) of a synchronized backward are in flight; call finish() "
+              "before accumulating without synchronization");
   previous_ = reducer_.state_->sync;
   reducer_.state_->sync = false;
 }

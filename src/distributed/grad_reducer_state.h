@@ -59,6 +59,11 @@ struct GradReducer::State {
   std::mutex mutex;
   bool sync = true;
   bool finished = false;  // finish() ran and no gradient arrived since (nor zero_grad())
+  // kReduceScatter: finish() ran and zero_grad() did not since. A .grad still in its buffer
+  // then holds the average only in this rank's shard (elsewhere, local or partial sums): it
+  // cannot carry into the next step's sum.
+  bool shards_stale = false;
+  std::vector<char> hooked;  // per parameter: a gradient arrived this step (since finish())
   // Per parameter: it has a gradient, as it would in one process: one arrived (or .grad was
   // set) since zero_grad(), and .grad was not cleared since.
   std::vector<char> got;

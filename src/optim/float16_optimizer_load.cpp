@@ -14,6 +14,8 @@
 #include <c10/util/Exception.h>
 
 #include <cmath>
+#include <functional>
+#include <optional>
 
 namespace mixprec::optim {
 
@@ -272,14 +274,41 @@ LoadReport Float16Optimizer::apply(CheckedOptimizerState&& checked) {
   return std::move(plan->report);
 }
 
+void Float16Optimizer::agree_to_load(const std::exception_ptr& failed) {
+  if (failed) std::rethrow_exception(failed);
+}
+
+namespace {
+
+// check(), then every rank's agreement (agree_to_load), then apply().
+template <class Check>
+LoadReport check_agree_apply(Float16Optimizer& optimizer, const Check& check,
+                             const std::function<void(const std::exception_ptr&)>& agree) {
+  std::optional<CheckedOptimizerState> checked;
+  std::exception_ptr failed;
+  try {
+    checked.emplace(check());
+  } catch (...) {
+    failed = std::current_exception();
+  }
+  agree(failed);
+  return optimizer.apply(std::move(*checked));
+}
+
+}  // namespace
+
 LoadReport Float16Optimizer::load_state_dict(const PositionalStateDict& state,
                                              const LoadOptions& options) {
-  return apply(check_state_dict(state, options));
+  return check_agree_apply(
+      *this, [&] { return check_state_dict(state, options); },
+      [this](const std::exception_ptr& failed) { agree_to_load(failed); });
 }
 
 LoadReport Float16Optimizer::load_sharded_state_dict(const ShardedStateDict& state,
                                                      const LoadOptions& options) {
-  return apply(check_sharded_state_dict(state, options));
+  return check_agree_apply(
+      *this, [&] { return check_sharded_state_dict(state, options); },
+      [this](const std::exception_ptr& failed) { agree_to_load(failed); });
 }
 
 }  // namespace mixprec::optim

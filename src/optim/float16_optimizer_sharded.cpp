@@ -194,8 +194,10 @@ CheckedOptimizerState Float16Optimizer::check_sharded_state_dict(const ShardedSt
         report.notes.push_back("'" + info.fqn +
                                "' had no main copy in the state (saved as "
                                "native FP32): main copy seeded from its FP32 model value");
-      } else if (!frozen_then.count(info.fqn)) {
-        // (Frozen when saved, its model value is all there was: re-deriving loses nothing.)
+      } else if (!frozen_then.count(info.fqn) && !slots_[k]->holds_no_piece()) {
+        // (Frozen when saved, its model value is all there was: re-deriving loses nothing. A
+        // rank that holds none of the parameter — data parallel — needs no main copy of it;
+        // its own state dict declares none.)
         report.missing_keys.push_back(master_key);
       }
     }

@@ -78,6 +78,8 @@ struct Float16Optimizer::Slot {
   bool param_differs_from_master() const;
 
   bool has_state() const { return step > 0; }
+  // Data parallel: this rank steps none of the parameter's elements (it has some).
+  bool holds_no_piece() const { return !whole && begin == end && param.numel() > 0; }
 };
 
 namespace detail {

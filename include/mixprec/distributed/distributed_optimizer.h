@@ -113,6 +113,7 @@ class DistributedOptimizer : public optim::Float16Optimizer {
   at::Tensor piece_gradient(size_t index, bool& arrived) const override;
   void agree(GradientAgreement& agreement) override;
   void publish_params() override;
+  void agree_to_load(const std::exception_ptr& failed) override;
 
  private:
   static Sharding sharding_of(GradReducer& reducer);

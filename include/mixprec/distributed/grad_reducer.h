@@ -30,12 +30,15 @@
 // last cleared — by zero_grad() here, or by setting .grad to none (torch's
 // Optimizer::zero_grad(), which works on these .grad tensors). A parameter that no backward
 // reached keeps the .grad it had: cleared, it has none; not cleared (no zero_grad between
-// steps), it keeps the last one, as in one process. Frozen parameters are treated alike (a
-// parameter frozen after construction keeps its optimizer role). In kAllReduce mode finish()
-// agrees on it over ranks (one small all-reduce, as DDP's find_unused_parameters does): a
-// parameter that has a gradient on no rank gets .grad none, so any optimizer skips it as in
-// one process (its momentum and weight decay do not move it). DistributedOptimizer agrees on
-// got_gradient() in its own collective.
+// steps), it keeps the last one, as in one process — in kAllReduce mode. In kReduceScatter mode
+// a .grad holds the average only in this rank's shard after finish() (elsewhere local or
+// partial sums), so it cannot carry into the next step: a gradient added to it, or a finish()
+// that would reduce it again, is an error naming the parameter (clear gradients every step). Frozen
+// parameters are treated alike (a parameter frozen after construction keeps its optimizer role). In
+// kAllReduce mode finish() agrees on it over ranks (one small all-reduce, as DDP's
+// find_unused_parameters does): a parameter that has a gradient on no rank gets .grad none, so any
+// optimizer skips it as in one process (its momentum and weight decay do not move it).
+// DistributedOptimizer agrees on got_gradient() in its own collective.
 //
 // Modes:
 //   kAllReduce     every rank ends with every averaged gradient (plain data parallelism: then
@@ -69,11 +72,15 @@
 // order the backend sums in; summed in BF16 it is exact only for some orders. FP32 gradients
 // are summed in FP32: for identical gradients a sequential or pairwise sum is exact for N <= 4,
 // which tests/distributed check on Gloo for N = 1, 2, 4. Both modes reduce the same padded
-// buckets.
+// buckets. The sum comes before the division: with grad_reduce_in_fp32 off, FP16 gradients
+// overflow at 1/N of FP16's range (a dynamic loss scaler then backs off sooner than in one
+// process), where DDP, which divides first, would not.
 //
 // A bucket's gradients are read when its collective starts, during backward: changing .grad
 // between backward and finish() does not reach the reduction (nor whether it has a gradient). Do it
-// in backward, or after finish().
+// in backward, or after finish(). A second backward before finish() would add into buckets in
+// flight: it is an error, and where a bucket was in flight the group is failed (the ranks'
+// gradients can no longer agree); a NoSyncGuard cannot begin while buckets are in flight.
 //
 // Failures. A collective that fails makes the group unusable (distributed/communicator.h): the
 // backend may still write into the buffers, and ranks may hold partial sums. Every later call

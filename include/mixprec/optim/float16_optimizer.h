@@ -92,6 +92,7 @@
 #include <torch/optim/optimizer.h>
 
 #include <cstdint>
+#include <exception>
 #include <functional>
 #include <memory>
 #include <optional>
@@ -287,7 +288,9 @@ class Float16Optimizer : private detail::GroupOptionsCheck, public torch::optim:
   // this optimizer's parameters changed role or structure since (check again then).
   LoadReport apply(CheckedOptimizerState&& checked);
 
-  // apply(check_state_dict(...)) and apply(check_sharded_state_dict(...)).
+  // apply(check_state_dict(...)) and apply(check_sharded_state_dict(...)). Data parallel, every
+  // rank checks its part and the ranks agree before any applies (apply() is collective): one
+  // rank's refusal is every rank's error, nothing changed anywhere.
   LoadReport load_state_dict(const PositionalStateDict& state, const LoadOptions& options = {});
   LoadReport load_sharded_state_dict(const ShardedStateDict& state,
                                      const LoadOptions& options = {});
@@ -332,6 +335,9 @@ class Float16Optimizer : private detail::GroupOptionsCheck, public torch::optim:
   virtual at::Tensor piece_gradient(size_t index, bool& arrived) const;
   virtual void agree(GradientAgreement& agreement) {}  // collective
   virtual void publish_params() {}                     // collective: the stepped pieces
+  // Collective: whether every rank's check of a state to load passed (`failed`: this rank's
+  // error, or null). Rethrows this rank's error; throws if another rank's check failed.
+  virtual void agree_to_load(const std::exception_ptr& failed);
   const std::string& who() const { return who_; }
   bool sharded() const { return static_cast<bool>(sharding_.piece_of); }
 
