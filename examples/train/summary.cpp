@@ -343,8 +343,12 @@ std::string summary(const RunReport& r) {
     // Shown relative to the working directory when it lies below it (.venv/bin/python).
     std::string python = "python3";
     if (*kBuildPython != '\0') {
+      // Lexically: the venv's python is a link, which proximate() would resolve.
       std::error_code ec;
-      const std::filesystem::path near = std::filesystem::proximate(kBuildPython, ec);
+      const std::filesystem::path cwd = std::filesystem::current_path(ec);
+      const std::filesystem::path near =
+          ec ? std::filesystem::path()
+             : std::filesystem::path(kBuildPython).lexically_proximate(cwd);
       python = !ec && !near.empty() && *near.begin() != ".." ? near.string() : kBuildPython;
     }
     s << "metrics     " << r.metrics_path.string() << "  (plot: " << python
