@@ -13,7 +13,9 @@
 //      their .grad aliases of ranges of a gradient buffer, keeping any gradient they had;
 //   3. with broadcast_from_rank0 (the default, as DDP does), rank 0's parameters and buffers
 //      are sent to every rank, so that every rank starts from the same weights whatever it
-//      was initialised or loaded with.
+//      was initialised or loaded with. Once: buffers that forward updates (BatchNorm's running
+//      statistics) then drift apart by rank, where DDP's broadcast_buffers re-sends them
+//      before every forward; broadcast them yourself where that matters.
 //
 // A step. A post-accumulate-grad hook per parameter notes that its gradient arrived (this
 // rank's `got_gradient`) and counts what its bucket still waits for;
