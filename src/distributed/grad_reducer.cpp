@@ -68,7 +68,6 @@ void GradReducer::State::count_waiting() {
 
 void GradReducer::State::reset_step() {
   std::fill(ready.begin(), ready.end(), 0);
-  std::fill(hooked.begin(), hooked.end(), 0);
   std::fill(arrival.begin(), arrival.end(), -1);
   std::fill(launched_at.begin(), launched_at.end(), -1);
   arrivals = 0;
@@ -118,6 +117,7 @@ void GradReducer::State::settle(size_t i) {
   const bool replaced = !cleared && !grad_is_adopted(i);
   if (cleared) got[i] = 0;
   if (replaced) got[i] = 1;
+  if (cleared || replaced) stale[i] = 0;
   adopt_grad(i);
   if (fp32_views[i].defined() && options.accumulate_in_fp32()) {
     if (cleared) {
@@ -174,19 +174,21 @@ void GradReducer::State::on_grad_ready(size_t i) {
     comm->fail(message);
     TORCH_CHECK(false, message);
   };
-  if (flights[b].pending() && grad_is_adopted(i)) {
+  // (Or, had .grad been replaced, adopting it would copy into that buffer now.)
+  if (flights[b].pending()) {
     corrupted(
-        "was added into its buffer while the buffer's reduction was in flight (a second "
-        "backward before finish()); the ranks' gradients can no longer agree. Call finish() "
-        "after each backward, or accumulate micro-batches inside a NoSyncGuard");
+        "arrived while its bucket's reduction was in flight (a second backward before "
+        "finish()); the ranks' gradients can no longer agree. Call finish() after each "
+        "backward, or accumulate micro-batches inside a NoSyncGuard");
   }
-  TORCH_CHECK(!shards_stale || !grad_is_adopted(i), "[", kReducer, "] the gradient of '",
-              layout.params[i].fqn,
-              "' would be added to the last step's: after finish() in reduce-scatter mode a "
-              ".grad holds the average only in this rank's shard, so gradients cannot carry "
-              "over into the next step. Call zero_grad() (or clear the .grad tensors) before "
-              "the step's first backward, or reduce with ReduceMode::kAllReduce");
-  hooked[i] = 1;
+  if (stale[i]) {
+    TORCH_CHECK(!grad_is_adopted(i), "[", kReducer, "] the gradient of '", layout.params[i].fqn,
+                "' would be added to the last step's: after finish() in reduce-scatter mode a "
+                ".grad holds the average only in this rank's shard, so gradients cannot carry "
+                "over into the next step. Call zero_grad() (or clear the .grad tensors) before "
+                "the step's first backward, or reduce with ReduceMode::kAllReduce");
+    stale[i] = 0;  // cleared or replaced since: this gradient starts afresh
+  }
   if (finished && options.accumulate_in_fp32() && options.mode() == ReduceMode::kReduceScatter) {
     // A backward after finish() without zero_grad() (gradients cleared some other way, e.g.
     // torch's Optimizer::zero_grad()): the FP32 buffers hold the last step's reduced shards
@@ -400,7 +402,7 @@ GradReducer::GradReducer(std::shared_ptr<Communicator> comm, torch::nn::Module& 
   s.rounded.assign(n, 0);
   s.any_rank_got = at::zeros({static_cast<int64_t>(n)}, at::kFloat);
   s.ready.assign(n, 0);
-  s.hooked.assign(n, 0);
+  s.stale.assign(n, 0);
   s.arrival.assign(n, -1);
   s.waiting.assign(s.buckets.size(), 0);
   s.flights.resize(s.buckets.size());
@@ -441,7 +443,7 @@ void GradReducer::zero_grad() {
   std::fill(s.rounded.begin(), s.rounded.end(), 0);
   s.reset_step();
   s.finished = false;
-  s.shards_stale = false;
+  std::fill(s.stale.begin(), s.stale.end(), 0);
 }
 
 void GradReducer::finish() {
@@ -450,11 +452,11 @@ void GradReducer::finish() {
   s.comm->check_usable("mixprec::distributed::GradReducer::finish");
   TORCH_CHECK(s.sync, "[mixprec::distributed::GradReducer::finish] called inside a NoSyncGuard");
   if (s.finished) return;  // already reduced: averaging again would change the gradients
-  if (s.shards_stale) {
+  {
     // A parameter no backward reached since the last finish() whose .grad is still in its
     // buffer would be reduced again from what that finish() left there.
     for (size_t i = 0; i < s.params.size(); ++i) {
-      TORCH_CHECK(s.hooked[i] || !s.params[i].requires_grad() || !s.grad_is_adopted(i),
+      TORCH_CHECK(!s.stale[i] || !s.params[i].requires_grad() || !s.grad_is_adopted(i),
                   "[mixprec::distributed::GradReducer::finish] the gradient of '",
                   s.layout.params[i].fqn,
                   "' is the last step's: in reduce-scatter mode it cannot be reduced again. "
@@ -494,7 +496,7 @@ void GradReducer::finish() {
   if (!s.order_agreed) s.agree_on_order();
   s.reset_step();
   s.finished = true;
-  s.shards_stale = s.options.mode() == ReduceMode::kReduceScatter;
+  std::fill(s.stale.begin(), s.stale.end(), s.options.mode() == ReduceMode::kReduceScatter);
   s.timing.finish_seconds =
       std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();
 }

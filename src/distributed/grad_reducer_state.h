@@ -59,11 +59,11 @@ struct GradReducer::State {
   std::mutex mutex;
   bool sync = true;
   bool finished = false;  // finish() ran and no gradient arrived since (nor zero_grad())
-  // kReduceScatter: finish() ran and zero_grad() did not since. A .grad still in its buffer
+  // kReduceScatter, per parameter: finish() reduced its buffer range, and since then neither
+  // zero_grad() ran nor was its .grad found cleared or replaced. Its .grad (its buffer range)
   // then holds the average only in this rank's shard (elsewhere, local or partial sums): it
   // cannot carry into the next step's sum.
-  bool shards_stale = false;
-  std::vector<char> hooked;  // per parameter: a gradient arrived this step (since finish())
+  std::vector<char> stale;
   // Per parameter: it has a gradient, as it would in one process: one arrived (or .grad was
   // set) since zero_grad(), and .grad was not cleared since.
   std::vector<char> got;
