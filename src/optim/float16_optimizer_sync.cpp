@@ -142,10 +142,14 @@ detail::SyncPlan Float16Optimizer::plan_sync(detail::SyncPurpose purpose) const 
     // A conversion leaves the value the old parameter held — its master rounded — in the new
     // dtype: then the master is the better value. Anything else is a new value written with the
     // change (set_data, a load into a converted model): it is the truth, as an outside write is.
-    // (A remainder's parameter is gone with its old dtype: that cannot be told, the master wins.)
+    // A remainder's parameter was the master's high half, gone with its old dtype: a value no
+    // BF16 parameter could have held is new; one it could have is taken for a conversion.
     auto converted_from_master = [&] {
-      if (purpose != detail::SyncPurpose::kUse || !s.master.defined()) return true;
+      if (purpose != detail::SyncPurpose::kUse) return true;
       const at::Tensor piece = s.piece();
+      if (!s.master.defined()) {
+        return at::equal(piece, piece.to(at::kBFloat16).to(piece.scalar_type()));
+      }
       return at::equal(piece, s.master.to(s.seen.dtype).to(piece.device(), piece.scalar_type()));
     };
     if (*role != info.role) {  // FP32 <-> BF16/FP16

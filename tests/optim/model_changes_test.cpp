@@ -238,24 +238,31 @@ TEST(ModelChanges, MasteredParamRetypedToFp32TakesTheMasterValue) {
 // the old one) is the truth, as any outside write is: it is neither replaced by the master nor
 // lost to it (SPEC 3: never silently undone by the next step).
 TEST(ModelChanges, ANewValueArrivingWithANewDtypeIsKept) {
-  for (const at::ScalarType to : {at::kFloat, at::kHalf}) {
-    SCOPED_TRACE(c10::toString(to));
-    Interleaved model(/*gate_fp32=*/false);
-    auto opt = mixprec::testing::make_optimizer(model, torch::optim::SGDOptions(0.0));
-    set_grads(*model, 0);
-    ASSERT_TRUE(opt->update().success);
-    const at::Tensor fresh = at::full_like(model->gate, 5.0, at::TensorOptions().dtype(to));
-    {
-      at::NoGradGuard no_grad;
-      model->gate.set_data(fresh.clone());
+  for (const bool remainders : {false, true})
+    for (const at::ScalarType to : {at::kFloat, at::kHalf}) {
+      SCOPED_TRACE(std::string(c10::toString(to)) + (remainders ? " remainders" : ""));
+      Interleaved model(/*gate_fp32=*/false);
+      auto opt =
+          mixprec::testing::make_optimizer(model, torch::optim::SGDOptions(0.0),
+                                           Float16OptimizerOptions().master_remainders(remainders));
+      set_grads(*model, 0);
+      ASSERT_TRUE(opt->update().success);
+      // 5 + i/1000: no BF16 parameter could hold these values (with remainders, that is what
+      // tells a new value from a conversion).
+      const at::Tensor fresh =
+          (at::arange(model->gate.numel(), at::kFloat).div(1000).add(5).view(model->gate.sizes()))
+              .to(to);
+      {
+        at::NoGradGuard no_grad;
+        model->gate.set_data(fresh.clone());
+      }
+      set_grads(*model, 1);
+      ASSERT_TRUE(opt->update().success);  // lr 0: nothing moves but what the sync decides
+      EXPECT_TRUE(bitwise_equal(model->gate, fresh)) << model->gate;
+      if (to == at::kHalf) {
+        EXPECT_TRUE(bitwise_equal(opt->main_param("gate"), fresh.to(at::kFloat)));
+      }
     }
-    set_grads(*model, 1);
-    ASSERT_TRUE(opt->update().success);  // lr 0: nothing moves but what the sync decides
-    EXPECT_TRUE(bitwise_equal(model->gate, fresh)) << model->gate;
-    if (to == at::kHalf) {
-      EXPECT_TRUE(bitwise_equal(opt->main_param("gate"), fresh.to(at::kFloat)));
-    }
-  }
 }
 
 // torch.optim.SGD keeps no "step": its state dict loads as it is (optimizer_state.h).

@@ -31,6 +31,8 @@
 //     and drops the copy; BF16 ↔ FP16 keeps the main copy and rewrites the parameter from it —
 //     when the parameter holds its old value converted (a conversion). A new value that came
 //     with the new dtype (set_data of another tensor) is kept instead, and seeds the main copy.
+//     (With master_remainders the old value is gone with the old parameter: a new value that a
+//     BF16 parameter could have held is taken for a conversion.)
 //     With ExternalParamChange::kError each of these is an error instead (loads excepted).
 //   * an error naming the parameter: a trainable dtype other than FP32/BF16/FP16, a new shape,
 //     device or layout of a trainable parameter, a group's options replaced by another type,
