@@ -7,6 +7,7 @@
 
 #include <ATen/ATen.h>
 #include <c10/util/Exception.h>
+#include <torch/autograd.h>
 #include <torch/nn/init.h>
 
 #include <cmath>
@@ -28,6 +29,20 @@ std::string short_name(c10::ScalarType t) {
       return c10::toString(t);
   }
 }
+
+// Identity on y (whose forward already added the bias); backward gives y its gradient and the
+// bias the sum of it over every dimension but the last, as a linear layer's bias gets.
+struct BiasGradient : torch::autograd::Function<BiasGradient> {
+  static at::Tensor forward(torch::autograd::AutogradContext* /*ctx*/, const at::Tensor& y,
+                            const at::Tensor& /*bias*/) {
+    return y;  // an input: autograd returns a view of it carrying this node
+  }
+  static torch::autograd::variable_list backward(torch::autograd::AutogradContext* /*ctx*/,
+                                                 torch::autograd::variable_list grads) {
+    const at::Tensor& grad = grads[0];
+    return {grad, grad.reshape({-1, grad.size(-1)}).sum(0)};
+  }
+};
 
 // What a format's forward rounding is: both FP8 recipes round operands to E4M3 in forward
 // (they differ in backward only), so one kept weight operand serves both.
@@ -141,9 +156,11 @@ at::Tensor QuantLinearImpl::forward(const at::Tensor& input) {
   last_compute_.set(record);
   const at::Tensor b = bias.defined() ? bias.to(record.dtype) : bias;
   if (record.operands == QuantFormat::kNone) return at::linear(x, w, b);
-  // The bias comes after the output-gradient node: its gradient is the unrounded dY.
-  at::Tensor y = quantize_gemm_output_gradient(at::linear(x, w), record.operands);
-  return b.defined() ? y + b : y;
+  if (!b.defined()) return quantize_gemm_output_gradient(at::linear(x, w), record.operands);
+  // The bias is added inside the GEMM, as without quantization (one rounding of the output);
+  // its gradient is taken after the output-gradient node, from the unrounded dY.
+  const at::Tensor y = quantize_gemm_output_gradient(at::linear(x, w, b.detach()), record.operands);
+  return BiasGradient::apply(y, b);
 }
 
 }  // namespace mixprec::quant

@@ -181,12 +181,14 @@ TEST(QuantLinear, BackwardFollowsTheForwardDecision) {
   EXPECT_FALSE(at::equal(x.grad(), fake_quantize_fp8(x.grad(), at::kFloat8_e5m2)));
 }
 
-// What forward must compute, from scratch: both operands through quantize_for_gemm, the
-// output through quantize_gemm_output_gradient, the bias after it.
+// What forward must compute, from scratch: both operands through quantize_for_gemm, the bias
+// added inside the GEMM, the output through quantize_gemm_output_gradient (the bias's gradient,
+// the unrounded dY, is checked in BackwardFollowsTheForwardDecision).
 at::Tensor uncached_forward(QuantLinearImpl& layer, const at::Tensor& x, QuantFormat format) {
-  const at::Tensor y = quantize_gemm_output_gradient(
-      at::linear(quantize_for_gemm(x, format), quantize_for_gemm(layer.weight, format)), format);
-  return layer.bias.defined() ? y + layer.bias : y;
+  return quantize_gemm_output_gradient(
+      at::linear(quantize_for_gemm(x, format), quantize_for_gemm(layer.weight, format),
+                 layer.bias.defined() ? layer.bias.detach() : layer.bias),
+      format);
 }
 
 // The weight operand is computed once per weight version; the results (values and gradients)
@@ -297,9 +299,9 @@ TEST(QuantLinear, Fp8PrimaryWeightOperandFollowsWeightAndScale) {
   const at::Tensor x = torch::randn({3, 32});
   auto check = [&] {
     QuantAutocastGuard autocast(kFp8Param);
-    EXPECT_TRUE(at::equal(layer(x), at::linear(fake_quantize_fp8(x, at::kFloat8_e4m3fn),
-                                               layer->dequantized_weight(at::kFloat)) +
-                                        layer->bias));
+    EXPECT_TRUE(
+        at::equal(layer(x), at::linear(fake_quantize_fp8(x, at::kFloat8_e4m3fn),
+                                       layer->dequantized_weight(at::kFloat), layer->bias)));
     return layer->operand_computations();
   };
   EXPECT_EQ(check(), 1);
@@ -362,6 +364,20 @@ TEST(QuantLinear, AnFp32MarkedInputIsNeverQuantized) {
       at::equal(y, at::linear(x, layer->weight.to(at::kFloat), layer->bias.to(at::kFloat))));
   // The same values unmarked are quantized.
   EXPECT_FALSE(at::equal(layer(x.clone()).to(at::kFloat), y));
+}
+
+// The bias is added inside the GEMM, as without quantization: one rounding of a BF16 output,
+// not one for the product and another for the bias.
+TEST(QuantLinear, TheBiasIsAddedInsideTheGemm) {
+  at::manual_seed(15);
+  QuantLinear layer(256, 128);
+  convert_module_to_dtype_except_fp32_marked(*layer, at::kBFloat16);
+  const at::Tensor x = torch::randn({64, 256}, at::kBFloat16);
+  QuantAutocastGuard autocast(kFp8);
+  at::NoGradGuard no_grad;
+  const at::Tensor xq = fake_quantize_fp8(x, at::kFloat8_e4m3fn);
+  const at::Tensor wq = fake_quantize_fp8(layer->weight, at::kFloat8_e4m3fn);
+  EXPECT_TRUE(at::equal(layer(x), at::linear(xq, wq, layer->bias)));
 }
 
 // Both FP8 recipes round the weight to E4M3 in forward: one kept operand serves both.

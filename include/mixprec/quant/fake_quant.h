@@ -46,7 +46,7 @@ at::Tensor fake_quantize_fp8(const at::Tensor& x, c10::ScalarType fp8_dtype);
 // Throws c10::Error like quantize_fp8 for an input that is not high-precision floating.
 at::Tensor fake_quantize_nvfp4(const at::Tensor& x);
 
-// A fake-quantized GEMM in autograd, as Transformer Engine's recipes define it: forward
+// A fake-quantized GEMM in autograd, as Transformer Engine's FP8 recipes define it: forward
 // Y = Xq · Wqᵀ on operands rounded to the recipe's forward format; backward dX = dYq · Wq and
 // dW = dYqᵀ · Xq, where dYq is the output gradient rounded to the recipe's gradient format and
 // the results dX, dW stay in the GEMM's dtype. Three pieces build it around any GEMM:
@@ -55,8 +55,12 @@ at::Tensor fake_quantize_nvfp4(const at::Tensor& x);
 //   quantize_gemm_output_gradient(Y)            — the output (identity in forward; backward
 //                                                  rounds dY).
 // Formats: forward E4M3 for both FP8 recipes and NVFP4 for kNvFp4; gradient E4M3 for
-// kFp8E4M3, E5M2 for kFp8Hybrid, NVFP4 for kNvFp4. A bias is added after
-// quantize_gemm_output_gradient, so its gradient is the unrounded dY. Each piece records the
+// kFp8E4M3, E5M2 for kFp8Hybrid, NVFP4 for kNvFp4. QuantLinear takes its bias's gradient after
+// quantize_gemm_output_gradient, from the unrounded dY. The FP8 recipes (per-tensor scales)
+// are Transformer Engine's; NVFP4 is not NVIDIA's training recipe: dY is rounded once, in
+// blocks of 16 along its last dimension, for both GEMMs, where that recipe rounds the weight
+// gradient's operands in blocks along the tokens, with a random Hadamard transform and
+// stochastic rounding. Each piece records the
 // format in its autograd node: backward (on any thread) does what forward decided, whatever
 // scopes are active then. Every backward is itself differentiable (straight-through), so a
 // graph built with create_graph (a gradient penalty) can be differentiated again.
