@@ -204,10 +204,10 @@ class Checkpoint:
                 entry = self.manifest["keys"][key]
                 shape = entry["shape"]
                 self._check_counts(key, entry)
-                whole = torch.empty(shape, dtype=DTYPES[entry["dtype"]])
-                # Which elements a chunk filled: none twice, all in the end (torch.empty would
-                # otherwise hand back whatever memory held).
-                covered = torch.zeros(shape, dtype=torch.bool)
+                # Every chunk's file, place and stored shape and dtype are checked before the
+                # key's tensor is allocated: a manifest's sizes are claims until the files
+                # agree with them.
+                parts = []
                 for chunk in entry["chunks"]:
                     if not _is_plain_name(chunk["file"]):
                         raise CheckpointError(f"{self.dir}: key '{key}': chunk file "
@@ -223,17 +223,29 @@ class Checkpoint:
                         if path not in files:
                             files[path] = stack.enter_context(
                                 safe_open(_regular_file(path), framework="pt"))
-                        part = files[path].get_tensor(chunk["tensor"])
+                        stored = files[path].get_slice(chunk["tensor"])
+                        stored_shape, stored_dtype = list(stored.get_shape()), stored.get_dtype()
                     except CheckpointError:
                         raise
                     except Exception as e:  # safetensors names neither file nor key
                         raise CheckpointError(f"{path}: tensor '{chunk['tensor']}' of key "
                                               f"'{key}': {e}") from e
-                    if list(part.shape) != size or part.dtype != whole.dtype:
+                    if stored_shape != size or stored_dtype != entry["dtype"]:
                         raise CheckpointError(
                             f"{path}: tensor '{chunk['tensor']}' of key '{key}' is "
-                            f"{part.dtype}{list(part.shape)}, the manifest says "
+                            f"{stored_dtype}{stored_shape}, the manifest says "
                             f"{entry['dtype']}{size}")
+                    parts.append((path, chunk, offset, size))
+                whole = torch.empty(shape, dtype=DTYPES[entry["dtype"]])
+                # Which elements a chunk filled: none twice, all in the end (torch.empty would
+                # otherwise hand back whatever memory held).
+                covered = torch.zeros(shape, dtype=torch.bool)
+                for path, chunk, offset, size in parts:
+                    try:
+                        part = files[path].get_tensor(chunk["tensor"])
+                    except Exception as e:  # safetensors names neither file nor key
+                        raise CheckpointError(f"{path}: tensor '{chunk['tensor']}' of key "
+                                              f"'{key}': {e}") from e
                     index = tuple(slice(o, o + s) for o, s in zip(offset, size))
                     if covered[index].any():
                         raise CheckpointError(f"{path}: tensor '{chunk['tensor']}' of key "

@@ -52,6 +52,14 @@ def claim_huge_shape(manifest):
     manifest["keys"][key]["shape"] = [100000, 100000]
 
 
+def claim_huge_chunk(manifest):
+    """Shape and chunk agree with each other, not with the stored tensor: 2^40 elements."""
+    key = next(k for k, e in manifest["keys"].items() if len(e["chunks"]) == 1 and e["shape"])
+    entry = manifest["keys"][key]
+    entry["shape"] = [1 << 40] + [1] * (len(entry["shape"]) - 1)
+    entry["chunks"][0]["shape"] = list(entry["shape"])
+
+
 def link_data_file(ckpt_dir):
     data = first_data_file(ckpt_dir)
     os.rename(data, data + ".real")
@@ -71,6 +79,8 @@ def main():
          lambda d: to_fifo(os.path.join(d, "manifest.json"))),
         ("manifest claims a huge shape", "manifest.json",
          lambda d: edit_manifest(d, claim_huge_shape)),
+        ("manifest claims a huge chunk", "data-",
+         lambda d: edit_manifest(d, claim_huge_chunk)),
     ]
     if os.path.exists(common):
         cases.append(("common state is a FIFO", "common.json",
