@@ -52,16 +52,26 @@ ensure_venv() {
     log "creating virtual environment $MIXPREC_VENV"
     python3 -m venv "$MIXPREC_VENV"
   fi
-  if ! "$MIXPREC_VENV/bin/python" -c "import torch, sys; sys.exit(torch.__version__.split('+')[0] != '$MIXPREC_TORCH_VERSION')" 2>/dev/null; then
+  # The version, and a CPU build: a CUDA one (an older set-up took PyPI's) is replaced.
+  if ! "$MIXPREC_VENV/bin/python" -c "import torch, sys; sys.exit(torch.__version__.split('+')[0] != '$MIXPREC_TORCH_VERSION' or torch.version.cuda is not None)" 2>/dev/null; then
     # The CPU build: on PyPI, Linux torch wheels are CUDA builds, against which CMake refuses to
     # configure without a CUDA toolkit. A local wheel or index (pip's find-links) that has the
     # +cpu build is used as it is; otherwise PyTorch's own CPU index supplies it.
     log "installing torch==$MIXPREC_TORCH_VERSION+cpu (LibTorch comes from its wheel)"
+    local first_try
+    first_try=$(mktemp)
     if ! "$MIXPREC_VENV/bin/pip" install -q --no-compile "torch==$MIXPREC_TORCH_VERSION+cpu" \
-      2>/dev/null; then
-      "$MIXPREC_VENV/bin/pip" install -q --no-compile "torch==$MIXPREC_TORCH_VERSION+cpu" \
-        --extra-index-url https://download.pytorch.org/whl/cpu
+      2>"$first_try"; then
+      log "pip's own sources have no torch==$MIXPREC_TORCH_VERSION+cpu; trying PyTorch's CPU index"
+      if ! "$MIXPREC_VENV/bin/pip" install -q --no-compile "torch==$MIXPREC_TORCH_VERSION+cpu" \
+        --extra-index-url https://download.pytorch.org/whl/cpu; then
+        log "the first attempt said:"
+        cat "$first_try" >&2
+        rm -f "$first_try"
+        exit 1
+      fi
     fi
+    rm -f "$first_try"
     installing=1
   fi
   # The tests use numpy-free PyTorch and safetensors as reference readers.

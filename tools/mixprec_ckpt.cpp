@@ -130,8 +130,8 @@ int fail(int code, std::string_view message) {
 
 }  // namespace
 
-// The report is the command's result: one that could not be written (a full disk, a closed
-// pipe) is a failure, not a success with nothing to show.
+// The report is the command's result: one that could not be written (a full disk) is a
+// failure, not a success with nothing to show. (A closed pipe ends the tool by SIGPIPE first.)
 int checked_output(int code) {
   errno = 0;
   std::cout.flush();
