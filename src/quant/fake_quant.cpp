@@ -178,7 +178,9 @@ struct GemmOutputGradientQuant : torch::autograd::Function<GemmOutputGradientQua
   static at::Tensor forward(torch::autograd::AutogradContext* ctx, const at::Tensor& y,
                             int64_t format) {
     ctx->saved_data["format"] = format;
-    return y;  // an input: autograd returns a view of it carrying this node
+    // Not y itself (autograd would make the output a view of it, which must not be written in
+    // place): a tensor of its own on y's storage, as at::linear's result is to its caller.
+    return y.detach();
   }
   static torch::autograd::variable_list backward(torch::autograd::AutogradContext* ctx,
                                                  torch::autograd::variable_list grads) {

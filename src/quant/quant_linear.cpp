@@ -35,7 +35,7 @@ std::string short_name(c10::ScalarType t) {
 struct BiasGradient : torch::autograd::Function<BiasGradient> {
   static at::Tensor forward(torch::autograd::AutogradContext* /*ctx*/, const at::Tensor& y,
                             const at::Tensor& /*bias*/) {
-    return y;  // an input: autograd returns a view of it carrying this node
+    return y.detach();  // not y itself: the output may be written in place (fake_quant.cpp)
   }
   static torch::autograd::variable_list backward(torch::autograd::AutogradContext* /*ctx*/,
                                                  torch::autograd::variable_list grads) {

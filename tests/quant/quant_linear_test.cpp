@@ -380,6 +380,25 @@ TEST(QuantLinear, TheBiasIsAddedInsideTheGemm) {
   EXPECT_TRUE(at::equal(layer(x), at::linear(xq, wq, layer->bias)));
 }
 
+// A quantized layer's output is a tensor of its own, as at::linear's is: it may be written in
+// place (relu_, a residual +=), with or without a bias.
+TEST(QuantLinear, TheOutputMayBeWrittenInPlace) {
+  for (const bool with_bias : {true, false}) {
+    SCOPED_TRACE(with_bias);
+    at::manual_seed(16);
+    QuantLinear layer(QuantLinearOptions(16, 4).bias(with_bias));
+    const at::Tensor x = torch::randn({3, 16}).requires_grad_(true);
+    QuantAutocastGuard autocast(kFp8);
+    at::Tensor y = layer(x);
+    const at::Tensor expected = (y.detach() + 1).relu();
+    y += 1;
+    y.relu_();
+    EXPECT_TRUE(at::equal(y.detach(), expected));
+    y.sum().backward();
+    EXPECT_TRUE(layer->weight.grad().defined());
+  }
+}
+
 // Both FP8 recipes round the weight to E4M3 in forward: one kept operand serves both.
 TEST(QuantLinear, BothFp8RecipesShareTheKeptWeightOperand) {
   at::manual_seed(12);

@@ -78,8 +78,9 @@ at::Tensor fake_quantize_operand(const at::Tensor& x, QuantFormat format);
 at::Tensor quantize_for_gemm(const at::Tensor& x, QuantFormat format,
                              const at::Tensor& forward_value);
 
-// The output side of a quantized GEMM (see above): returns a view of `y` whose backward rounds
-// the incoming gradient in `format`'s gradient format.
+// The output side of a quantized GEMM (see above): returns `y`'s values (on its storage, not a
+// view: it may be written in place, as a GEMM's result may) with a backward that rounds the
+// incoming gradient in `format`'s gradient format.
 at::Tensor quantize_gemm_output_gradient(const at::Tensor& y, QuantFormat format);
 
 }  // namespace mixprec::quant
