@@ -133,31 +133,23 @@ at::Tensor fake_quantize_for(const at::Tensor& x, QuantFormat format, bool gradi
   TORCH_INTERNAL_ASSERT(false, "unknown QuantFormat");
 }
 
-// The gradient GEMMs' operand: the incoming gradient rounded in the recipe's gradient format.
-// Its own backward is straight-through, so a graph built through it (create_graph: a gradient
-// penalty) stays differentiable.
-struct GradientRound : torch::autograd::Function<GradientRound> {
-  static at::Tensor forward(torch::autograd::AutogradContext* /*ctx*/, const at::Tensor& grad,
-                            int64_t format) {
-    return fake_quantize_for(grad, static_cast<QuantFormat>(format), /*gradient=*/true);
-  }
-  static torch::autograd::variable_list backward(torch::autograd::AutogradContext* /*ctx*/,
-                                                 torch::autograd::variable_list grads) {
-    return {grads[0], at::Tensor()};
-  }
-};
-
-// Forward fake-quantizes a GEMM operand; backward passes the gradient straight through.
-struct GemmOperandQuant : torch::autograd::Function<GemmOperandQuant> {
+// Rounds its input in `format` — a GEMM operand in the forward format, or (kGradient) the
+// gradient GEMMs' operand dY in the gradient format — and passes the gradient straight through.
+// That backward is itself differentiable, so a graph built through a gradient's rounding
+// (create_graph: a gradient penalty) stays differentiable.
+template <bool kGradient>
+struct RoundStraightThrough : torch::autograd::Function<RoundStraightThrough<kGradient>> {
   static at::Tensor forward(torch::autograd::AutogradContext* /*ctx*/, const at::Tensor& x,
                             int64_t format) {
-    return fake_quantize_for(x, static_cast<QuantFormat>(format), /*gradient=*/false);
+    return fake_quantize_for(x, static_cast<QuantFormat>(format), kGradient);
   }
   static torch::autograd::variable_list backward(torch::autograd::AutogradContext* /*ctx*/,
                                                  torch::autograd::variable_list grads) {
     return {grads[0], at::Tensor()};
   }
 };
+using GemmOperandQuant = RoundStraightThrough</*kGradient=*/false>;
+using GradientRound = RoundStraightThrough</*kGradient=*/true>;
 
 // The same node with forward's result computed by the caller (QuantLinear's kept weight).
 struct KeptGemmOperandQuant : torch::autograd::Function<KeptGemmOperandQuant> {
