@@ -278,12 +278,8 @@ void Float16Optimizer::agree_to_load(const std::exception_ptr& failed) {
   if (failed) std::rethrow_exception(failed);
 }
 
-namespace {
-
-// check(), then every rank's agreement (agree_to_load), then apply().
-template <class Check>
-LoadReport check_agree_apply(Float16Optimizer& optimizer, const Check& check,
-                             const std::function<void(const std::exception_ptr&)>& agree) {
+LoadReport Float16Optimizer::check_agree_apply(
+    const std::function<CheckedOptimizerState()>& check) {
   std::optional<CheckedOptimizerState> checked;
   std::exception_ptr failed;
   try {
@@ -291,24 +287,18 @@ LoadReport check_agree_apply(Float16Optimizer& optimizer, const Check& check,
   } catch (...) {
     failed = std::current_exception();
   }
-  agree(failed);
-  return optimizer.apply(std::move(*checked));
+  agree_to_load(failed);
+  return apply(std::move(*checked));
 }
-
-}  // namespace
 
 LoadReport Float16Optimizer::load_state_dict(const PositionalStateDict& state,
                                              const LoadOptions& options) {
-  return check_agree_apply(
-      *this, [&] { return check_state_dict(state, options); },
-      [this](const std::exception_ptr& failed) { agree_to_load(failed); });
+  return check_agree_apply([&] { return check_state_dict(state, options); });
 }
 
 LoadReport Float16Optimizer::load_sharded_state_dict(const ShardedStateDict& state,
                                                      const LoadOptions& options) {
-  return check_agree_apply(
-      *this, [&] { return check_sharded_state_dict(state, options); },
-      [this](const std::exception_ptr& failed) { agree_to_load(failed); });
+  return check_agree_apply([&] { return check_sharded_state_dict(state, options); });
 }
 
 }  // namespace mixprec::optim

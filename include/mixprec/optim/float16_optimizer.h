@@ -358,6 +358,8 @@ class Float16Optimizer : private detail::GroupOptionsCheck, public torch::optim:
   void apply_sync(const detail::SyncPlan& plan) const;
   void sync_with_model() const;  // plan and apply, for the state dicts
   CheckedOptimizerState check_parsed(Parsed&& parsed, const LoadOptions& options) const;
+  // The loads: check(), every rank's agreement on it (agree_to_load), then apply().
+  LoadReport check_agree_apply(const std::function<CheckedOptimizerState()>& check);
   void step_slot(size_t index, double grad_multiplier);
   // Steps the `active` slots through the offloading pipelines (float16_optimizer_offload.cpp).
   void step_offloaded(const std::vector<size_t>& active, double grad_multiplier);
