@@ -168,18 +168,15 @@ void GradReducer::State::on_grad_ready(size_t i) {
   // Autograd has just added this gradient into the .grad: where that is a buffer range whose
   // reduction is in flight, the collective reads (or writes) it meanwhile, and what each rank
   // ends up with is anyone's guess. Nothing can repair that: the group is failed for good.
-  const auto corrupted = [&](const std::string& what) {
-    const std::string message =
-        std::string("[") + kReducer + "] the gradient of '" + layout.params[i].fqn + "' " + what;
-    comm->fail(message);
-    TORCH_CHECK(false, message);
-  };
   // (Or, had .grad been replaced, adopting it would copy into that buffer now.)
   if (flights[b].pending()) {
-    corrupted(
-        "arrived while its bucket's reduction was in flight (a second backward before "
+    const std::string message =
+        std::string("[") + kReducer + "] the gradient of '" + layout.params[i].fqn +
+        "' arrived while its bucket's reduction was in flight (a second backward before "
         "finish()); the ranks' gradients can no longer agree. Call finish() after each "
-        "backward, or accumulate micro-batches inside a NoSyncGuard");
+        "backward, or accumulate micro-batches inside a NoSyncGuard";
+    comm->fail(message);
+    TORCH_CHECK(false, message);
   }
   if (stale[i]) {
     TORCH_CHECK(!grad_is_adopted(i), "[", kReducer, "] the gradient of '", layout.params[i].fqn,
@@ -452,16 +449,14 @@ void GradReducer::finish() {
   s.comm->check_usable("mixprec::distributed::GradReducer::finish");
   TORCH_CHECK(s.sync, "[mixprec::distributed::GradReducer::finish] called inside a NoSyncGuard");
   if (s.finished) return;  // already reduced: averaging again would change the gradients
-  {
-    // A parameter no backward reached since the last finish() whose .grad is still in its
-    // buffer would be reduced again from what that finish() left there.
-    for (size_t i = 0; i < s.params.size(); ++i) {
-      TORCH_CHECK(!s.stale[i] || !s.params[i].requires_grad() || !s.grad_is_adopted(i),
-                  "[mixprec::distributed::GradReducer::finish] the gradient of '",
-                  s.layout.params[i].fqn,
-                  "' is the last step's: in reduce-scatter mode it cannot be reduced again. "
-                  "Call zero_grad() (or clear the .grad tensors) before the step's first backward");
-    }
+  // A parameter no backward reached since the last finish() whose .grad is still in its
+  // buffer would be reduced again from what that finish() left there.
+  for (size_t i = 0; i < s.params.size(); ++i) {
+    TORCH_CHECK(!s.stale[i] || !s.params[i].requires_grad() || !s.grad_is_adopted(i),
+                "[mixprec::distributed::GradReducer::finish] the gradient of '",
+                s.layout.params[i].fqn,
+                "' is the last step's: in reduce-scatter mode it cannot be reduced again. "
+                "Call zero_grad() (or clear the .grad tensors) before the step's first backward");
   }
   RECORD_USER_SCOPE("mixprec::bucket_finish");
   const auto t0 = std::chrono::steady_clock::now();
