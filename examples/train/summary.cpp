@@ -345,10 +345,9 @@ std::string summary(const RunReport& r) {
     if (*kBuildPython != '\0') {
       // Lexically: the venv's python is a link, which proximate() would resolve.
       std::error_code ec;
-      const std::filesystem::path cwd = std::filesystem::current_path(ec);
       const std::filesystem::path near =
-          ec ? std::filesystem::path()
-             : std::filesystem::path(kBuildPython).lexically_proximate(cwd);
+          std::filesystem::path(kBuildPython)
+              .lexically_proximate(std::filesystem::current_path(ec));
       python = !ec && !near.empty() && *near.begin() != ".." ? near.string() : kBuildPython;
     }
     s << "metrics     " << r.metrics_path.string() << "  (plot: " << python

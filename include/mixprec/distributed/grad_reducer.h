@@ -37,12 +37,12 @@
 // partial sums), so it cannot carry into the next step: a gradient added to it, or a finish()
 // that would reduce it again, is an error naming the parameter (clear gradients every step).
 // Not seen: a backward with create_graph, which makes a new .grad from the old one (it looks
-// like a .grad replaced from outside). Frozen
-// parameters are treated alike (a parameter frozen after construction keeps its optimizer role). In
-// kAllReduce mode finish() agrees on it over ranks (one small all-reduce, as DDP's
-// find_unused_parameters does): a parameter that has a gradient on no rank gets .grad none, so any
-// optimizer skips it as in one process (its momentum and weight decay do not move it).
-// DistributedOptimizer agrees on got_gradient() in its own collective.
+// like a .grad replaced from outside). Frozen parameters are treated alike (a parameter frozen
+// after construction keeps its optimizer role). In kAllReduce mode finish() agrees on it over
+// ranks (one small all-reduce, as DDP's find_unused_parameters does): a parameter that has a
+// gradient on no rank gets .grad none, so any optimizer skips it as in one process (its
+// momentum and weight decay do not move it). DistributedOptimizer agrees on got_gradient() in
+// its own collective.
 //
 // Modes:
 //   kAllReduce     every rank ends with every averaged gradient (plain data parallelism: then

@@ -60,11 +60,10 @@ at::Tensor fake_quantize_nvfp4(const at::Tensor& x);
 // are Transformer Engine's; NVFP4 is not NVIDIA's training recipe: dY is rounded once, in
 // blocks of 16 along its last dimension, for both GEMMs, where that recipe rounds the weight
 // gradient's operands in blocks along the tokens, with a random Hadamard transform and
-// stochastic rounding. Each piece records the
-// format in its autograd node: backward (on any thread) does what forward decided, whatever
-// scopes are active then. Every backward is itself differentiable (straight-through), so a
-// graph built with create_graph (a gradient penalty) can be differentiated again.
-// kNone returns the input itself.
+// stochastic rounding. Each piece records the format in its autograd node: backward (on any
+// thread) does what forward decided, whatever scopes are active then. Every backward is itself
+// differentiable (straight-through), so a graph built with create_graph (a gradient penalty)
+// can be differentiated again. kNone returns the input itself.
 at::Tensor quantize_for_gemm(const at::Tensor& x, QuantFormat format);
 
 // What quantize_for_gemm(x, format) computes in forward, as a plain tensor outside autograd.
