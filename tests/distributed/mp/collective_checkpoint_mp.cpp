@@ -395,9 +395,7 @@ TEST(CollectiveCheckpoint, ARankThatNeverArrivesIsAnErrorNotAHang) {
   // Two ranks show it; each run waits out the timeout, so only one world size pays it.
   if (n != 2) GTEST_SKIP() << "runs on two ranks";
   SharedTempDir root;
-  distributed::InitOptions options;
-  options.timeout = std::chrono::seconds(3);
-  auto group = distributed::init_with_store(test_store("save-timeout"), rank, n, options);
+  auto group = own_group("save-timeout", std::chrono::seconds(3));
   ShardedStateDict mine;
   const at::Tensor values = at::arange(12, at::kFloat);
   mine.tensors.emplace(
@@ -424,9 +422,7 @@ TEST(CollectiveCheckpoint, AnAsyncSaveFailingOnOneRankFailsOnEveryRankAndTheNext
   if (n < 2) GTEST_SKIP() << "needs a rank that fails and one that does not";
   const bool failing = rank == n - 1;
   SharedTempDir root;
-  distributed::InitOptions options;
-  options.timeout = std::chrono::seconds(60);
-  auto group = distributed::init_with_store(test_store("async-one-rank-fails"), rank, n, options);
+  auto group = own_group("async-one-rank-fails", std::chrono::seconds(60));
   const at::Tensor values = at::arange(12, at::kFloat);
   const auto mine = [&] {
     ShardedStateDict dict;

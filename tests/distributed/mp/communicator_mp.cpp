@@ -220,9 +220,7 @@ TEST(Collectives, InPlaceAllGatherKeepsEveryChunk) {
 TEST(Collectives, MissingRankInCollectiveTimesOut) {
   const int n = world().size(), rank = world().rank();
   if (n != 2) GTEST_SKIP() << "runs on two ranks";
-  distributed::InitOptions options;
-  options.timeout = std::chrono::seconds(3);
-  auto group = distributed::init_with_store(test_store("timeout"), rank, n, options);
+  auto group = own_group("timeout", std::chrono::seconds(3));
   if (rank == 0) {
     at::Tensor t = at::ones({5});
     const std::string message = error_of([&] { group->all_reduce_sum(t).wait(); });

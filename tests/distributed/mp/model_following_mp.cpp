@@ -358,10 +358,7 @@ TEST(ZeroFollowsModel, Fp32MainGradAccumulatesMicroBatchesExactly) {
 TEST(ZeroFollowsModel, FailedCollectiveMakesEveryLaterCallAnError) {
   const int n = world().size(), rank = world().rank();
   if (n < 2) GTEST_SKIP() << "needs two ranks";
-  distributed::InitOptions options;
-  options.timeout = std::chrono::seconds(3);
-  auto group = distributed::init_with_store(test_store("failed-collective", options.timeout), rank,
-                                            n, options);
+  auto group = own_group("failed-collective", std::chrono::seconds(3));
   Toy model;
   GradReducer reducer(group, *model, GradReducerOptions().mode(ReduceMode::kReduceScatter));
   DistributedOptimizer zero(reducer, *model, adamw());

@@ -41,6 +41,16 @@ c10::intrusive_ptr<c10d::Store> test_store(const std::string& prefix,
   return c10::make_intrusive<c10d::PrefixStore>("mixprec-test/" + prefix, store);
 }
 
+std::shared_ptr<distributed::Communicator> own_group(const std::string& name,
+                                                     std::chrono::milliseconds timeout) {
+  distributed::InitOptions options;
+  options.timeout = timeout;
+  // The store's own waits (rendezvous) get at least its default, whatever the collectives get.
+  return distributed::init_with_store(
+      test_store(name, std::max(timeout, std::chrono::milliseconds(std::chrono::seconds(10)))),
+      world().rank(), world().size(), options);
+}
+
 bool equal_or_close(const at::Tensor& a, const at::Tensor& b, bool bitwise) {
   if (bitwise) return bitwise_equal(a, b);
   if (a.scalar_type() != b.scalar_type() || a.sizes() != b.sizes()) return false;

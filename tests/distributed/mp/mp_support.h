@@ -30,6 +30,10 @@ c10::Device test_device();
 // their own.
 c10::intrusive_ptr<c10d::Store> test_store(
     const std::string& prefix, std::chrono::milliseconds timeout = std::chrono::seconds(10));
+// A group of the whole world of its own, under store prefix `name`, whose collectives time out
+// after `timeout`: for tests that fail or time out a group, which then stays unusable.
+std::shared_ptr<distributed::Communicator> own_group(const std::string& name,
+                                                     std::chrono::milliseconds timeout);
 
 // Bitwise (wherever each tensor lives), or with `bitwise` false within what two processors'
 // different rounding leaves after a few steps: 1e-5 relative in FP32, 2e-2 in a half dtype

@@ -35,14 +35,6 @@ TORCH_MODULE(Pair);
 
 constexpr int64_t kOneBucket = 64;
 
-// A group of its own, for tests that fail theirs.
-std::shared_ptr<distributed::Communicator> own_group(const std::string& name) {
-  distributed::InitOptions options;
-  options.timeout = std::chrono::seconds(10);
-  return distributed::init_with_store(test_store(name, options.timeout), world().rank(),
-                                      world().size(), options);
-}
-
 // In reduce-scatter mode a .grad holds the average only in this rank's shard after finish():
 // adding the next step's gradient to it would give wrong sums on every rank alike.
 TEST(ReducerMisuse, ReduceScatterGradientsCannotCarryIntoTheNextStep) {
@@ -84,7 +76,7 @@ TEST(ReducerMisuse, ReduceScatterGradientsCannotCarryIntoTheNextStep) {
 // A second backward before finish() adds into buckets whose reduction is in flight: the group
 // cannot be trusted any more, and says so on every later call; a NoSyncGuard cannot begin then.
 TEST(ReducerMisuse, ABackwardIntoBucketsInFlightFailsTheGroup) {
-  auto group = own_group("backward-into-flight");
+  auto group = own_group("backward-into-flight", std::chrono::seconds(10));
   Pair model;
   GradReducer reducer(group, *model, GradReducerOptions().bucket_numel(kOneBucket));
   reducer.zero_grad();
@@ -106,7 +98,7 @@ TEST(ReducerMisuse, ABackwardIntoBucketsInFlightFailsTheGroup) {
 // A rank whose backward reached nothing in the first step (an empty micro-batch) still takes
 // part in agreeing on the launch order: no collective is left unpaired.
 TEST(ReducerMisuse, ARankWithoutBackwardInTheFirstStepDoesNotHang) {
-  auto group = own_group("first-step-without-backward");
+  auto group = own_group("first-step-without-backward", std::chrono::seconds(10));
   Pair model;
   GradReducer reducer(group, *model, GradReducerOptions().bucket_numel(kOneBucket));
   reducer.zero_grad();
@@ -125,7 +117,7 @@ TEST(ReducerMisuse, ARankWithoutBackwardInTheFirstStepDoesNotHang) {
 // A rank's own state dict loads back even where it holds no piece of a parameter; and a
 // state some rank refuses is refused on every rank, none left waiting in the parameter gather.
 TEST(ReducerMisuse, ZeroStateDictRoundTripsAndOneRanksRefusalIsEveryRanks) {
-  auto group = own_group("zero-load-agreement");
+  auto group = own_group("zero-load-agreement", std::chrono::seconds(10));
   Pair model;
   GradReducer reducer(
       group, *model,
