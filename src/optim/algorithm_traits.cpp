@@ -103,7 +103,7 @@ struct AdamSpec {
     o.weight_decay(in.number("weight_decay"));
     o.amsgrad(in.boolean("amsgrad"));
   }
-  static std::vector<bool> held_state(const Options& o) { return {true, true, o.amsgrad()}; }
+  static bool holds(const Options& o, size_t kind) { return kind < 2 || o.amsgrad(); }
   // amsgrad switched on after the last step: the step starts max_exp_avg_sq at zeros.
   static constexpr std::array<bool, 3> kRequiredState = {true, true, false};
   static void step(const Options& o, const StepArgs& a, std::vector<at::Tensor>& state) {
@@ -160,7 +160,7 @@ struct SgdSpec {
     o.weight_decay(in.number("weight_decay"));
     o.nesterov(in.boolean("nesterov"));
   }
-  static std::vector<bool> held_state(const Options& o) { return {o.momentum() != 0}; }
+  static bool holds(const Options& o, size_t /*kind*/) { return o.momentum() != 0; }
   // Momentum switched on after the last step: the step starts the buffer from the gradient.
   static constexpr std::array<bool, 1> kRequiredState = {false};
   static void step(const Options& o, const StepArgs& a, std::vector<at::Tensor>& state) {
@@ -218,7 +218,17 @@ class Traits final : public AlgorithmTraits {
     cast(to) = cast(from);
   }
   std::vector<bool> held_state(const OptimizerOptions& options) const override {
-    return Spec::held_state(cast(options));
+    std::vector<bool> held(Spec::kStateKinds.size());
+    for (size_t i = 0; i < held.size(); ++i) held[i] = Spec::holds(cast(options), i);
+    return held;
+  }
+  bool lacks_state(const OptimizerOptions& options,
+                   const std::vector<at::Tensor>& state) const override {
+    TORCH_INTERNAL_ASSERT(state.size() == Spec::kStateKinds.size());
+    for (size_t i = 0; i < state.size(); ++i) {
+      if (!state[i].defined() && Spec::holds(cast(options), i)) return true;
+    }
+    return false;
   }
   std::vector<bool> required_state() const override {
     return std::vector<bool>(Spec::kRequiredState.begin(), Spec::kRequiredState.end());

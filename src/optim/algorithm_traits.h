@@ -70,6 +70,9 @@ class AlgorithmTraits {
   // Which of state_kinds() a stepped parameter holds under `options` (e.g. max_exp_avg_sq
   // only with amsgrad; SGD's buffer only with momentum).
   virtual std::vector<bool> held_state(const torch::optim::OptimizerOptions& options) const = 0;
+  // True if `state` lacks a tensor held_state() names (allocating nothing to find out).
+  virtual bool lacks_state(const torch::optim::OptimizerOptions& options,
+                           const std::vector<at::Tensor>& state) const = 0;
   // Which of state_kinds() a stepped parameter's loaded state must have when its options hold
   // them: the rest a step creates itself when missing, as an uninterrupted run does when the
   // option that needs them is switched on (amsgrad's max_exp_avg_sq, SGD's momentum buffer).

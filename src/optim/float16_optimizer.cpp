@@ -315,6 +315,20 @@ StepResult Float16Optimizer::update() {
   agreement.non_finite.assign(slots_.size(), 0);
   std::vector<at::Tensor>& grads = step_grads_;
   grads.resize(slots_.size());
+  step_state_.resize(slots_.size());
+  step_fresh_.resize(slots_.size());
+  // However update() ends (a skipped step, an error), it holds on to no gradient — zero_grad()
+  // must be able to free them before the next backward — and to no state it did not adopt.
+  struct ForgetStepLists {
+    Float16Optimizer& self;
+    ~ForgetStepLists() {
+      for (at::Tensor& grad : self.step_grads_) grad = at::Tensor();
+      for (size_t k : self.active_) {
+        self.step_state_[k].clear();
+        self.step_fresh_[k].clear();
+      }
+    }
+  } forget_step_lists{*this};
   for (size_t k = 0; k < slots_.size(); ++k) {
     grads[k] = at::Tensor();
     if (plan.slots[k].role == ParamRole::kFrozen) continue;
@@ -330,6 +344,10 @@ StepResult Float16Optimizer::update() {
   double sum_of_squares = 0.0;
   const std::string* first_non_finite = nullptr;
   std::vector<size_t>& active = active_;
+  for (size_t k : active) {  // (a previous update that ended early already cleared them)
+    step_state_[k].clear();
+    step_fresh_[k].clear();
+  }
   active.clear();
   for (size_t k = 0; k < slots_.size(); ++k) {
     if (plan.slots[k].role == ParamRole::kFrozen || !agreement.has_gradient[k]) continue;
@@ -358,9 +376,12 @@ StepResult Float16Optimizer::update() {
   if (options_.offload()) {
     step_offloaded(active, multiplier);
   } else {
+    // Every state tensor the steps create (the first step's moments), created before any
+    // parameter steps, as torch's _init_group does: running out of memory for them leaves
+    // every parameter, its state and its step count as they were, so the step can be retried.
+    for (size_t k : active) create_step_state(k);
     for (size_t k : active) step_slot(k, multiplier);
   }
-  for (at::Tensor& grad : grads) grad = at::Tensor();
   publish_params();
   record_params();  // the write-back is ours: not an outside change
   scaler_.update(/*found_inf=*/false);
@@ -368,6 +389,20 @@ StepResult Float16Optimizer::update() {
   result.params_stepped = static_cast<int64_t>(active.size());
   last_result_ = result;
   return result;
+}
+
+void Float16Optimizer::create_step_state(size_t index) {
+  const Slot& slot = *slots_[index];
+  if (slot.begin == slot.end) return;
+  const auto& options = param_groups()[info_[index].group].options();
+  if (!traits_->lacks_state(options, slot.state)) return;  // every step but the first
+  // Where the step keeps it: beside the FP32 main copy, else beside the parameter.
+  const c10::Device device = !slot.remainder.defined() && slot.master.defined()
+                                 ? slot.master.device()
+                                 : slot.param.device();
+  std::vector<at::Tensor> state = slot.state;
+  step_fresh_[index] = traits_->allocate_state(options, slot.piece_sizes(), device, state);
+  step_state_[index] = std::move(state);
 }
 
 void Float16Optimizer::step_slot(size_t index, double grad_multiplier) {
@@ -379,9 +414,19 @@ void Float16Optimizer::step_slot(size_t index, double grad_multiplier) {
     const at::Tensor target =
         slot.remainder.defined() ? at::Tensor() : (slot.master.defined() ? slot.master : param);
     const at::Tensor model_param = slot.has_master() ? param : at::Tensor();
-    traits_->step(param_groups()[info_[index].group].options(),
-                  {target, grad, model_param, slot.step, grad_multiplier, slot.remainder},
-                  slot.state);
+    std::vector<bool>& fresh = step_fresh_[index];
+    if (fresh.empty()) {
+      traits_->step(param_groups()[info_[index].group].options(),
+                    {target, grad, model_param, slot.step, grad_multiplier, slot.remainder},
+                    slot.state);
+    } else {  // with the state create_step_state() made for it
+      traits_->step(param_groups()[info_[index].group].options(),
+                    {target, grad, model_param, slot.step, grad_multiplier, slot.remainder, fresh},
+                    step_state_[index]);
+      slot.state = std::move(step_state_[index]);
+      step_state_[index].clear();
+      fresh.clear();
+    }
   }
   // Every rank counts the step of a parameter it was taken for, whatever piece it holds.
   ++slot.step;

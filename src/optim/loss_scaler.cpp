@@ -14,12 +14,15 @@ LossScalerOptions LossScalerOptions::fp16_dynamic() {
 }
 
 void LossScalerOptions::validate() const {
-  auto positive = [](double v) { return std::isfinite(v) && v > 0; };
+  // Positive, and with a finite inverse: gradients are unscaled by 1 / scale.
+  auto positive = [](double v) { return std::isfinite(v) && v > 0 && std::isfinite(1.0 / v); };
   TORCH_CHECK(positive(initial_scale()),
-              "[mixprec::LossScaler] initial_scale must be positive, got ", initial_scale());
+              "[mixprec::LossScaler] initial_scale must be positive with a finite inverse, got ",
+              initial_scale());
   TORCH_CHECK(positive(min_scale()) && positive(max_scale()) && min_scale() <= max_scale(),
-              "[mixprec::LossScaler] need 0 < min_scale <= max_scale, got ", min_scale(), " and ",
-              max_scale());
+              "[mixprec::LossScaler] need 0 < min_scale <= max_scale (each with a finite "
+              "inverse), got ",
+              min_scale(), " and ", max_scale());
   TORCH_CHECK(!dynamic() || (initial_scale() >= min_scale() && initial_scale() <= max_scale()),
               "[mixprec::LossScaler] initial_scale ", initial_scale(),
               " outside [min_scale, max_scale]");

@@ -2,15 +2,19 @@
 
 #include "optim/support_optim.h"
 
-#include <c10/core/CPUAllocator.h>
+#include "support/counting_allocator.h"
 #include "support/error_message.h"
 
 #include <gtest/gtest.h>
 #include <torch/optim/adamw.h>
 #include <torch/optim/schedulers/step_lr.h>
 #include <torch/optim/sgd.h>
+#include <torch/utils.h>
 
-#include <atomic>
+#include <limits>
+#include <string>
+#include <utility>
+#include <vector>
 
 namespace mixprec::optim {
 namespace MIXPREC_UNITY_ID {  // anonymous outside unity builds (tests/CMakeLists.txt)
@@ -18,6 +22,7 @@ namespace MIXPREC_UNITY_ID {  // anonymous outside unity builds (tests/CMakeList
 using mixprec::testing::Interleaved;
 using mixprec::testing::set_grads;
 
+using mixprec::testing::CountingAllocatorGuard;
 using mixprec::testing::error_of;
 
 TEST(Float16Optimizer, RolesFollowDtypeAndRequiresGrad) {
@@ -58,20 +63,6 @@ TEST(Float16Optimizer, StepUpdatesMastersAndRoundsModelParams) {
 }
 
 // The native-FP32 path allocates nothing but its two moments: no hidden FP32 copy.
-struct CountingAllocator final : c10::Allocator {
-  explicit CountingAllocator(c10::Allocator* inner) : inner(inner) {}
-  c10::DataPtr allocate(size_t n) override {
-    bytes += static_cast<int64_t>(n);
-    return inner->allocate(n);
-  }
-  c10::DeleterFnPtr raw_deleter() const override { return inner->raw_deleter(); }
-  void copy_data(void* dest, const void* src, std::size_t count) const override {
-    inner->copy_data(dest, src, count);
-  }
-  c10::Allocator* inner;
-  std::atomic<int64_t> bytes{0};
-};
-
 struct Fp32OnlyImpl : torch::nn::Module {
   Fp32OnlyImpl() { w = register_parameter("w", torch::randn({1 << 16})); }
   at::Tensor w;
@@ -80,25 +71,75 @@ struct Fp32OnlyImpl : torch::nn::Module {
 TEST(Float16Optimizer, NativeFp32ParamsGetNoCopy) {
   auto model = std::make_shared<Fp32OnlyImpl>();
   const int64_t n = model->w.numel();
-  c10::Allocator* original = c10::GetCPUAllocator();
-  CountingAllocator counting(original);
-  c10::SetCPUAllocator(&counting, /*priority=*/100);
   int64_t at_construction = 0, at_first_step = 0, at_second_step = 0;
   {
+    const CountingAllocatorGuard counting;
     Float16Optimizer opt(*model, torch::optim::AdamWOptions(1e-3));
-    at_construction = counting.bytes.exchange(0);
+    at_construction = counting.bytes();
     model->w.mutable_grad() = at::ones_like(model->w);
-    counting.bytes = 0;
+    const int64_t before_first = counting.bytes();
     opt.update();
-    at_first_step = counting.bytes.exchange(0);
+    at_first_step = counting.bytes() - before_first;
     opt.update();
-    at_second_step = counting.bytes.exchange(0);
+    at_second_step = counting.bytes() - before_first - at_first_step;
     EXPECT_EQ(opt.state_bytes(ParamRole::kNativeFp32), 8 * n);
   }
-  c10::SetCPUAllocator(original, /*priority=*/101);
   EXPECT_LT(at_construction, 4096) << "construction must not copy an FP32 param";
   EXPECT_LE(at_first_step, 8 * n + 4096) << "first step: exp_avg + exp_avg_sq only";
   EXPECT_LT(at_second_step, 4096) << "later steps allocate nothing per parameter";
+}
+
+// A skipped step holds on to no gradient: zero_grad() frees them before the next backward
+// (in FP16 training, early steps overflow often — and would hold two steps' gradients).
+TEST(Float16Optimizer, ASkippedStepHoldsNoGradient) {
+  Interleaved model;
+  auto opt = mixprec::testing::make_optimizer(model, torch::optim::AdamWOptions(1e-3));
+  set_grads(*model, 0);
+  model->gate.mutable_grad()[3] = std::numeric_limits<float>::quiet_NaN();
+  std::vector<c10::weak_intrusive_ptr<c10::TensorImpl>> grads;
+  for (const at::Tensor& p : model->parameters()) {
+    if (p.grad().defined()) grads.emplace_back(p.grad().getIntrusivePtr());
+  }
+  ASSERT_EQ(grads.size(), 3u);
+  EXPECT_FALSE(opt->update().success);
+  opt->zero_grad();
+  for (const auto& grad : grads) EXPECT_TRUE(grad.expired());
+}
+
+// Running out of memory for the state a first step creates changes nothing: the step can be
+// retried, and then gives what one uninterrupted step gives (torch.optim creates the state of
+// every parameter before it updates any). Every allocation of the step fails in turn.
+TEST(Float16Optimizer, AStepOutOfMemoryChangesNothing) {
+  const auto fresh = [] {
+    torch::manual_seed(7);  // the same initial weights every time
+    Interleaved model;
+    auto opt = mixprec::testing::make_optimizer(model, torch::optim::AdamWOptions(1e-2));
+    set_grads(*model, 0);
+    return std::make_pair(model, std::move(opt));
+  };
+  auto [reference, reference_opt] = fresh();
+  int64_t allocations = 0;
+  {
+    const CountingAllocatorGuard counting;
+    ASSERT_TRUE(reference_opt->update().success);
+    allocations = counting.allocations();
+  }
+  ASSERT_GE(allocations, 6);  // two moments for each of three parameters
+  for (int64_t failing = 0; failing < allocations; ++failing) {
+    SCOPED_TRACE("allocation " + std::to_string(failing + 1) + " fails");
+    auto [model, opt] = fresh();
+    {
+      CountingAllocatorGuard counting;
+      counting.fail_after(failing);
+      const std::string message = error_of([&] { opt->update(); });
+      EXPECT_NE(message.find("simulated out-of-memory"), std::string::npos) << message;
+    }
+    EXPECT_TRUE(opt->update().success);
+    for (const auto& item : model->named_parameters()) {
+      EXPECT_TRUE(at::equal(item.value(), reference->named_parameters()[item.key()])) << item.key();
+    }
+    EXPECT_TRUE(at::equal(opt->main_param("pre.weight"), reference_opt->main_param("pre.weight")));
+  }
 }
 
 TEST(Float16Optimizer, StateBytesPerParam) {

@@ -88,6 +88,16 @@ TEST(LossScaler, BadOptionsNameTheField) {
   o = LossScalerOptions{};
   o.backoff_factor(1.5);
   EXPECT_THROW(LossScaler{o}, c10::Error);
+  // A scale whose inverse overflows would fail every update() with a message about something
+  // else (the unscaling factor): refused here, naming it.
+  o = LossScalerOptions{};
+  o.initial_scale(1e-310);
+  EXPECT_NE(mixprec::testing::error_of([&] { LossScaler{o}; }).find("initial_scale must be"),
+            std::string::npos);
+  o = LossScalerOptions::fp16_dynamic();
+  o.min_scale(1e-310);
+  EXPECT_NE(mixprec::testing::error_of([&] { LossScaler{o}; }).find("min_scale <= max_scale"),
+            std::string::npos);
 }
 
 }  // namespace MIXPREC_UNITY_ID

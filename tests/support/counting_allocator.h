@@ -7,13 +7,17 @@
 //   const int64_t before = counting.allocations();
 //   step();
 //   EXPECT_EQ(counting.allocations() - before, 0);
+//
+// fail_after(n) makes it refuse allocations from the n+1-th on, as running out of memory would.
 #pragma once
 
 #include <c10/core/Allocator.h>
 #include <c10/core/CPUAllocator.h>
+#include <c10/util/Exception.h>
 
 #include <atomic>
 #include <cstdint>
+#include <limits>
 
 namespace mixprec::testing {
 
@@ -22,6 +26,10 @@ class CountingAllocator final : public c10::Allocator {
   explicit CountingAllocator(c10::Allocator* inner) : inner_(inner) {}
   c10::DataPtr allocate(size_t n) override {
     if (n > 0) {
+      // Out of memory on demand: the allocation that would take the count past the limit.
+      TORCH_CHECK_WITH(OutOfMemoryError, allocations_.load() < fail_after_.load(),
+                       "CountingAllocator: allocation ", allocations_.load() + 1,
+                       " refused (a test's simulated out-of-memory)");
       allocations_.fetch_add(1, std::memory_order_relaxed);
       bytes_.fetch_add(static_cast<int64_t>(n), std::memory_order_relaxed);
     }
@@ -33,10 +41,14 @@ class CountingAllocator final : public c10::Allocator {
   }
   int64_t allocations() const { return allocations_.load(); }
   int64_t bytes() const { return bytes_.load(); }
+  // Refuses every allocation once `count` more have been made (c10::OutOfMemoryError).
+  void fail_after(int64_t count) { fail_after_ = allocations_.load() + count; }
+  void never_fail() { fail_after_ = std::numeric_limits<int64_t>::max(); }
 
  private:
   c10::Allocator* inner_;
   std::atomic<int64_t> allocations_{0}, bytes_{0};
+  std::atomic<int64_t> fail_after_{std::numeric_limits<int64_t>::max()};
 };
 
 // Installs a CountingAllocator over the current CPU allocator; restores it on destruction.
@@ -51,6 +63,8 @@ class [[nodiscard]] CountingAllocatorGuard {
 
   int64_t allocations() const { return counting_.allocations(); }
   int64_t bytes() const { return counting_.bytes(); }
+  void fail_after(int64_t count) { counting_.fail_after(count); }
+  void never_fail() { counting_.never_fail(); }
 
  private:
   static constexpr uint8_t kPriority = 255;  // above LibTorch's own registrations

@@ -360,6 +360,8 @@ class Float16Optimizer : private detail::GroupOptionsCheck, public torch::optim:
   CheckedOptimizerState check_parsed(Parsed&& parsed, const LoadOptions& options) const;
   // The loads: check(), every rank's agreement on it (agree_to_load), then apply().
   LoadReport check_agree_apply(const std::function<CheckedOptimizerState()>& check);
+  // Creates in step_state_ what slot `index`'s step will hold and its state lacks.
+  void create_step_state(size_t index);
   void step_slot(size_t index, double grad_multiplier);
   // Steps the `active` slots through the offloading pipelines (float16_optimizer_offload.cpp).
   void step_offloaded(const std::vector<size_t>& active, double grad_multiplier);
@@ -380,7 +382,11 @@ class Float16Optimizer : private detail::GroupOptionsCheck, public torch::optim:
   // update()'s working lists, kept so that a steady-state step allocates nothing.
   GradientAgreement agreement_;
   std::vector<at::Tensor> step_grads_;  // parallel to slots_: this step's gradient pieces
-  std::vector<size_t> active_;          // the slots stepped
+  // Parallel to slots_: a slot's state with what its step creates already created (first
+  // steps only; else empty), and which of it is new (StepArgs::fresh).
+  std::vector<std::vector<at::Tensor>> step_state_;
+  std::vector<std::vector<bool>> step_fresh_;
+  std::vector<size_t> active_;  // the slots stepped
   // With offloading: one pipeline per device that parameters live on, made on first use.
   std::vector<std::unique_ptr<detail::OffloadPipeline>> offload_;
   OffloadStats offload_stats_;

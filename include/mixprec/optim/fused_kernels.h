@@ -18,11 +18,15 @@
 // for an element depends on the tensor's length. These kernels run those elements through the
 // same vector code as all others (zero-padded), so an element's result never depends on where
 // it sits. tests/optim/fused_kernels_test.cpp checks the rest bit for bit and bounds the last
-// numel % 8 (2 ulps per step). Without FMA hardware each FMA rounds twice and only that bound
-// holds. grad * grad_scale_inv is one FP32 multiply (grad_scale_inv rounded to FP32). BF16/FP16
-// outputs equal at::Tensor::to() bit for bit, except that NaN is written as a quiet NaN of the
-// same sign. Every tensor a CPU kernel writes has its version counter bumped (before the write),
-// as an in-place ATen op's would be.
+// numel % 8 on random values (2 ulps per step). Without FMA hardware each FMA rounds twice: the
+// same one-rounding difference, on every element. One rounding is 2^-24 of the multiply-add's
+// terms, not of its result: where the terms nearly cancel (a gradient equal to minus the L2
+// weight-decay term) it is all that is left of the result, and Adam's normalisation then makes
+// it a difference of up to about lr — thousands of ulps — between the two ways of rounding
+// (each of them some LibTorch build's). grad * grad_scale_inv is one FP32 multiply (grad_scale_inv
+// rounded to FP32). BF16/FP16 outputs equal at::Tensor::to() bit for bit, except that NaN is
+// written as a quiet NaN of the same sign. Every tensor a CPU kernel writes has its version counter
+// bumped (before the write), as an in-place ATen op's would be.
 #pragma once
 
 #include <ATen/core/Tensor.h>
@@ -60,8 +64,10 @@ struct GradStats {
 };
 
 // One read-only pass over a gradient (FP32/BF16/FP16) for clipping and overflow checks.
-// sum_of_squares is Inf/NaN exactly when all_finite is false; the result does not depend on
-// the number of threads. Contiguous tensors only; throws c10::Error otherwise.
+// all_finite is about the gradient's elements; when it is false, sum_of_squares is Inf or NaN
+// (it may also be Inf with finite elements, if grad_scale_inv makes their squares overflow a
+// double). The result does not depend on the number of threads. Contiguous tensors only; throws
+// c10::Error otherwise.
 GradStats grad_stats(const at::Tensor& grad, double grad_scale_inv = 1.0);
 
 // model_param (BF16/FP16) = RNE(master (FP32)), elementwise. Same numel, device, contiguous;
