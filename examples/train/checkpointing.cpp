@@ -27,6 +27,7 @@
 #include <random>
 #include <regex>
 #include <set>
+#include <stdexcept>
 
 namespace train {
 namespace fs = std::filesystem;
@@ -165,8 +166,15 @@ void ensure_writable_dir(const fs::path& dir, const std::string& what) {
   if (fd < 0) {
     throw UsageError(what + " " + dir.string() + " is not writable: " + std::strerror(errno));
   }
+  // A few bytes, not just a name: a full disk still creates empty files.
+  constexpr char kBytes[] = "mixprec-train\n";
+  const bool written = ::write(fd, kBytes, sizeof kBytes - 1) == sizeof kBytes - 1;
+  const int write_errno = errno;
   ::close(fd);
   ::unlink(probe.c_str());
+  if (!written) {
+    throw UsageError(what + " " + dir.string() + " is not writable: " + std::strerror(write_errno));
+  }
 }
 
 bool held_by_another_run(const fs::path& dir) {
@@ -253,13 +261,24 @@ void set_aside_unverified(const fs::path& root, const std::vector<std::string>& 
 }
 
 void check_shared_root(const fs::path& root, mixprec::distributed::Communicator& ranks) {
-  // Rank 0 writes a token only this run can know; every rank must read it back.
+  // Rank 0 writes a token only this run can know; every rank must read it back. A token it
+  // cannot write (a full disk) is that error on every rank, not a directory they cannot see.
   std::string token;
   if (ranks.rank() == 0) {
-    token = ".mixprec-train-shared-" + unique_suffix();
-    std::ofstream(root / token) << token << "\n";
+    const std::string name = ".mixprec-train-shared-" + unique_suffix();
+    std::ofstream out(root / name);
+    out << name << "\n";
+    out.close();
+    token = name;
+    if (!out) {
+      token = "!cannot write to the checkpoint directory " + fs::absolute(root).string() + ": " +
+              std::strerror(errno);
+      std::error_code ec;
+      fs::remove(root / name, ec);
+    }
   }
   token = ranks.all_gather_strings(token).front();
+  if (token.starts_with('!')) throw UsageError(token.substr(1));
   std::string seen;
   std::ifstream(root / token) >> seen;
   const bool ok = seen == token;
@@ -310,7 +329,28 @@ void Checkpointer::prepare(std::size_t bytes) {
   });
 }
 
+namespace {
+
+// A save that fails (a full disk, a file that cannot be written) is a failure of the run — exit
+// status 1 — not bad input: the format layer reports both kinds as FormatError, which main()
+// takes for bad input (status 2), so the same failure would end a run with a status that
+// depends on which saver met it.
+template <typename Save>
+void failures_of_the_run(Save&& save) {
+  try {
+    save();
+  } catch (const mixprec::checkpoint::FormatError& e) {
+    throw std::runtime_error(e.what());
+  }
+}
+
+}  // namespace
+
 void Checkpointer::save(int64_t step, mixprec::ShardedStateDict state) {
+  failures_of_the_run([&] { save_now(step, std::move(state)); });
+}
+
+void Checkpointer::save_now(int64_t step, mixprec::ShardedStateDict state) {
   mixprec::checkpoint::SaveOptions options;
   options.keep_last(static_cast<std::size_t>(options_.keep_last));
   const std::string name = checkpoint_name(step);
@@ -335,7 +375,7 @@ void Checkpointer::save(int64_t step, mixprec::ShardedStateDict state) {
 void Checkpointer::before_state_changes() {
   if (!async_ || !async_->in_flight()) return;
   const auto start = std::chrono::steady_clock::now();
-  async_->wait_until_staged();
+  failures_of_the_run([&] { async_->wait_until_staged(); });
   const double waited =
       std::chrono::duration<double>(std::chrono::steady_clock::now() - start).count();
   stats_.last_blocked_s += waited;
@@ -345,7 +385,7 @@ void Checkpointer::before_state_changes() {
 void Checkpointer::finish() {
   if (!async_) return;
   const auto start = std::chrono::steady_clock::now();
-  async_->wait();
+  failures_of_the_run([&] { async_->wait(); });
   const double waited =
       std::chrono::duration<double>(std::chrono::steady_clock::now() - start).count();
   stats_.blocked_s += waited;

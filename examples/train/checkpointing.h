@@ -6,7 +6,8 @@
 //   {"program": "mixprec-train", "config": run_shape(config), "step": steps done,
 //    "skipped_total": skipped steps, "elapsed_s": training time, "data_position": global
 //    batches drawn, "text": the training text's fingerprint, "threads": intra-op threads per
-//    rank, "metrics": the metrics file}
+//    rank, "metrics": the metrics file, "metrics_from_root": the same from the checkpoint
+//    root when it lies in the run's directory (else "")}
 // A resumed run checks "config" before it loads a single tensor.
 #pragma once
 
@@ -153,6 +154,7 @@ class Checkpointer {
   const SaveStats& stats() const { return stats_; }
 
  private:
+  void save_now(int64_t step, mixprec::ShardedStateDict state);
   std::filesystem::path root_;
   CheckpointerOptions options_;
   std::unique_ptr<mixprec::checkpoint::AsyncCheckpointSaver> async_;

@@ -276,6 +276,13 @@ ParsedArgs parse_args(int argc, const char* const* argv) {
 }
 
 void validate(const TrainConfig& c) {
+  validate_values(c);
+  // A resumed run's own settings come from its checkpoint (adopt_run_shape checks them then):
+  // checked against the defaults, a combination would name values nobody gave.
+  if (!c.resume) validate_combinations(c);
+}
+
+void validate_values(const TrainConfig& c) {
   auto positive = [](const char* flag, int64_t v) {
     check(v > 0, std::string("--") + flag + " must be at least 1, got " + std::to_string(v));
   };
@@ -296,12 +303,6 @@ void validate(const TrainConfig& c) {
   positive("staging-budget-mb", c.staging_budget_mb);
   positive("ckpt-timeout", c.ckpt_timeout);
   check(c.wait_for_ckpt_dir >= 0, "--wait-for-ckpt-dir must not be negative");
-  check(c.d_model % c.heads == 0, "--heads " + std::to_string(c.heads) +
-                                      " does not divide --d-model " + std::to_string(c.d_model));
-  check(c.top_k <= c.experts,
-        "--top-k " + std::to_string(c.top_k) + " exceeds --experts " + std::to_string(c.experts));
-  check(c.batch % c.grad_accum == 0, "--grad-accum " + std::to_string(c.grad_accum) +
-                                         " does not divide --batch " + std::to_string(c.batch));
   check(c.precision == "bf16" || c.precision == "fp16",
         "--precision must be bf16 or fp16, got '" + c.precision + "'");
   check(c.fp8 == "off" || c.fp8 == "e4m3" || c.fp8 == "hybrid",
@@ -323,18 +324,31 @@ void validate(const TrainConfig& c) {
   check(c.init_from.empty() || !c.resume,
         "--init-from starts a new run from exported weights; --resume continues a run from its "
         "checkpoint: give one of them");
-  check(c.threads >= 0, "--threads must not be negative");
-  if (!c.profile_steps.empty()) {
-    const ProfileSteps p = parse_profile_steps(c.profile_steps);  // throws UsageError
-    check(p.last <= c.steps,
-          "--profile-steps " + c.profile_steps + " ends after --steps " + std::to_string(c.steps));
-  }
+  // (LibTorch takes an int, and OpenMP allocates per thread: a typo should be an error, not
+  // an out-of-memory abort.)
+  check(c.threads >= 0 && c.threads <= 1024,
+        "--threads must lie in [0, 1024], got " + std::to_string(c.threads));
+  if (!c.profile_steps.empty()) parse_profile_steps(c.profile_steps);  // throws UsageError
   check(c.omp_wait == "auto" || c.omp_wait == "passive" || c.omp_wait == "active",
         "--omp-wait must be auto, active or passive, not '" + c.omp_wait + "'");
   check(c.malloc_policy == "keep" || c.malloc_policy == "system",
         "--malloc must be keep or system, not '" + c.malloc_policy + "'");
   check(c.sample_tokens >= 0, "--sample-tokens must not be negative");
   check(c.temperature >= 0, "--temperature must not be negative");
+}
+
+void validate_combinations(const TrainConfig& c) {
+  check(c.d_model % c.heads == 0, "--heads " + std::to_string(c.heads) +
+                                      " does not divide --d-model " + std::to_string(c.d_model));
+  check(c.top_k <= c.experts,
+        "--top-k " + std::to_string(c.top_k) + " exceeds --experts " + std::to_string(c.experts));
+  check(c.batch % c.grad_accum == 0, "--grad-accum " + std::to_string(c.grad_accum) +
+                                         " does not divide --batch " + std::to_string(c.batch));
+  if (!c.profile_steps.empty()) {
+    const ProfileSteps p = parse_profile_steps(c.profile_steps);
+    check(p.last <= c.steps,
+          "--profile-steps " + c.profile_steps + " ends after --steps " + std::to_string(c.steps));
+  }
   check(c.batch % c.world_size == 0 && (c.batch / c.world_size) % c.grad_accum == 0,
         "--batch " + std::to_string(c.batch) + " does not split into " +
             std::to_string(c.world_size) + " ranks x --grad-accum " + std::to_string(c.grad_accum) +
@@ -434,7 +448,8 @@ std::vector<ResumeChange> adopt_run_shape(TrainConfig& config, const nlohmann::j
         },
         f.field);
   }
-  validate(adopted);
+  validate_values(adopted);
+  validate_combinations(adopted);
   config = std::move(adopted);
   return changes;
 }

@@ -109,8 +109,14 @@ struct ParsedArgs {
 };
 ParsedArgs parse_args(int argc, const char* const* argv);
 
-// Checks ranges and combinations; throws UsageError naming the flag.
+// Checks ranges and combinations; throws UsageError naming the flag. With --resume, ranges
+// only: the combinations involve the run's own settings, which adopt_run_shape() checks once
+// it has read them from the checkpoint.
 void validate(const TrainConfig& config);
+// Each value alone (ranges, choices), and the values together (--heads divides --d-model, the
+// batch splits over ranks and micro-batches, the traced steps lie within --steps).
+void validate_values(const TrainConfig& config);
+void validate_combinations(const TrainConfig& config);
 
 // The --help text.
 std::string usage();

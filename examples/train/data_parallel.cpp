@@ -9,6 +9,7 @@
 
 #include <ATen/ATen.h>
 #include <torch/nn/module.h>
+#include <csignal>
 
 namespace train {
 namespace {
@@ -97,24 +98,28 @@ StepAgreement agree_on_step(mixprec::distributed::Communicator* ranks, StepAgree
   // FP64 holds the token counts exactly (far below 2^53).
   int64_t counts = 0;
   for (const at::Tensor& t : expert_loads) counts += t.numel();
-  at::Tensor sums = at::empty({3 + counts}, at::kDouble);
+  constexpr int64_t kScalars = 4;
+  at::Tensor sums = at::empty({kScalars + counts}, at::kDouble);
   double* values = sums.mutable_data_ptr<double>();
   values[0] = mine.loss;
   values[1] = mine.aux_loss;
-  values[2] = mine.stop ? 1.0 : 0.0;
-  int64_t at = 3;
+  // Ranks that got each signal (a sum, not a maximum: one all-reduce for everything).
+  values[2] = mine.stop_signal == SIGTERM ? 1.0 : 0.0;
+  values[3] = mine.stop_signal != 0 && mine.stop_signal != SIGTERM ? 1.0 : 0.0;
+  int64_t at = kScalars;
   for (const at::Tensor& t : expert_loads) {
     sums.narrow(0, at, t.numel()).copy_(t.reshape({-1}));
     at += t.numel();
   }
   ranks->all_reduce_sum(sums).wait();
-  at = 3;
+  at = kScalars;
   for (const at::Tensor& t : expert_loads) {
     t.copy_(sums.narrow(0, at, t.numel()).view(t.sizes()));
     at += t.numel();
   }
   const double n = ranks->size();
-  return {values[0] / n, values[1] / n, values[2] > 0};
+  const int stop_signal = values[2] > 0 ? SIGTERM : (values[3] > 0 ? SIGINT : 0);
+  return {values[0] / n, values[1] / n, stop_signal};
 }
 
 }  // namespace train

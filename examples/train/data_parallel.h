@@ -27,12 +27,13 @@ std::shared_ptr<mixprec::distributed::Communicator> join_ranks();
 // The mean of `value` over ranks.
 double mean_over_ranks(mixprec::distributed::Communicator* ranks, double value);
 // What the ranks agree on after every step, in one all-reduce: the mean of the step's loss and
-// load-balancing loss, whether any rank was asked to stop, and (in place) every MoE layer's
+// load-balancing loss, whether any rank was asked to stop and by which signal (SIGTERM if
+// any rank got one, else SIGINT: the two StopRequest answers), and (in place) every MoE layer's
 // token counts summed. One collective instead of 3 + layers, each a round trip.
 struct StepAgreement {
   double loss = 0;
   double aux_loss = 0;
-  bool stop = false;
+  int stop_signal = 0;  // 0: no rank was asked to stop
 };
 StepAgreement agree_on_step(mixprec::distributed::Communicator* ranks, StepAgreement mine,
                             const std::vector<at::Tensor>& expert_loads);

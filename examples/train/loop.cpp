@@ -25,8 +25,16 @@ at::Tensor cross_entropy(const at::Tensor& logits, const at::Tensor& targets) {
 
 }  // namespace
 
-nlohmann::json RunState::to_json(const TrainConfig& config,
-                                 const std::filesystem::path& metrics) const {
+nlohmann::json RunState::to_json(const TrainConfig& config, const std::filesystem::path& metrics,
+                                 const std::filesystem::path& ckpt_root) const {
+  namespace fs = std::filesystem;
+  // Within the run's directory (the root's parent), the metrics file is also recorded from the
+  // root: a run copied or moved elsewhere and resumed there finds its own file, not the
+  // original's.
+  const fs::path file = fs::absolute(metrics).lexically_normal();
+  const fs::path root = fs::absolute(ckpt_root).lexically_normal();
+  const fs::path from_run = file.lexically_relative(root.parent_path());
+  const bool in_run = !from_run.empty() && *from_run.begin() != "..";
   return {{"program", "mixprec-train"},
           {"config", run_shape(config)},
           {"step", step},
@@ -36,7 +44,8 @@ nlohmann::json RunState::to_json(const TrainConfig& config,
           {"data_position", step},
           {"text", text},
           {"threads", threads},
-          {"metrics", std::filesystem::absolute(metrics).lexically_normal().string()}};
+          {"metrics", file.string()},
+          {"metrics_from_root", in_run ? file.lexically_relative(root).string() : ""}};
 }
 
 RunState RunState::from_json(const nlohmann::json& user, const std::string& source) {
@@ -71,7 +80,7 @@ double Loop::validation_loss() {
 
 StepOutcome train_step(const TrainConfig& config, MixedModel& model, TrainingOptimizer& optimizer,
                        const BatchSampler& batches, int64_t index, double lr,
-                       mixprec::distributed::Communicator* ranks, bool stop_requested,
+                       mixprec::distributed::Communicator* ranks, int stop_signal,
                        const std::function<void()>& before_update) {
   const auto start = Clock::now();
   const int64_t faults_at_start = minor_page_faults();
@@ -130,10 +139,10 @@ StepOutcome train_step(const TrainConfig& config, MixedModel& model, TrainingOpt
   // collective behind it on the same connections would wait for all of it (on two Gloo ranks,
   // 2-3 ms of each step).
   const StepAgreement agreed =
-      agree_on_step(ranks, {out.loss, out.aux_loss, stop_requested}, model.gpt->expert_loads());
+      agree_on_step(ranks, {out.loss, out.aux_loss, stop_signal}, model.gpt->expert_loads());
   out.loss = agreed.loss;
   out.aux_loss = agreed.aux_loss;
-  out.stop = agreed.stop;
+  out.stop_signal = agreed.stop_signal;
   // Forward and backward only read the state; an async save's copy overlapped them.
   phase = Clock::now();
   if (before_update) {
@@ -165,8 +174,8 @@ LoopOutcome Loop::run(RunState& state) {
     if (profiler != nullptr) profiler->before_step(state.step + 1);
     const auto start = Clock::now();
     const StepOutcome done =
-        train_step(config, model, optimizer, train_batches, state.step, lr, ranks, stop.requested(),
-                   [this] { checkpointer.before_state_changes(); });
+        train_step(config, model, optimizer, train_batches, state.step, lr, ranks,
+                   stop.signal_number(), [this] { checkpointer.before_state_changes(); });
     const double step_s = seconds_since(start);
     if (profiler != nullptr) profiler->after_step(state.step + 1);
     if (outcome.records.size() >= LoopOutcome::kFirstStepsLeftOut) {
@@ -206,12 +215,13 @@ LoopOutcome Loop::run(RunState& state) {
     if (metrics != nullptr) metrics->write(r);
     progress.step(r);
 
-    const bool stopping = done.stop || state.step == config.stop_at;
+    const bool stopping = done.stop_signal != 0 || state.step == config.stop_at;
     if (state.step % config.ckpt_every == 0 || state.step == config.steps || stopping) {
-      checkpointer.save(state.step, optimizer.training_state(state.to_json(config, metrics_path)));
+      checkpointer.save(state.step, optimizer.training_state(
+                                        state.to_json(config, metrics_path, checkpointer.root())));
     }
     if (stopping && state.step < config.steps) {
-      outcome.stop_signal = stop.signal_number();
+      outcome.stop_signal = done.stop_signal;
       outcome.stopped_early = true;
       break;
     }

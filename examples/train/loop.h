@@ -41,7 +41,8 @@ struct RunState {
   int64_t threads = 0;
 
   // The user metadata of a checkpoint (checkpointing.h lists its fields).
-  nlohmann::json to_json(const TrainConfig& config, const std::filesystem::path& metrics) const;
+  nlohmann::json to_json(const TrainConfig& config, const std::filesystem::path& metrics,
+                         const std::filesystem::path& ckpt_root) const;
   // Throws UsageError naming `source` if a field is missing.
   static RunState from_json(const nlohmann::json& user, const std::string& source);
 };
@@ -69,7 +70,7 @@ struct LoopOutcome {
 struct StepOutcome {
   double loss = 0;      // mean cross-entropy over the micro-batches (and ranks)
   double aux_loss = 0;  // mean load-balancing loss
-  bool stop = false;    // some rank was asked to stop (`stop_requested` there)
+  int stop_signal = 0;  // the signal that asked some rank to stop (`stop_signal` there), or 0
   mixprec::optim::StepResult result;
   StepPhases phases;  // where the step's time went
   // Tensor memory over the level once the gradients are cleared (parameters and optimizer
@@ -86,8 +87,7 @@ struct StepOutcome {
 // before the step writes the model and optimizer state (an async save's copy must be done).
 StepOutcome train_step(const TrainConfig& config, MixedModel& model, TrainingOptimizer& optimizer,
                        const BatchSampler& batches, int64_t index, double lr,
-                       mixprec::distributed::Communicator* ranks = nullptr,
-                       bool stop_requested = false,
+                       mixprec::distributed::Communicator* ranks = nullptr, int stop_signal = 0,
                        const std::function<void()>& before_update = nullptr);
 
 struct Loop {

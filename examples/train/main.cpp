@@ -153,10 +153,12 @@ int run(int argc, char** argv, const std::string& malloc_policy) {
   const std::shared_ptr<mixprec::distributed::Communicator> ranks = join_ranks();
   adopt_ranks(config, ranks.get());
   // A fresh run's directory is named by the time it starts: rank 0's time, for every rank.
-  if (ranks && config.out.empty() && config.ckpt_dir.empty() && !config.resume) {
+  const bool names_its_dir = config.out.empty() && config.ckpt_dir.empty() && !config.resume;
+  if (ranks && names_its_dir) {
     config.out = ranks->all_gather_strings(new_run_dir().string()).front();
   }
   RunPaths paths = resolve_run_paths(config);
+  paths.new_run_dir = names_its_dir;
   // Checked before anything is written, so that a bad flag, a bad data file or a bad --resume
   // changes nothing — unless another run holds the checkpoint directory: then what it holds may
   // change while this one waits for it, and the holder, not its checkpoints, is the answer.
@@ -322,6 +324,7 @@ int run(int argc, char** argv, const std::string& malloc_policy) {
                          outcome.train_s,
                          checkpointer.stats(),
                          paths.metrics,
+                         metrics->problem(),
                          corpus.source,
                          outcome.stopped_early,
                          outcome.stop_signal,

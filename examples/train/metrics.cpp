@@ -3,6 +3,7 @@
 #include "config.h"
 
 #include <cmath>
+#include <cstdio>
 #include <cstring>
 
 namespace train {
@@ -95,8 +96,16 @@ MetricsLog::MetricsLog(fs::path path, std::optional<int64_t> resume_step) : path
 }
 
 void MetricsLog::write(const StepRecord& record) {
+  if (!problem_.empty()) return;  // the file is cut short already: no record after the gap
   out_ << record.to_json().dump() << '\n';
   out_.flush();
+  if (!out_) {
+    // Training goes on (the checkpoints are what a run cannot lose), but not silently.
+    problem_ = "cannot write " + path_.string() + " (" + std::strerror(errno) +
+               "): its records end before step " + std::to_string(record.step);
+    std::fprintf(stderr, "mixprec-train: warning: metrics file %s; training goes on\n",
+                 problem_.c_str());
+  }
 }
 
 }  // namespace train

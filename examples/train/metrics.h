@@ -29,6 +29,7 @@
 #include <filesystem>
 #include <fstream>
 #include <optional>
+#include <string>
 #include <vector>
 
 namespace train {
@@ -93,13 +94,18 @@ class MetricsLog {
   // The records kept from before the resume (empty for a fresh run), in step order.
   const std::vector<StepRecord>& history() const { return history_; }
 
+  // Appends `record`. A write that fails (a full disk) is reported once, on stderr and by
+  // problem(), and ends the file there: the run goes on without metrics.
   void write(const StepRecord& record);
   const std::filesystem::path& path() const { return path_; }
+  // Why the file lacks records from some step on; "" if every record was written.
+  const std::string& problem() const { return problem_; }
 
  private:
   std::filesystem::path path_;
   std::ofstream out_;
   std::vector<StepRecord> history_;
+  std::string problem_;
 };
 
 }  // namespace train

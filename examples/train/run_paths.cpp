@@ -32,6 +32,28 @@ std::optional<fs::path> newest_resumable_run() {
   return std::nullopt;
 }
 
+// Makes the run's directory with mkdir, which only one process succeeds at: two runs started
+// in the same second from one directory (an array job, a sweep) get a directory each, where
+// both would otherwise share one and the second fail on its lock. Rank 0 makes it; every rank
+// adopts the name.
+void claim_new_run_dir(RunPaths& paths, mixprec::distributed::Communicator* ranks) {
+  std::string claimed;
+  if (ranks == nullptr || ranks->rank() == 0) {
+    fs::path dir = paths.ckpt_root.parent_path();
+    std::error_code ec;
+    fs::create_directories(dir.parent_path(), ec);
+    // create_directory() is false, without an error, when the directory existed already.
+    while (!fs::create_directory(dir, ec)) {
+      if (ec) throw UsageError("cannot create run directory " + dir.string() + ": " + ec.message());
+      dir = new_run_dir();
+    }
+    claimed = dir.string();
+  }
+  if (ranks != nullptr && ranks->size() > 1) claimed = ranks->all_gather_strings(claimed).front();
+  paths.ckpt_root = fs::path(claimed) / "checkpoints";
+  paths.metrics = fs::path(claimed) / "metrics.jsonl";
+}
+
 }  // namespace
 
 fs::path new_run_dir() {
@@ -57,11 +79,13 @@ RunPaths resolve_run_paths(const TrainConfig& config) {
     }
     out = *newest;
   }
-  if (out.empty())
-    out = config.ckpt_dir.empty() ? new_run_dir() : fs::path(config.ckpt_dir).parent_path();
+  // "dir/ckpt/" names dir/ckpt too: its parent (where the metrics go) is dir, not dir/ckpt.
+  fs::path ckpt_dir = fs::path(config.ckpt_dir).lexically_normal();
+  if (!ckpt_dir.empty() && ckpt_dir.filename().empty()) ckpt_dir = ckpt_dir.parent_path();
+  if (out.empty()) out = ckpt_dir.empty() ? new_run_dir() : ckpt_dir.parent_path();
 
   RunPaths paths;
-  paths.ckpt_root = config.ckpt_dir.empty() ? out / "checkpoints" : fs::path(config.ckpt_dir);
+  paths.ckpt_root = ckpt_dir.empty() ? out / "checkpoints" : ckpt_dir;
   paths.metrics = config.metrics.empty() ? out / "metrics.jsonl" : fs::path(config.metrics);
   std::error_code ec;
   if (config.resume && !fs::is_directory(paths.ckpt_root, ec)) {
@@ -107,12 +131,33 @@ void find_resume_point(TrainConfig& config, RunPaths& paths) {
                      " is already at step " + std::to_string(paths.resume_step) +
                      "; give a larger --steps to train on from it");
   }
+  // Steps the run will not take again: a stop or a trace there would never happen.
+  if (config.stop_at > 0 && config.stop_at <= paths.resume_step) {
+    throw UsageError("--stop-at " + std::to_string(config.stop_at) + ": " + source +
+                     " is already at step " + std::to_string(paths.resume_step) +
+                     "; give a later step to stop at");
+  }
+  if (!config.profile_steps.empty() &&
+      parse_profile_steps(config.profile_steps).first <= paths.resume_step) {
+    throw UsageError("--profile-steps " + config.profile_steps + ": " + source +
+                     " is already at step " + std::to_string(paths.resume_step) +
+                     "; trace steps after it");
+  }
   // The metrics file the saved run wrote, unless this run is told where it lives (--out,
   // --ckpt-dir, --metrics): a copy of a run resumed in another directory must not append to,
-  // and cut back, the original's file.
-  if (config.metrics.empty() && config.out.empty() && config.ckpt_dir.empty() &&
-      user.contains("metrics") && user.at("metrics").is_string()) {
-    paths.metrics = user.at("metrics").get<std::string>();
+  // and cut back, the original's file. One inside the run's directory is found from the
+  // checkpoint root, wherever the run now lies; one the run placed elsewhere (--metrics)
+  // stays where it was.
+  if (config.metrics.empty() && config.out.empty() && config.ckpt_dir.empty()) {
+    const auto saved = [&](const char* key) {
+      return user.contains(key) && user.at(key).is_string() ? user.at(key).get<std::string>()
+                                                            : std::string();
+    };
+    if (const std::string from_root = saved("metrics_from_root"); !from_root.empty()) {
+      paths.metrics = (paths.ckpt_root / from_root).lexically_normal();
+    } else if (const std::string file = saved("metrics"); !file.empty()) {
+      paths.metrics = file;
+    }
   }
   paths.resume_from = latest;
 }
@@ -120,6 +165,7 @@ void find_resume_point(TrainConfig& config, RunPaths& paths) {
 HeldRun hold_run(TrainConfig& config, RunPaths& paths, mixprec::distributed::Communicator* ranks) {
   HeldRun held;
   const std::chrono::seconds wait(config.wait_for_ckpt_dir);
+  if (paths.new_run_dir) claim_new_run_dir(paths, ranks);
   ensure_writable_dir(paths.ckpt_root, "checkpoint directory");
   held.checkpoints =
       hold_run_dir(paths.ckpt_root, std::string(mixprec::checkpoint::kRunLockFileName),

@@ -30,6 +30,9 @@ struct RunPaths {
   std::vector<ResumeChange> changes;  // settings this run gives anew (config.h)
   // Newer checkpoints than resume_from that do not verify (set_aside_unverified moves them).
   std::vector<std::string> unverified;
+  // The run lives in a runs/<date>-<time> it named itself (no --out, --ckpt-dir or --resume):
+  // hold_run() claims it, or the next free name.
+  bool new_run_dir = false;
 };
 
 // runs/<date>-<time> (with a suffix if taken): a fresh run's directory unless --out is given.
@@ -57,7 +60,9 @@ struct HeldRun {
   std::vector<std::string> set_aside;  // "<name> -> <new name>" (set_aside_unverified)
 };
 
-// Takes the run's directories, collectively (`ranks` may be null): the checkpoint root's lock,
+// Takes the run's directories, collectively (`ranks` may be null): a new run directory of its
+// own (paths.new_run_dir: created by rank 0 where no other run created it first), the
+// checkpoint root's lock,
 // waiting up to --wait-for-ckpt-dir, and with several ranks the check that every rank sees the
 // root; then the resume point (find_resume_point: what the root holds now), the metrics file's
 // lock, and newer checkpoints that would stop the run at their step set aside. Throws

@@ -352,6 +352,7 @@ std::string summary(const RunReport& r) {
     }
     s << "metrics     " << r.metrics_path.string() << "  (plot: " << python
       << " scripts/plot_metrics.py " << r.metrics_path.string() << ")\n";
+    if (!r.metrics_problem.empty()) s << "            INCOMPLETE: " << r.metrics_problem << "\n";
   }
   const std::string root = r.saves.last_dir.empty() ? "" : r.saves.last_dir.parent_path().string();
   if (!root.empty()) {

@@ -22,6 +22,7 @@ struct RunReport {
   double train_s = 0;  // this process's training wall time
   SaveStats saves;
   std::filesystem::path metrics_path;
+  std::string metrics_problem;  // MetricsLog::problem(): "" if every record was written
   std::string corpus;
   bool stopped_early = false;  // by a signal (stop_signal) or --stop-at
   int stop_signal = 0;

@@ -93,6 +93,32 @@ TEST_F(BadInput, CheckpointDirectoryNotWritable) {
   }
 }
 
+// On --resume, flags are checked together with the run's own settings, read from its
+// checkpoint, not with the defaults (which would refuse a trace within the run's --steps 700 as
+// past "--steps 600"); a step the run has already taken cannot be stopped at or traced.
+TEST_F(BadInput, ResumeChecksFlagsAgainstTheRunsOwnSettings) {
+  const std::vector<std::string> run =
+      tiny_model() +
+      std::vector<std::string>{"--data", (dir_ / "corpus.txt").string(), "--out", "run"};
+  ASSERT_EQ(
+      run_program(dir_.path(), run + std::vector<std::string>{"--steps", "700", "--stop-at", "2"})
+          .status,
+      0);
+  const auto resume = [&](const std::vector<std::string>& extra) {
+    return std::vector<std::string>{"--out", "run", "--resume", "--threads", "1"} + extra;
+  };
+  expect_refused(resume({"--stop-at", "2"}), "--stop-at 2: checkpoint ");
+  expect_refused(resume({"--profile-steps", "2:3"}), "--profile-steps 2:3: checkpoint ");
+  const ProgramRun later =
+      run_program(dir_.path(), resume({"--profile-steps", "650:651", "--stop-at", "3"}));
+  EXPECT_EQ(later.status, 0) << later.err;
+}
+
+TEST_F(BadInput, ThreadsBeyondAnyMachine) {
+  expect_refused(args({"--threads", "99999999999"}),
+                 "--threads must lie in [0, 1024], got 99999999999");
+}
+
 TEST_F(BadInput, FreshRunIntoAnExistingRunsCheckpoints) {
   ASSERT_EQ(run_program(dir_.path(), args({"--out", "run"})).status, 0);
   expect_refused(args({"--out", "run"}),

@@ -6,8 +6,11 @@
 
 #include <gtest/gtest.h>
 
+#include <ctime>
 #include <regex>
+#include <set>
 
+#include <sys/stat.h>
 #include <unistd.h>
 
 namespace train {
@@ -232,6 +235,102 @@ TEST_F(Cluster, AResumedCopyOfARunLeavesTheOriginalsMetricsAlone) {
   const auto metrics = read_metrics(dir_ / "copy/metrics.jsonl");
   ASSERT_EQ(metrics.size(), 6u);
   EXPECT_EQ(metrics.back().step, 6);
+}
+
+// A plain --resume (the newest run under runs/) of a run copied to another working directory
+// and renamed there writes the copy's metrics, beside its checkpoints: the file the original
+// run recorded is neither appended to nor cut back.
+TEST_F(Cluster, APlainResumeOfACopiedRunWritesTheCopysMetrics) {
+  const std::vector<std::string> run =
+      tiny_model() + std::vector<std::string>{"--data",       (dir_ / "corpus.txt").string(),
+                                              "--eval-every", "1000",
+                                              "--ckpt-every", "2"};
+  ASSERT_EQ(run_program(dir_.path(), run + std::vector<std::string>{"--steps", "4"}).status, 0);
+  fs::path original;
+  for (const auto& entry : fs::directory_iterator(dir_ / "runs")) original = entry.path();
+  Scratch elsewhere;
+  fs::create_directories(elsewhere / "runs");
+  fs::copy(original, elsewhere / "runs/renamed", fs::copy_options::recursive);
+  const std::string before = read_text(original / "metrics.jsonl");
+  const ProgramRun resumed = run_program(
+      elsewhere.path(), {"--resume", "--steps", "6", "--progress", "lines", "--threads", "1"});
+  ASSERT_EQ(resumed.status, 0) << resumed.err;
+  EXPECT_EQ(read_text(original / "metrics.jsonl"), before);
+  const auto metrics = read_metrics(elsewhere / "runs/renamed/metrics.jsonl");
+  ASSERT_EQ(metrics.size(), 6u);
+  EXPECT_EQ(metrics.back().step, 6);
+}
+
+// Runs started in the same second from one working directory (an array job, a sweep) name the
+// same runs/<date>-<time>: the one that comes second to it takes the next free name instead of
+// sharing the directory (and failing on its lock). The other run is simulated: while this one
+// reads its data (a FIFO the test writes), every name it can have chosen is taken.
+TEST_F(Cluster, ARunDirectoryTakenMeanwhileIsNotShared) {
+  const fs::path fifo = dir_ / "corpus.fifo";
+  ASSERT_EQ(::mkfifo(fifo.c_str(), 0600), 0);
+  const auto stamp = [](std::time_t t) {
+    std::tm local{};
+    localtime_r(&t, &local);
+    char text[32];
+    std::strftime(text, sizeof text, "%Y%m%d-%H%M%S", &local);
+    return std::string(text);
+  };
+  std::set<std::string> taken;
+  const std::time_t before = std::time(nullptr);
+  const pid_t pid =
+      start_program(dir_.path(),
+                    tiny_model() + std::vector<std::string>{"--data", fifo.string(), "--steps", "2",
+                                                            "--eval-every", "1000"},
+                    "late");
+  {
+    // Opening blocks until the program opens its data, after it has named its directory.
+    std::ofstream data(fifo);
+    const std::time_t after = std::time(nullptr);
+    for (std::time_t t = before; t <= after; ++t) {
+      fs::create_directories(dir_ / "runs" / stamp(t));
+      taken.insert(stamp(t));
+    }
+    data << read_text(dir_ / "corpus.txt");
+  }
+  const ProgramRun run = wait_program(dir_.path(), pid, "late");
+  ASSERT_EQ(run.status, 0) << run.err;
+  size_t used = 0;
+  for (const auto& entry : fs::directory_iterator(dir_ / "runs")) {
+    if (taken.count(entry.path().filename().string())) {
+      EXPECT_TRUE(fs::is_empty(entry.path())) << entry.path() << ": the other run's";
+      continue;
+    }
+    EXPECT_EQ(count_lines(entry.path() / "metrics.jsonl"), 2u) << entry.path();
+    ++used;
+  }
+  EXPECT_EQ(used, 1u);
+}
+
+// A metrics file that stops taking writes (a full disk; here /dev/full) is said so, once on
+// stderr and in the summary, and the run trains and saves on.
+TEST_F(Cluster, AMetricsFileThatCannotBeWrittenIsReportedAndTrainingGoesOn) {
+  fs::create_symlink("/dev/full", dir_ / "full.jsonl");
+  const ProgramRun run = run_program(
+      dir_.path(), args({"--steps", "3", "--ckpt-every", "3", "--metrics", "full.jsonl"}));
+  ASSERT_EQ(run.status, 0) << run.err;
+  EXPECT_NE(run.err.find("warning: metrics file cannot write full.jsonl (No space left on device): "
+                         "its records end before step 1"),
+            std::string::npos)
+      << run.err;
+  EXPECT_EQ(lines_in(run.err), 1u) << run.err;
+  EXPECT_NE(run.out.find("INCOMPLETE: cannot write full.jsonl"), std::string::npos) << run.out;
+  EXPECT_EQ(read_text(dir_ / "run/checkpoints/latest"), "step-000003\n");
+}
+
+// --ckpt-dir DIR/ names DIR: the metrics go beside it, not into it.
+TEST_F(Cluster, ACheckpointDirectoryWithATrailingSlashKeepsTheMetricsBesideIt) {
+  const ProgramRun run = run_program(
+      dir_.path(),
+      tiny_model() + std::vector<std::string>{"--data", (dir_ / "corpus.txt").string(), "--steps",
+                                              "2", "--ckpt-dir", "tsl/ckpt/"});
+  ASSERT_EQ(run.status, 0) << run.err;
+  EXPECT_EQ(count_lines(dir_ / "tsl/metrics.jsonl"), 2u);
+  EXPECT_FALSE(fs::exists(dir_ / "tsl/ckpt/metrics.jsonl"));
 }
 
 // A second run with a checkpoint directory of its own but the first one's --out would truncate
