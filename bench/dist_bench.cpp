@@ -11,18 +11,27 @@
 //       one measurement of mixprec at world size N (rank 0 prints a JSON line)
 //
 // Figures, per configuration (one OpenMP thread per rank):
-//   step ms      zero_grad + forward + backward + reduction + optimizer step (+ parameter
-//                gather), the slowest rank's, median over the timed steps; the step's data
-//                is made before the clock starts, as the peer's is; the four
+//   step ms      zero_grad + forward + backward + reduction + optimizer step + parameter
+//                gather, the slowest rank's, median over the timed steps. The four
 //                configurations take turns of four steps (interleaved rounds, so that a busy
-//                stretch of the machine slows all of them alike)
+//                stretch of the machine slows all of them alike); a turn's steps run back to
+//                back, as in a run of that configuration alone: the turn's data is made before
+//                it (as the peer makes its data before its clock), one barrier starts it, and
+//                no collective or other untimed work runs between its steps (each rank records
+//                its step times, the maximum over ranks is taken after the turn). A lead step
+//                opens the turn untimed, so that every timed step of "gather overlapped" finds
+//                its predecessor's gather in flight and pays what its forward does not hide of
+//                it: n timed steps pay n gathers (the last one's is waited for after the turn,
+//                in place of the lead step's, which the first timed step pays)
 //   peak MiB     growth of each process's resident memory from just before the model is built
 //                to the peak (VmHWM), the largest over ranks: model, gradients, optimizer
 //                state, activations, communication buffers (mixprec's first configuration, as
 //                the peak only grows, and the peer's)
 //   sent         bytes each rank sends per step under the backend's algorithms
-//                (distributed/communicator.h), against the ZeRO-1 minimum: a reduce-scatter
-//                plus an all-gather of the BF16/FP32 parameter bytes, 2(N-1)/N of them
+//                (distributed/communicator.h), counted over the timed steps alone (no
+//                benchmark collective runs among them), against the ZeRO-1 minimum: a
+//                reduce-scatter plus an all-gather of the BF16/FP32 parameter bytes, 2(N-1)/N
+//                of them
 //   hidden       the share of ZeRO-1's gradient reduction that backward hides: 1 - finish()
 //                time with overlap / finish() time of ZeRO-1 with every bucket started after
 //                backward ("-" for plain DP: its all-reduce has no serial configuration here)
@@ -73,9 +82,9 @@ constexpr int kWarmup = 3;
 struct Workload {
   virtual ~Workload() = default;
   virtual torch::nn::Module& module() = 0;
-  // Makes the batch of `step` on `rank` of `world`, for the next loss().
-  virtual void make_batch(int64_t step, int rank, int world) = 0;
-  virtual at::Tensor loss() = 0;
+  // The batch of `step` on `rank` of `world`, for loss().
+  virtual at::Tensor make_batch(int64_t step, int rank, int world) = 0;
+  virtual at::Tensor loss(const at::Tensor& batch) = 0;
   // Before each part of the model is read in forward (overlapped parameter gathers).
   virtual void set_before_use(std::function<void(const torch::nn::Module&)> fn) = 0;
 };
@@ -110,12 +119,11 @@ struct MlpWorkload : Workload {
   Mlp mlp;
   std::function<void(const torch::nn::Module&)> before_use;
   torch::nn::Module& module() override { return *mlp; }
-  at::Tensor input;
-  void make_batch(int64_t step, int rank, int /*world*/) override {
+  at::Tensor make_batch(int64_t step, int rank, int /*world*/) override {
     at::manual_seed(100 + step + 1000 * rank);
-    input = at::randn({kMlpRows, kWidth});
+    return at::randn({kMlpRows, kWidth});
   }
-  at::Tensor loss() override {
+  at::Tensor loss(const at::Tensor& input) override {
     // The cast to BF16 is the model's, as autocast's is in the peer's forward.
     at::Tensor h = input.to(at::kBFloat16);
     for (int64_t i = 0; i < kLayers; ++i) {
@@ -141,13 +149,12 @@ struct GptWorkload : Workload {
     return train::apply_precision(train::Gpt(config), precision);
   }
   torch::nn::Module& module() override { return *model.gpt; }
-  at::Tensor tokens;
-  void make_batch(int64_t step, int rank, int world) override {
+  at::Tensor make_batch(int64_t step, int rank, int world) override {
     at::manual_seed(100 + step + 1000 * rank);
     const train::GptConfig& c = model.gpt->config;
-    tokens = at::randint(0, c.vocab, {kGptBatch / world, c.seq_len + 1}, at::kLong);
+    return at::randint(0, c.vocab, {kGptBatch / world, c.seq_len + 1}, at::kLong);
   }
-  at::Tensor loss() override {
+  at::Tensor loss(const at::Tensor& tokens) override {
     const train::GptConfig& c = model.gpt->config;
     auto [logits, aux] = model.forward(tokens.narrow(1, 0, c.seq_len));
     const at::Tensor targets = tokens.narrow(1, 1, c.seq_len);
@@ -245,25 +252,53 @@ class ConfigRun {
     }
   }
 
-  // One turn: an untimed step, then `steps` timed ones. Each timed step waits for its
-  // predecessor's overlapped parameter gather, as in a run of this configuration alone (the
-  // gather left by a turn's last step is waited for by the next turn's untimed step).
+  // One turn: a lead step, then `steps` timed ones, back to back. The batches are made and the
+  // ranks meet at a barrier before the lead step; between steps each rank only notes its own
+  // times, so that nothing untimed runs behind which an overlapped parameter gather could
+  // finish. The lead step leaves its gather in flight for the first timed step, as each timed
+  // step does for the next: every timed step waits for what its forward does not hide of its
+  // predecessor's gather, as in a run of this configuration alone. The last step's gather is
+  // waited for after the turn (in place of the lead step's, which the first timed step paid).
   void turn(int steps, const testing::CountingAllocatorGuard& counting) {
-    step(false, counting);
+    std::vector<at::Tensor> batches;
+    for (int i = 0; i <= steps; ++i) {
+      batches.push_back(work_->make_batch(index_++, comm_->rank(), comm_->size()));
+    }
+    // Per timed step, this rank's step, backward and finish() times, in ms.
+    at::Tensor times = at::zeros({3, steps}, at::kDouble);
+    auto t = times.accessor<double, 2>();
+    int64_t allocations = 0;
+    comm_->barrier();
+    step(batches[0], counting);
     const double sent_before = sent_so_far(*comm_);
-    for (int i = 0; i < steps; ++i) step(true, counting);
+    for (int i = 0; i < steps; ++i) {
+      const StepTimes s = step(batches[i + 1], counting);
+      t[0][i] = s.step_ms;
+      t[1][i] = s.backward_ms;
+      t[2][i] = s.finish_ms;
+      allocations += s.allocations;
+    }
     sent_ += sent_so_far(*comm_) - sent_before;
+    reducer_->wait_param_gather();
+    comm_->all_reduce_max(times).wait();  // the slowest rank's, step by step
+    for (int i = 0; i < steps; ++i) {
+      step_ms_.push_back(t[0][i]);
+      backward_ms_.push_back(t[1][i]);
+      finish_ms_.push_back(t[2][i]);
+    }
+    allocations_ += allocations;
   }
   void untimed(int steps, const testing::CountingAllocatorGuard& counting) {
-    for (int i = 0; i < steps; ++i) step(false, counting);
+    for (int i = 0; i < steps; ++i) {
+      step(work_->make_batch(index_++, comm_->rank(), comm_->size()), counting);
+    }
+    reducer_->wait_param_gather();
   }
 
   Figures figures() const {
     Figures f;
     const double steps = static_cast<double>(step_ms_.size());
-    const double n = comm_->size();
-    // Less the benchmark's own all-reduces, 8 bytes each: a barrier and three timings a step.
-    f.sent_bytes = (sent_ - steps * 4 * 8 * 2 * (n - 1) / n) / steps;
+    f.sent_bytes = sent_ / steps;
     f.step_ms = median(step_ms_);
     f.backward_ms = median(backward_ms_);
     f.finish_ms = *std::min_element(finish_ms_.begin(), finish_ms_.end());
@@ -274,14 +309,18 @@ class ConfigRun {
   }
 
  private:
-  void step(bool timed, const testing::CountingAllocatorGuard& counting) {
-    work_->make_batch(index_++, comm_->rank(), comm_->size());
-    comm_->barrier();
+  struct StepTimes {
+    double step_ms, backward_ms, finish_ms;
+    int64_t allocations;  // tensors allocated inside zero_grad() and update()
+  };
+
+  // One step on this rank, timed from zero_grad() to the optimizer's return.
+  StepTimes step(const at::Tensor& batch, const testing::CountingAllocatorGuard& counting) {
     const auto t0 = Clock::now();
     int64_t mark = counting.allocations();
     reducer_->zero_grad();
     int64_t ours = counting.allocations() - mark;
-    const at::Tensor loss = work_->loss();
+    const at::Tensor loss = work_->loss(batch);
     const auto backward_start = Clock::now();
     loss.backward();
     const double backward =
@@ -291,11 +330,7 @@ class ConfigRun {
     optimizer_->update();
     ours += counting.allocations() - mark;
     const double ms = std::chrono::duration<double, std::milli>(Clock::now() - t0).count();
-    if (!timed) return;
-    step_ms_.push_back(reduce_max(*comm_, ms));
-    backward_ms_.push_back(reduce_max(*comm_, backward));
-    finish_ms_.push_back(reduce_max(*comm_, reducer_->last_timing().finish_seconds * 1e3));
-    allocations_ += ours;
+    return {ms, backward, reducer_->last_timing().finish_seconds * 1e3, ours};
   }
 
   std::shared_ptr<distributed::Communicator> comm_;
