@@ -11,18 +11,21 @@
 //   (b) aten_fused  at::_fused_adamw_ on FP32 params (LibTorch's fused CPU kernel).
 //   (c) three_pass  the Megatron-style mixed step: BF16 grads -> FP32 copy, _fused_adamw_ on
 //                   the FP32 masters, masters -> BF16 model params copy.
-//   (d) roofline    bytes ours must move per parameter (grad 2 + master read/write 8 + moments
+//   (d)             bytes ours must move per parameter (grad 2 + master read/write 8 + moments
 //                   read/write 16 + model param write 2 = 28 B) / copy bandwidth, where copy
 //                   bandwidth = (bytes read + written) / s of the best large memcpy measured in
 //                   this same run (single thread, or split over LibTorch's threads).
-//   (d') the same bytes at the bandwidth of an in-place read-modify-write stream (x *= a), also
-//                   counted read + written: the optimizer updates master and moments in place.
-//                   Both probes are support/copy_bandwidth.h, shared by every bench.
+//   (d')            the same bytes at the bandwidth of an in-place read-modify-write stream
+//                   (x *= a), also counted read + written: the optimizer updates master and
+//                   moments in place. Both probes are support/copy_bandwidth.h, shared by every
+//                   bench; memcpy pays a read-for-ownership it does not count, so on some
+//                   machines (this one) it understates the usable bandwidth, and ours beats (d).
+//   roofline        the faster of (d) and (d'): the bandwidth this run showed usable.
 //
 // Each benchmark runs a few repetitions, interleaved at random with the others; the summary
 // uses the fastest of each (least disturbed by other tenants of a shared machine). Goals: >= 1.5x
 // faster than (c), >= 0.7 of the roofline; the remainder step >= 1.05x ours and >= 0.9 of its
-// roofline (26 B/param at the in-place stream bandwidth).
+// roofline (26 B/param at the larger of the two probes' bandwidths).
 #include "mixprec/optim/fused_kernels.h"
 #include "mixprec/optim/master_remainder.h"
 
@@ -228,11 +231,17 @@ int main(int argc, char** argv) {
 
   auto ms = [&](const char* name) { return reporter.seconds(name) * 1e3; };
   const mixprec::bench::CopyBandwidth bandwidth = mixprec::bench::copy_bandwidth(reporter);
-  const double copy_gbs = bandwidth.copy_gbs;
-  const double roofline_ms = kOursBytesPerParam * kParams / (copy_gbs * 1e9) * 1e3;
-  const double rmw_gbs = bandwidth.in_place_gbs;
-  const double rmw_roofline_ms = kOursBytesPerParam * kParams / (rmw_gbs * 1e9) * 1e3;
-  const double rmw_roofline26_ms = kRemainderBytesPerParam * kParams / (rmw_gbs * 1e9) * 1e3;
+  const double copy_gbs = bandwidth.copy_gbs, rmw_gbs = bandwidth.in_place_gbs;
+  // The goals are judged against the larger of the two probes: memcpy alone can understate
+  // what an in-place stream gets, and a goal against it would pass on that alone.
+  const double roofline_gbs = std::max(copy_gbs, rmw_gbs);
+  auto ms_at = [](double bytes_per_param, double gbs) {
+    return gbs > 0 ? bytes_per_param * kParams / (gbs * 1e9) * 1e3 : 0.0;  // 0: probe filtered
+  };
+  const double copy_ms = ms_at(kOursBytesPerParam, copy_gbs);
+  const double rmw_ms = ms_at(kOursBytesPerParam, rmw_gbs);
+  const double roofline_ms = ms_at(kOursBytesPerParam, roofline_gbs);
+  const double roofline26_ms = ms_at(kRemainderBytesPerParam, roofline_gbs);
   const double ours = ms("BM_OursFusedMixed");
   const double remainder = ms("BM_OursRemainderMixed");
   auto ratio = [&](double other) { return ours > 0 ? other / ours : 0.0; };
@@ -240,7 +249,9 @@ int main(int argc, char** argv) {
   std::printf("\nmixed-precision AdamW step, %.1fM params, %d threads, fastest of %d repetitions\n",
               kParams / 1e6, at::get_num_threads(), kRepetitions);
   std::printf(
-      "  copy bandwidth (best memcpy, read+written): %.2f GB/s; in-place stream: %.2f GB/s\n",
+      "  copy bandwidth (best memcpy, read+written): %.2f GB/s; in-place stream: %.2f GB/s; the "
+      "roofline is the larger (memcpy can understate usable bandwidth), the goals are judged "
+      "against it\n",
       copy_gbs, rmw_gbs);
   std::printf("  %-44s %9s  %s\n", "step", "ms", "time / ours (higher = ours faster)");
   std::printf("  %-44s %9.1f  %5.2f\n", "ours: fused BF16 param + FP32 master", ours, 1.0);
@@ -250,10 +261,18 @@ int main(int argc, char** argv) {
               ms("BM_AtenFusedAdamW"), ratio(ms("BM_AtenFusedAdamW")));
   std::printf("  %-44s %9.1f  %5.2f  (goal >= 1.50)\n", "(c) three-pass Megatron-style mixed",
               ms("BM_ThreePassMixed"), ratio(ms("BM_ThreePassMixed")));
-  std::printf("  %-44s %9.1f  %5.2f  (goal >= 0.70 of roofline)\n",
-              "(d) roofline: 28 B/param at copy bandwidth", roofline_ms, ratio(roofline_ms));
-  std::printf("  %-44s %9.1f  %5.2f\n", "(d') 28 B/param at in-place stream bandwidth",
-              rmw_roofline_ms, ratio(rmw_roofline_ms));
+  std::printf("  %-44s %9.1f  %5.2f\n", "(d) 28 B/param at copy bandwidth", copy_ms,
+              ratio(copy_ms));
+  std::printf("  %-44s %9.1f  %5.2f\n", "(d') 28 B/param at in-place stream bandwidth", rmw_ms,
+              ratio(rmw_ms));
+  // Above 1 the bound is no bound: the goal's fraction is then not to be trusted.
+  auto above_one = [](double fraction) {
+    return fraction > 1.0 ? "; above 1: both probes understate this machine's bandwidth" : "";
+  };
+  std::printf("  %-44s %9.1f  %5.2f  (goal >= 0.70 of roofline%s)\n",
+              copy_gbs > rmw_gbs ? "roofline: 28 B/param at the faster, (d)"
+                                 : "roofline: 28 B/param at the faster, (d')",
+              roofline_ms, ratio(roofline_ms), above_one(ratio(roofline_ms)));
   std::printf("  ours moves %.2f GB/s (28 B/param)\n",
               ours > 0 ? kOursBytesPerParam * kParams / (ours * 1e-3) / 1e9 : 0.0);
   auto over_remainder = [&](double other) { return remainder > 0 ? other / remainder : 0.0; };
@@ -262,9 +281,9 @@ int main(int argc, char** argv) {
   std::printf("  %-44s %9.1f  %5.2f\n", "ours, remainder: fused, 26 B/param", remainder, 1.0);
   std::printf("  %-44s %9.1f  %5.2f  (goal >= 1.05)\n", "ours: fused BF16 param + FP32 master",
               ours, over_remainder(ours));
-  std::printf("  %-44s %9.1f  %5.2f  (goal >= 0.90 of roofline)\n",
-              "(d'') 26 B/param at in-place stream bandwidth", rmw_roofline26_ms,
-              over_remainder(rmw_roofline26_ms));
+  std::printf("  %-44s %9.1f  %5.2f  (goal >= 0.90 of roofline%s)\n",
+              "(d'') roofline: 26 B/param at the faster", roofline26_ms,
+              over_remainder(roofline26_ms), above_one(over_remainder(roofline26_ms)));
   if (paired_ratio().pairs > 0) {
     std::printf("  %-44s %9s  %5.2f  (median of %d alternated pairs)\n",
                 "ours FP32-master / remainder, paired", "", paired_ratio().median_ratio,
