@@ -132,6 +132,9 @@ const std::vector<Flag>& flags() {
       {"checkpoints", "resume", &C::resume, "",
        "continue from the newest complete checkpoint of the run (default: the newest run in "
        "runs/)"},
+      {"checkpoints", "auto-resume", &C::auto_resume, "",
+       "continue the run in --out/--ckpt-dir if it has a checkpoint, else start it there: one "
+       "command for a job's first launch and its requeues"},
       {"checkpoints", "stop-at", &C::stop_at, "N",
        "stop after step N with a checkpoint, as if interrupted (0: never); --resume continues"},
       {"checkpoints", "init-from", &C::init_from, "PATH",
@@ -321,6 +324,11 @@ void validate_values(const TrainConfig& c) {
   check(c.val_fraction > 0 && c.val_fraction < 1, "--val-fraction must lie in (0, 1)");
   check(c.seed >= 0, "--seed must not be negative");
   check(c.stop_at >= 0, "--stop-at must not be negative");
+  // (Given: --auto-resume itself sets `resume` once it finds a checkpoint.)
+  check(!c.auto_resume || !c.is_given("resume"),
+        "--auto-resume resumes when there is a checkpoint, --resume always: give one of them");
+  check(!c.auto_resume || !c.out.empty() || !c.ckpt_dir.empty(),
+        "--auto-resume needs --out or --ckpt-dir: the directory of the run to continue or start");
   check(c.init_from.empty() || !c.resume,
         "--init-from starts a new run from exported weights; --resume continues a run from its "
         "checkpoint: give one of them");

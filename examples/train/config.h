@@ -76,7 +76,8 @@ struct TrainConfig {
   int64_t ckpt_timeout = 1800;       // seconds a collective checkpoint save may take
   int64_t wait_for_ckpt_dir = 0;     // seconds to wait for another run to free --ckpt-dir
   bool resume = false;
-  int64_t stop_at = 0;    // stop after this step as if interrupted (0: run to --steps)
+  bool auto_resume = false;  // resume if the checkpoint root holds a checkpoint, else start
+  int64_t stop_at = 0;       // stop after this step as if interrupted (0: run to --steps)
   std::string init_from;  // a fresh run's weights: a mixprec-ckpt export (init_from.h); "": random
 
   // The sample printed at the end.

@@ -101,6 +101,12 @@ void find_resume_point(TrainConfig& config, RunPaths& paths) {
   std::string note;
   const std::optional<fs::path> latest =
       newest_checkpoint(paths.ckpt_root, &note, &paths.unverified);
+  if (config.auto_resume && latest && !config.resume) {
+    // A requeued job: it continues what its last launch saved, from that checkpoint's weights
+    // (--init-from only chooses a new run's).
+    config.resume = true;
+    config.init_from.clear();
+  }
   if (!config.resume) {
     if (latest) {
       throw UsageError("checkpoint directory " + paths.ckpt_root.string() +

@@ -44,7 +44,8 @@ RunPaths resolve_run_paths(const TrainConfig& config);
 
 // What the checkpoint root holds decides how the run starts; call it holding the run lock
 // (hold_run_dir), so that a run that waited for another sees that run's checkpoints.
-// With --resume: the newest complete checkpoint into `paths.resume_from`, its saved
+// With --resume, or --auto-resume and a checkpoint in the root (which then sets
+// config.resume): the newest complete checkpoint into `paths.resume_from`, its saved
 // configuration into `config` (adopt_run_shape) and its metrics path unless --out, --ckpt-dir
 // or --metrics says where this run lives (a copy resumed elsewhere writes its own metrics). Throws
 // UsageError: --resume without a checkpoint; a fresh run into a root with checkpoints; a checkpoint

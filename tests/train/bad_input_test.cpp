@@ -114,6 +114,12 @@ TEST_F(BadInput, ResumeChecksFlagsAgainstTheRunsOwnSettings) {
   EXPECT_EQ(later.status, 0) << later.err;
 }
 
+TEST_F(BadInput, AutoResumeWithoutADirectory) {
+  expect_refused(args({"--auto-resume"}), "--auto-resume needs --out or --ckpt-dir");
+  expect_refused(args({"--auto-resume", "--resume", "--out", "run"}),
+                 "--auto-resume resumes when there is a checkpoint, --resume always");
+}
+
 TEST_F(BadInput, ThreadsBeyondAnyMachine) {
   expect_refused(args({"--threads", "99999999999"}),
                  "--threads must lie in [0, 1024], got 99999999999");

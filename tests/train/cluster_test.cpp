@@ -306,6 +306,24 @@ TEST_F(Cluster, ARunDirectoryTakenMeanwhileIsNotShared) {
   EXPECT_EQ(used, 1u);
 }
 
+// --auto-resume: one command for a job's first launch and its requeues. It starts the run when
+// the directory holds no checkpoint and continues it when it does.
+TEST_F(Cluster, AutoResumeStartsTheRunThenContinuesIt) {
+  const ProgramRun first = run_program(
+      dir_.path(), args({"--steps", "4", "--ckpt-every", "2", "--auto-resume", "--stop-at", "2"}),
+      "first");
+  ASSERT_EQ(first.status, 0) << first.err;
+  EXPECT_EQ(first.out.find("resumed"), std::string::npos) << first.out;
+  EXPECT_EQ(read_text(dir_ / "run/checkpoints/latest"), "step-000002\n");
+  const ProgramRun requeued = run_program(
+      dir_.path(), args({"--steps", "4", "--ckpt-every", "2", "--auto-resume"}), "requeued");
+  ASSERT_EQ(requeued.status, 0) << requeued.err;
+  EXPECT_NE(requeued.out.find("resumed      from"), std::string::npos) << requeued.out;
+  const auto metrics = read_metrics(dir_ / "run/metrics.jsonl");
+  ASSERT_EQ(metrics.size(), 4u);
+  EXPECT_EQ(metrics.back().step, 4);
+}
+
 // A metrics file that stops taking writes (a full disk; here /dev/full) is said so, once on
 // stderr and in the summary, and the run trains and saves on.
 TEST_F(Cluster, AMetricsFileThatCannotBeWrittenIsReportedAndTrainingGoesOn) {
