@@ -19,6 +19,8 @@
 
 #include <chrono>
 #include <cmath>
+#include <csignal>
+#include <sstream>
 #include <thread>
 
 namespace train {
@@ -255,6 +257,50 @@ TEST(DataParallel, TwoNodesTrainAsThreeRanksOnOneAndResumeOnOneNode) {
   EXPECT_NE(resumed.out.find("2 ranks, ZeRO-1"), std::string::npos) << resumed.out;
   expect_close_losses(read_metrics(dir / "nodes/metrics.jsonl"), straight,
                       "two nodes, resumed on one with 2 ranks");
+}
+
+// The worker process of `rank` under the torchrun agent `agent` (its children, by their RANK),
+// or -1 once `deadline` passes without it.
+pid_t worker_of(pid_t agent, int rank, std::chrono::steady_clock::time_point deadline) {
+  const std::string wanted = "RANK=" + std::to_string(rank);
+  while (std::chrono::steady_clock::now() < deadline) {
+    std::istringstream children(read_text("/proc/" + std::to_string(agent) + "/task/" +
+                                          std::to_string(agent) + "/children"));
+    for (pid_t child; children >> child;) {
+      const std::string environ = read_text("/proc/" + std::to_string(child) + "/environ");
+      for (size_t at = 0; at < environ.size();) {
+        const size_t end = environ.find('\0', at);
+        if (environ.compare(at, end - at, wanted) == 0) return child;
+        at = end == std::string::npos ? end : end + 1;
+      }
+    }
+    std::this_thread::sleep_for(std::chrono::milliseconds(50));
+  }
+  return -1;
+}
+
+// A scheduler's SIGTERM that reaches one rank only stops every rank after the same step, with a
+// checkpoint, and rank 0's summary names the signal (the ranks agree on it, not only on
+// stopping).
+TEST(DataParallel, ASigtermToAnotherRankIsNamedInTheSummary) {
+  if (mixprec::test::torchrun().empty()) GTEST_SKIP() << "no torchrun beside MIXPREC_PYTHON";
+  Scratch dir;
+  write_corpus(dir / "corpus.txt");
+  const pid_t agent = start_program(
+      dir.path(),
+      data_parallel_run(dir) + std::vector<std::string>{"--steps", "100000", "--out", "run"}, "run",
+      2);
+  const auto deadline = std::chrono::steady_clock::now() + std::chrono::seconds(120);
+  while (count_lines(dir / "run/metrics.jsonl") < 2 &&
+         std::chrono::steady_clock::now() < deadline) {
+    std::this_thread::sleep_for(std::chrono::milliseconds(20));
+  }
+  const pid_t rank1 = worker_of(agent, 1, deadline);
+  ASSERT_GT(rank1, 0) << "no worker with RANK=1 under torchrun";
+  ASSERT_EQ(::kill(rank1, SIGTERM), 0);
+  const ProgramRun run = wait_program(dir.path(), agent, "run");
+  ASSERT_EQ(run.status, 0) << run.err;
+  EXPECT_NE(run.out.find("stopped     by SIGTERM after step"), std::string::npos) << run.out;
 }
 
 }  // namespace MIXPREC_UNITY_ID
