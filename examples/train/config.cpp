@@ -304,8 +304,15 @@ void validate_values(const TrainConfig& c) {
   positive("ckpt-every", c.ckpt_every);
   positive("keep-last", c.keep_last);
   positive("staging-budget-mb", c.staging_budget_mb);
-  positive("ckpt-timeout", c.ckpt_timeout);
-  check(c.wait_for_ckpt_dir >= 0, "--wait-for-ckpt-dir must not be negative");
+  // Seconds become a steady_clock deadline (nanoseconds in 64 bits): a year is plenty, and
+  // ~292 years would overflow it.
+  constexpr int64_t kYear = 365LL * 24 * 3600;
+  check(c.ckpt_timeout >= 1 && c.ckpt_timeout <= kYear,
+        "--ckpt-timeout must lie in [1, " + std::to_string(kYear) + "] seconds, got " +
+            std::to_string(c.ckpt_timeout));
+  check(c.wait_for_ckpt_dir >= 0 && c.wait_for_ckpt_dir <= kYear,
+        "--wait-for-ckpt-dir must lie in [0, " + std::to_string(kYear) + "] seconds, got " +
+            std::to_string(c.wait_for_ckpt_dir));
   check(c.precision == "bf16" || c.precision == "fp16",
         "--precision must be bf16 or fp16, got '" + c.precision + "'");
   check(c.fp8 == "off" || c.fp8 == "e4m3" || c.fp8 == "hybrid",

@@ -120,9 +120,12 @@ TEST_F(BadInput, AutoResumeWithoutADirectory) {
                  "--auto-resume resumes when there is a checkpoint, --resume always");
 }
 
-TEST_F(BadInput, ThreadsBeyondAnyMachine) {
+TEST_F(BadInput, ValuesBeyondWhatTheProgramCanHold) {
   expect_refused(args({"--threads", "99999999999"}),
                  "--threads must lie in [0, 1024], got 99999999999");
+  expect_refused(args({"--wait-for-ckpt-dir", "99999999999"}),
+                 "--wait-for-ckpt-dir must lie in [0, 31536000] seconds, got 99999999999");
+  expect_refused(args({"--ckpt-timeout", "0"}), "--ckpt-timeout must lie in [1, 31536000]");
 }
 
 TEST_F(BadInput, FreshRunIntoAnExistingRunsCheckpoints) {
