@@ -3,6 +3,7 @@
 #include "checkpoint/save_pipeline.h"
 #include "detail/name_match.h"
 #include "mixprec/checkpoint/format/error.h"
+#include "mixprec/checkpoint/format/root_layout.h"
 
 #include <ATen/ATen.h>
 #include <ATen/core/grad_mode.h>
@@ -178,7 +179,9 @@ void AsyncCheckpointSaver::save(const std::filesystem::path& root, const std::st
   // One process writes the whole checkpoint: its shards must cover every tensor.
   detail::check_savable({&state});
   // Cheap to see now; found by the writer, it would surface only at the next save() (whose
-  // own state that error then costs).
+  // own state that error then costs). The name first, as save_checkpoint checks it: `lock` or
+  // `latest` exist in a used root, and "already exists" would blame the wrong thing.
+  check_checkpoint_name(root, name);
   std::error_code ec;
   if (std::filesystem::exists(std::filesystem::symlink_status(root / name, ec))) {
     throw FormatError("[mixprec::checkpoint] " + (root / name).string() +

@@ -78,6 +78,29 @@ TEST(AsyncSave, AnExistingNameIsRefusedAtOnce) {
   EXPECT_EQ(resolve_checkpoint(root.path), root.path / "s2");
 }
 
+// An invalid or reserved name is refused by save() with save_checkpoint's message, not by the
+// writer, whose error would cost the next save. `lock` and `latest` are refused before the
+// existence check, which would blame a file the root itself owns.
+TEST(AsyncSave, AnInvalidOrReservedNameIsRefusedAtOnceAsSaveCheckpointRefusesIt) {
+  TempRoot root;
+  TrainingSetup a(at::kBFloat16);
+  a.step();
+  save_training_state(root.path, "s1", *a.model, *a.optimizer);  // `latest` and `lock` exist
+  AsyncCheckpointSaver saver;
+  for (const std::string name : {"a/b", "latest", "latest.x", "lock", ".hidden", ""}) {
+    const std::string sync = error_of(
+        [&] { save_checkpoint(root.path, name, training_state_dict(*a.model, *a.optimizer)); });
+    const std::string async =
+        error_of([&] { saver.save(root.path, name, training_state_dict(*a.model, *a.optimizer)); });
+    EXPECT_NE(sync.find("name"), std::string::npos) << name << ": " << sync;
+    EXPECT_EQ(async, sync) << name;
+    EXPECT_FALSE(saver.in_flight()) << name;
+  }
+  saver.save(root.path, "s2", training_state_dict(*a.model, *a.optimizer));
+  ASSERT_TRUE(saver.wait().has_value()) << "no error of a refused name is left over";
+  EXPECT_EQ(resolve_checkpoint(root.path), root.path / "s2");
+}
+
 TEST(AsyncSave, StepBetweenBuildingTheDictAndSavingIsRefused) {
   TempRoot root;
   TrainingSetup a(at::kBFloat16);

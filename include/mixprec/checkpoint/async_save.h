@@ -92,7 +92,8 @@ class AsyncCheckpointSaver {
   // Starts saving `state` as <root>/<name> (save_checkpoint's rules); returns once it is
   // checked, before it is staged. Rethrows the previous save's background error, if any, before
   // starting; throws c10::Error if `state` cannot be saved, does not fit the budget, or changed
-  // since it was built (see above).
+  // since it was built (see above), and FormatError, as save_checkpoint does, for an invalid
+  // or reserved name or an existing <root>/<name>.
   void save(const std::filesystem::path& root, const std::string& name, ShardedStateDict state,
             const SaveOptions& options = {});
   // The same with `write` as the background half (it gets the staged copy: the same keys,
