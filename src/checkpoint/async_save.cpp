@@ -207,22 +207,16 @@ void AsyncCheckpointSaver::start(ShardedStateDict state, Writer write, bool defe
   // This process's part only: on N ranks the writer's collective checks what they cover
   // together (collective_checkpoint.h).
   std::exception_ptr failed;
+  staged_ = ShardedStateDict();
   try {
     std::vector<std::string> problems;
     detail::plan_rank(state, 0, problems);
     mixprec::detail::check_no_problems(problems, "[mixprec::checkpoint::save] cannot save");
     detail::check_unchanged({&state}, "since the state dict was built");
     reserve(staging_bytes_for(state));
-  } catch (...) {
-    // A writer that takes part in a collective must still take part, with this error, or the
-    // other ranks' saves would wait for this one and pair with its next (async_save.h).
-    if (!defer_errors) throw;
-    failed = std::current_exception();
-  }
-
-  // The copy's layout in the arena; the bytes follow on the background thread.
-  staged_ = ShardedStateDict();
-  if (!failed) {
+    // The copy's layout in the arena; the bytes follow on the background thread. Inside this
+    // try: an error here is this process's part failing too, which a collective writer must
+    // hear, or the other ranks would wait in the save's first agreement.
     staged_.common = state.common;
     std::size_t offset = 0;
     for (const auto& [key, shard] : state.tensors) {
@@ -232,15 +226,25 @@ void AsyncCheckpointSaver::start(ShardedStateDict state, Writer write, bool defe
       copy.version = -1;
       if (shard.replica_id == 0 && shard.local.defined()) {
         const std::size_t bytes = shard_bytes(shard);
-        copy.local = arena_.narrow(0, static_cast<int64_t>(offset), static_cast<int64_t>(bytes))
-                         .view(shard.local.scalar_type())
-                         .view(shard.local.sizes());
+        // No elements, no slot: a state of only such tensors (a rank's empty slices) needs
+        // 0 bytes, and so has no arena to lay them in.
+        copy.local =
+            bytes == 0 ? at::empty(shard.local.sizes(), at::dtype(shard.local.scalar_type()))
+                       : arena_.narrow(0, static_cast<int64_t>(offset), static_cast<int64_t>(bytes))
+                             .view(shard.local.scalar_type())
+                             .view(shard.local.sizes());
         offset += aligned(bytes);
       }
       staged_.tensors.emplace(key, std::move(copy));
     }
-    state_ = std::move(state);
+  } catch (...) {
+    staged_ = ShardedStateDict();
+    // A writer that takes part in a collective must still take part, with this error, or the
+    // other ranks' saves would wait for this one and pair with its next (async_save.h).
+    if (!defer_errors) throw;
+    failed = std::current_exception();
   }
+  if (!failed) state_ = std::move(state);
   {
     std::lock_guard<std::mutex> lock(mutex_);
     staging_ = true;

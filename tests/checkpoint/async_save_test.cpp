@@ -101,6 +101,37 @@ TEST(AsyncSave, AnInvalidOrReservedNameIsRefusedAtOnceAsSaveCheckpointRefusesIt)
   EXPECT_EQ(resolve_checkpoint(root.path), root.path / "s2");
 }
 
+// Tensors without elements need no staging memory: a state of only such tensors saves on a
+// saver whose arena was never allocated (it stays so) and loads back with their dtypes and shapes.
+TEST(AsyncSave, AStateOfEmptyTensorsSavesAndLoads) {
+  TempRoot root;
+  ShardedStateDict state;
+  state.tensors.emplace("rows", ShardedTensor::whole(at::zeros({0, 3})));
+  state.tensors.emplace("cols", ShardedTensor::whole(at::zeros({2, 0}, at::kHalf)));
+  state.common["step"] = 1;
+  AsyncCheckpointSaver saver;
+  saver.save(root.path, "empty", state);
+  const std::optional<SaveResult> result = saver.wait();
+  ASSERT_TRUE(result.has_value());
+  EXPECT_EQ(saver.staging_bytes(), 0u);
+  verify_checkpoint(root.path / "empty");
+  const ShardedStateDict loaded = read_checkpoint(root.path / "empty");
+  ASSERT_EQ(loaded.tensors.size(), 2u);
+  EXPECT_EQ(loaded.tensors.at("rows").local.sizes(), at::IntArrayRef({0, 3}));
+  EXPECT_EQ(loaded.tensors.at("rows").local.scalar_type(), at::kFloat);
+  EXPECT_EQ(loaded.tensors.at("cols").local.sizes(), at::IntArrayRef({2, 0}));
+  EXPECT_EQ(loaded.tensors.at("cols").local.scalar_type(), at::kHalf);
+  EXPECT_EQ(loaded.common["step"], 1);
+
+  // Beside tensors with elements, in an arena that exists, they still take no slot.
+  state.tensors.emplace("w", ShardedTensor::whole(at::arange(5, at::kFloat)));
+  saver.save(root.path, "mixed", state);
+  ASSERT_TRUE(saver.wait().has_value());
+  EXPECT_EQ(saver.staging_bytes(), staging_bytes_for(state));
+  EXPECT_TRUE(at::equal(read_checkpoint(root.path / "mixed").tensors.at("w").local,
+                        at::arange(5, at::kFloat)));
+}
+
 TEST(AsyncSave, StepBetweenBuildingTheDictAndSavingIsRefused) {
   TempRoot root;
   TrainingSetup a(at::kBFloat16);

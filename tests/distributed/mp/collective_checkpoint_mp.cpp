@@ -9,6 +9,7 @@
 #include "mixprec/checkpoint/format/safetensors_reader.h"
 #include "mixprec/checkpoint/format/state_keys.h"
 #include "mixprec/checkpoint/format/verify.h"
+#include "mixprec/checkpoint/reshard.h"
 #include "mixprec/checkpoint/training_state.h"
 #include "mixprec/distributed/collective_checkpoint.h"
 #include "optim/support_optim.h"
@@ -477,6 +478,46 @@ TEST(CollectiveCheckpoint, AnAsyncSaveFailingOnOneRankFailsOnEveryRankAndTheNext
   world().barrier();
   EXPECT_EQ(read_latest(root.path()), "c");
   EXPECT_TRUE(at::equal(checkpoint::read_checkpoint(root.path() / "c").at("v").local, values));
+}
+
+// An async collective save in which some ranks' parts hold no elements (a 1-row tensor split
+// by rows leaves every rank but 0 an empty slice) commits and loads: a part with nothing to
+// stage needs no staging memory, and no rank is left waiting for another's.
+TEST(CollectiveCheckpoint, AnAsyncSaveWithRanksWhosePartsAreEmptyCommitsAndLoads) {
+  const int n = world().size(), rank = world().rank();
+  if (n < 2) GTEST_SKIP() << "needs a rank with an empty part";
+  SharedTempDir root;
+  // Its own group: a rank that fails alone must not leave the shared one waiting.
+  auto group = own_group("async-empty-parts", std::chrono::seconds(20));
+  ShardedStateDict whole;
+  whole.tensors.emplace("w", ShardedTensor::whole(at::arange(4, at::kFloat).view({1, 4})));
+  whole.tensors.emplace("h", ShardedTensor::whole(at::ones({1, 3}, at::kHalf)));
+  whole.common["step"] = 1;
+  ShardedStateDict mine = checkpoint::shard_for_rank(whole, rank, n);
+  if (rank > 0) {
+    for (const auto& [key, shard] : mine.tensors) EXPECT_EQ(shard.local.numel(), 0) << key;
+  }
+  checkpoint::AsyncCheckpointSaver saver;
+  std::string error;
+  std::optional<checkpoint::SaveResult> saved;
+  try {
+    distributed::save_checkpoint_async(saver, group, root.path(), "step-1", std::move(mine));
+    saved = saver.wait();
+  } catch (const std::exception& e) {
+    error = e.what();
+  }
+  EXPECT_EQ(error, "") << "rank " << rank;
+  EXPECT_TRUE(saved.has_value() && saved->dir == root.path() / "step-1") << "rank " << rank;
+  world().barrier();
+  EXPECT_EQ(read_latest(root.path()), "step-1");
+  if (fs::exists(root.path() / "step-1")) {  // alike on every rank: the barrier passed
+    if (rank == 0) checkpoint::verify_checkpoint(root.path() / "step-1");
+    const ShardedStateDict loaded = checkpoint::read_checkpoint(root.path() / "step-1");
+    for (const auto& [key, shard] : whole.tensors) {
+      EXPECT_TRUE(at::equal(loaded.tensors.at(key).local, shard.local)) << key;
+    }
+  }
+  world().barrier();  // every rank has read before the directory goes
 }
 
 // Ranks whose saves are out of step (one saves under another name) are refused on every rank
