@@ -64,6 +64,15 @@ std::map<std::string, WrittenTensor> written_from_json(const nlohmann::json& jso
   return out;
 }
 
+nlohmann::json options_to_json(const checkpoint::SaveOptions& options) {
+  return {{"update_latest", options.update_latest()},
+          {"keep_last", options.keep_last()},
+          {"in_use", options.in_use()},
+          {"lock_timeout", std::to_string(options.lock_timeout().count()) + " ms"},
+          {"stale_staging_timeout", std::to_string(options.stale_staging_timeout().count()) + " s"},
+          {"checksum_block_bytes", options.checksum_block_bytes()}};
+}
+
 nlohmann::json result_to_json(const checkpoint::SaveResult& r) {
   return {{"dir", r.dir.string()},
           {"tensor_bytes", r.tensor_bytes},

@@ -21,6 +21,11 @@ checkpoint::detail::RankPlan plan_from_json(const nlohmann::json& json);
 nlohmann::json written_to_json(const std::map<std::string, checkpoint::WrittenTensor>& written);
 std::map<std::string, checkpoint::WrittenTensor> written_from_json(const nlohmann::json& json);
 
+// The options a rank saves with, one field per SaveOptions member under its name, each value
+// printable as is (durations as "<count> ms" / "<count> s"): every rank compares them to rank
+// 0's.
+nlohmann::json options_to_json(const checkpoint::SaveOptions& options);
+
 // The committing rank's result, for every rank to return.
 nlohmann::json result_to_json(const checkpoint::SaveResult& result);
 checkpoint::SaveResult result_from_json(const nlohmann::json& json);

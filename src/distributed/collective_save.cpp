@@ -39,6 +39,11 @@ ckpt::Directory open_staging(const std::filesystem::path& root, const std::strin
   return ckpt::open_root(root).subdirectory(name);
 }
 
+// An option's value as a message shows it: strings without their quotes.
+std::string printed(const nlohmann::json& value) {
+  return value.is_string() ? value.get<std::string>() : value.dump();
+}
+
 }  // namespace
 
 namespace {
@@ -62,7 +67,9 @@ ckpt::SaveResult save_collectively(Communicator& comm, const std::filesystem::pa
     if (committing) ckpt::detail::check_common_state(mine.common);  // rank 0's is written
     const RankPlan plan = ckpt::detail::plan_rank(mine, static_cast<size_t>(rank), problems);
     mixprec::detail::check_no_problems(problems, "[mixprec::checkpoint::save] cannot save");
-    nlohmann::json out = {{"plan", detail::plan_to_json(plan)}, {"name", name}};
+    nlohmann::json out = {{"plan", detail::plan_to_json(plan)},
+                          {"name", name},
+                          {"options", detail::options_to_json(options)}};
     if (committing) {
       committer.writer = std::make_unique<ckpt::RootWriter>(
           root, ckpt::WriterOptions{options.lock_timeout(), options.stale_staging_timeout()});
@@ -83,6 +90,14 @@ ckpt::SaveResult save_collectively(Communicator& comm, const std::filesystem::pa
                 "] the ranks are not saving the same checkpoint: rank 0 saves '", first_name,
                 "', rank ", r, " '", theirs,
                 "' (every rank must save at the same step, under the same name)");
+    // The manifest, `latest` and retention are rank 0's, each data file its rank's: options
+    // that differ would fail the commit after every rank wrote, or be overridden silently.
+    for (const auto& [option, ours] : payloads[0].at("options").items()) {
+      const nlohmann::json& theirs_option = payloads[r].at("options").at(option);
+      TORCH_CHECK(theirs_option == ours, "[", kSaveOp, "] the ranks' save options differ: ", option,
+                  " is ", printed(ours), " on rank 0, ", printed(theirs_option), " on rank ", r,
+                  " (every rank must pass the same SaveOptions)");
+    }
     plans.push_back(detail::plan_from_json(payloads[r].at("plan")));
   }
   // Every rank checks the same plans alike: all throw, or none does.

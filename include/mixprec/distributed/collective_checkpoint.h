@@ -21,9 +21,10 @@
 // same c10::Error, naming the first failing rank and its message.
 //   1. prepare: rank 0, the committing rank, opens the root as its one writer (it alone takes
 //      the lock, cleans stale staging and repairs `latest`: checkpoint/format/root_writer.h)
-//      and creates the staging directory; every rank plans its chunks. Every plan goes to
-//      every rank, and all are checked together (each key's dtype and global shape agree,
-//      its chunks tile it exactly) before anything is written.
+//      and creates the staging directory; every rank plans its chunks. Every plan, with the
+//      rank's checkpoint name and SaveOptions, goes to every rank, and all are checked together
+//      (the same name and options on every rank, each key's dtype and global shape agree, its
+//      chunks tile it exactly) before anything is written.
 //   2. write: every rank writes only its own data file into the staging directory and fsyncs
 //      it; its checksums go to every rank (rank 0 puts them in the manifest).
 //   3. commit: rank 0 writes common.json and, last, manifest.json, commits the directory
@@ -79,7 +80,9 @@ namespace mixprec::distributed {
 
 // Collective: saves every rank's `mine` as the checkpoint <root>/<name> (phases above). A
 // key's shards from all ranks together must tile it (replica_id > 0 marks duplicates); the
-// common state is rank 0's. Every rank returns the same SaveResult (tensor_bytes and files
+// common state is rank 0's. Every rank passes the same `name` and `options` (a rank that
+// differs is refused on every rank before anything is written, the error naming the option
+// and both ranks' values). Every rank returns the same SaveResult (tensor_bytes and files
 // over all ranks), or every rank throws: c10::Error naming the first failing rank and its
 // message (a bad state, a held lock, an existing <name>, an I/O error), or the communicator's
 // error when a rank does not arrive. Nothing is committed unless every rank's data file is

@@ -545,5 +545,62 @@ TEST(CollectiveCheckpoint, RanksSavingDifferentCheckpointsAreRefused) {
   EXPECT_TRUE(staging_entries(root.path()).empty());
 }
 
+// Ranks passing different SaveOptions are refused on every rank before anything is written,
+// naming the option and each rank's value: the manifest and retention are rank 0's, so a
+// difference would otherwise fail after every rank wrote (blaming rank 0's manifest) or be
+// silently overridden by rank 0's. Synchronous and async saves alike.
+TEST(CollectiveCheckpoint, RanksPassingDifferentSaveOptionsAreRefused) {
+  const int n = world().size(), rank = world().rank();
+  if (n < 2) GTEST_SKIP() << "needs two ranks";
+  const bool odd_one = rank == n - 1;
+  const std::string last = std::to_string(n - 1);
+  SharedTempDir root;
+  ShardedStateDict mine;
+  const at::Tensor values = at::arange(12, at::kFloat);
+  mine.tensors.emplace(
+      "v", ShardedTensor::flat(values.narrow(0, 12 * rank / n, 12 * (rank + 1) / n - 12 * rank / n),
+                               {12}, 12 * rank / n));
+  const auto refused = [&](const std::string& name, const checkpoint::SaveOptions& options,
+                           const std::string& expected) {
+    const std::string message =
+        error_of([&] { distributed::save_checkpoint(world(), root.path(), name, mine, options); });
+    EXPECT_NE(message.find(expected), std::string::npos) << "rank " << rank << ": " << message;
+    EXPECT_EQ(message.find("manifest"), std::string::npos) << message;
+    world().barrier();
+    EXPECT_FALSE(fs::exists(root.path() / name));
+    EXPECT_TRUE(staging_entries(root.path()).empty());
+    world().barrier();  // every rank has looked before rank 0 stages the next save
+  };
+  const checkpoint::SaveOptions same = checkpoint::SaveOptions().checksum_block_bytes(256);
+  refused(
+      "blocks", checkpoint::SaveOptions(same).checksum_block_bytes(odd_one ? 0 : 256),
+      "the ranks' save options differ: checksum_block_bytes is 256 on rank 0, 0 on rank " + last);
+  refused("keep", checkpoint::SaveOptions(same).keep_last(odd_one ? 2 : 0),
+          "keep_last is 0 on rank 0, 2 on rank " + last);
+  refused("no-latest", checkpoint::SaveOptions(same).update_latest(!odd_one),
+          "update_latest is true on rank 0, false on rank " + last);
+  refused("in-use",
+          checkpoint::SaveOptions(same).in_use(odd_one ? std::set<std::string>{"a"}
+                                                       : std::set<std::string>{}),
+          "in_use is [] on rank 0, [\"a\"] on rank " + last);
+  EXPECT_FALSE(fs::exists(root.path() / "latest")) << "nothing was ever committed";
+
+  // An async save is refused alike, at wait(), and the ranks' next saves still pair.
+  auto group = own_group("async-options-differ", std::chrono::seconds(60));
+  checkpoint::AsyncCheckpointSaver saver;
+  distributed::save_checkpoint_async(saver, group, root.path(), "async", mine,
+                                     checkpoint::SaveOptions(same).keep_last(odd_one ? 1 : 0));
+  const std::string message = error_of([&] { saver.wait(); });
+  EXPECT_NE(message.find("keep_last is 0 on rank 0, 1 on rank " + last), std::string::npos)
+      << "rank " << rank << ": " << message;
+  distributed::save_checkpoint_async(saver, group, root.path(), "agreed", mine, same);
+  const std::optional<checkpoint::SaveResult> saved = saver.wait();
+  EXPECT_TRUE(saved.has_value() && saved->dir == root.path() / "agreed") << "rank " << rank;
+  world().barrier();
+  EXPECT_FALSE(fs::exists(root.path() / "async"));
+  EXPECT_EQ(read_latest(root.path()), "agreed");
+  world().barrier();
+}
+
 }  // namespace MIXPREC_UNITY_ID
 }  // namespace mixprec::testing
