@@ -63,12 +63,7 @@ class SingleProcessOptimizer final : public TrainingOptimizer {
 
 std::size_t checkpoint_bytes_when_stepped(const mixprec::ShardedStateDict& now,
                                           const Float16Optimizer& optimizer) {
-  const int64_t held =
-      optimizer.state_bytes(ParamRole::kMaster) + optimizer.state_bytes(ParamRole::kNativeFp32);
-  const int64_t growth = optimizer.state_bytes_when_stepped() - held;
-  // Every state tensor yet to come starts at a 64-byte boundary of the staging arena.
-  const std::size_t alignment = 64 * 4 * optimizer.params_info().size();
-  return mixprec::checkpoint::staging_bytes_for(now) + static_cast<std::size_t>(growth) + alignment;
+  return mixprec::checkpoint::staging_bytes_when_stepped(now, optimizer);
 }
 
 std::vector<torch::optim::OptimizerParamGroup> adamw_groups(torch::nn::Module& model,

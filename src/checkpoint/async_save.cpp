@@ -100,6 +100,8 @@ unsigned copy_threads() { return std::clamp(std::thread::hardware_concurrency(),
 
 }  // namespace
 
+std::size_t staging_bytes_for(std::size_t tensor_bytes) { return aligned(tensor_bytes); }
+
 std::size_t staging_bytes_for(const ShardedStateDict& state) {
   std::size_t total = 0;
   for (const auto& [key, shard] : state.tensors) {

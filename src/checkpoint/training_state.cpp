@@ -1,6 +1,7 @@
 #include "mixprec/checkpoint/training_state.h"
 
 #include "checkpoint/rng_state.h"
+#include "mixprec/checkpoint/async_save.h"
 #include "mixprec/checkpoint/format/state_keys.h"
 
 #include <c10/util/Exception.h>
@@ -24,6 +25,19 @@ ShardedStateDict training_state_dict(const torch::nn::Module& model,
     state.tensors.emplace(key, ShardedTensor::whole(rng));
   state.common[std::string(keys::kCommonUser)] = user;
   return state;
+}
+
+std::size_t staging_bytes_when_stepped(const ShardedStateDict& state,
+                                       const optim::Float16Optimizer& optimizer) {
+  std::size_t bytes = staging_bytes_for(state);
+  for (const int64_t more : optimizer.state_tensor_bytes_to_come())
+    bytes += staging_bytes_for(static_cast<std::size_t>(more));
+  return bytes;
+}
+
+std::size_t staging_bytes_when_stepped(const torch::nn::Module& model,
+                                       const optim::Float16Optimizer& optimizer) {
+  return staging_bytes_when_stepped(training_state_dict(model, optimizer), optimizer);
 }
 
 SaveResult save_training_state(const std::filesystem::path& root, const std::string& name,

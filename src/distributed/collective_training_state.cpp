@@ -54,6 +54,11 @@ ShardedStateDict training_state_dict(const torch::nn::Module& model,
   return state;
 }
 
+std::size_t staging_bytes_when_stepped(const torch::nn::Module& model,
+                                       const DistributedOptimizer& optimizer) {
+  return checkpoint::staging_bytes_when_stepped(training_state_dict(model, optimizer), optimizer);
+}
+
 checkpoint::SaveResult save_training_state(const std::filesystem::path& root,
                                            const std::string& name, const torch::nn::Module& model,
                                            const DistributedOptimizer& optimizer,

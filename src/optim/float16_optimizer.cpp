@@ -266,6 +266,20 @@ int64_t Float16Optimizer::state_bytes_when_stepped() const {
   return bytes;
 }
 
+std::vector<int64_t> Float16Optimizer::state_tensor_bytes_to_come() const {
+  std::vector<int64_t> out;
+  for (size_t k = 0; k < slots_.size(); ++k) {
+    if (info_[k].role == ParamRole::kFrozen) continue;
+    const Slot& s = *slots_[k];
+    const std::vector<bool> held = traits_->held_state(param_groups()[info_[k].group].options());
+    // A step allocates exactly these (AlgorithmTraits::allocate_state), FP32, piece-sized.
+    for (size_t i = 0; i < held.size(); ++i) {
+      if (held[i] && !s.state[i].defined()) out.push_back((s.end - s.begin) * 4);
+    }
+  }
+  return out;
+}
+
 at::Tensor Float16Optimizer::step(LossClosure closure) {
   at::Tensor loss;
   if (closure) {

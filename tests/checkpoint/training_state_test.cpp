@@ -380,6 +380,39 @@ TEST(AsyncSave, ErrorsSurfaceOnWaitAndNextSave) {
   EXPECT_TRUE(saver.wait().has_value());
 }
 
+// Staging memory reserved at training start, before any step, from staging_bytes_when_stepped
+// holds the save at step 3 (it is exactly what that save stages), while the state's own
+// staging_bytes_for at start — no moments yet — sets a budget that save exceeds.
+TEST(TrainingState, StagingBytesWhenSteppedAtStartHoldTheSaveAfterSteps) {
+  TempRoot root;
+  TrainingSetup a(at::kBFloat16);
+  const std::size_t when_stepped = staging_bytes_when_stepped(*a.model, *a.optimizer);
+  const std::size_t at_start = staging_bytes_for(training_state_dict(*a.model, *a.optimizer));
+  EXPECT_EQ(when_stepped,
+            staging_bytes_when_stepped(training_state_dict(*a.model, *a.optimizer), *a.optimizer));
+  AsyncCheckpointSaver saver(AsyncSaveOptions().staging_budget_bytes(when_stepped));
+  saver.reserve(when_stepped);
+  AsyncCheckpointSaver undercounted(AsyncSaveOptions().staging_budget_bytes(at_start));
+  undercounted.reserve(at_start);
+
+  for (int i = 0; i < 3; ++i) a.step();
+  const ShardedStateDict stepped = training_state_dict(*a.model, *a.optimizer);
+  EXPECT_LT(at_start, staging_bytes_for(stepped)) << "the moments came at the first step";
+  EXPECT_EQ(when_stepped, staging_bytes_for(stepped));
+  EXPECT_EQ(staging_bytes_when_stepped(*a.model, *a.optimizer), when_stepped)
+      << "nothing more to come once every parameter has been stepped";
+  EXPECT_TRUE(a.optimizer->state_tensor_bytes_to_come().empty());
+
+  saver.save(root.path, "step-3", stepped);
+  ASSERT_TRUE(saver.wait().has_value());
+  EXPECT_EQ(saver.staging_bytes(), when_stepped) << "the arena reserved at start was enough";
+  const std::string message = mixprec::testing::error_of([&] {
+    undercounted.save(root.path, "undercounted", training_state_dict(*a.model, *a.optimizer));
+  });
+  EXPECT_NE(message.find("the budget is " + std::to_string(at_start)), std::string::npos)
+      << message;
+}
+
 TEST(AsyncSave, BudgetBelowTheStateIsRefusedAtReserve) {
   TrainingSetup a(at::kBFloat16);
   a.step();

@@ -17,7 +17,10 @@
 // is allocated, and reused by every later save: a steady save allocates nothing. It is sized
 // for the whole state (every replica-0 shard's bytes), so staging never waits for the writer;
 // a state larger than the budget is refused, naming both sizes, by reserve() — call it when
-// training starts, so that a save that cannot fit says so then and not at step 10 000.
+// training starts, so that a save that cannot fit says so then and not at step 10 000, with
+// what the state will need once stepped (the optimizer makes its moments at a parameter's
+// first step): staging_bytes_when_stepped (checkpoint/training_state.h; for a ZeRO-1 rank,
+// distributed/collective_checkpoint.h), not staging_bytes_for of the state at start.
 //
 // Consistency: a state dict aliases the live model and optimizer tensors, while its common
 // state (the step count) is a snapshot taken when it was built. The saved state is a
@@ -64,8 +67,11 @@ struct AsyncSaveOptions {
 };
 
 // The bytes the staging arena needs for `state`: each replica-0 shard's bytes, each rounded up
-// to 64 (the alignment every staged tensor starts at).
+// to 64 (the alignment every staged tensor starts at). Before the first optimizer step a
+// training state holds no moments yet: reserve training_state.h's staging_bytes_when_stepped.
 std::size_t staging_bytes_for(const ShardedStateDict& state);
+// The arena bytes one staged tensor of `tensor_bytes` bytes takes: rounded up to 64.
+std::size_t staging_bytes_for(std::size_t tensor_bytes);
 
 class AsyncCheckpointSaver {
  public:

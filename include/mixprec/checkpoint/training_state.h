@@ -30,6 +30,20 @@ ShardedStateDict training_state_dict(const torch::nn::Module& model,
                                      const optim::Float16Optimizer& optimizer,
                                      const nlohmann::json& user = nlohmann::json::object());
 
+// The staging bytes (async_save.h: staging_bytes_for) a training state dict of `optimizer`
+// will need once every trainable parameter has been stepped: what AsyncCheckpointSaver::
+// reserve() must be given when training starts, as moments are made at a parameter's first
+// step. `state` is a training state dict of `optimizer` (this header's training_state_dict,
+// or distributed/collective_checkpoint.h's for a DistributedOptimizer): its bytes plus each
+// state tensor the steps will still create (Float16Optimizer::state_tensor_bytes_to_come),
+// aligned as the arena aligns it: exactly the later save's staging_bytes_for, unless the
+// model or the groups' hyper-parameters change meanwhile.
+std::size_t staging_bytes_when_stepped(const ShardedStateDict& state,
+                                       const optim::Float16Optimizer& optimizer);
+// staging_bytes_when_stepped(training_state_dict(model, optimizer), optimizer).
+std::size_t staging_bytes_when_stepped(const torch::nn::Module& model,
+                                       const optim::Float16Optimizer& optimizer);
+
 // save_checkpoint(root, name, training_state_dict(...)).
 SaveResult save_training_state(const std::filesystem::path& root, const std::string& name,
                                const torch::nn::Module& model,

@@ -112,6 +112,12 @@ ShardedStateDict training_state_dict(const torch::nn::Module& model,
                                      const DistributedOptimizer& optimizer,
                                      const nlohmann::json& user = nlohmann::json::object());
 
+// The staging bytes of this rank's training_state_dict once every trainable parameter has been
+// stepped (checkpoint::staging_bytes_when_stepped over this rank's pieces): what this rank's
+// AsyncCheckpointSaver::reserve() must be given when training starts. Not collective.
+std::size_t staging_bytes_when_stepped(const torch::nn::Module& model,
+                                       const DistributedOptimizer& optimizer);
+
 // Collective over the optimizer's communicator:
 // save_checkpoint(comm, root, name, training_state_dict(model, optimizer, user), options).
 checkpoint::SaveResult save_training_state(const std::filesystem::path& root,

@@ -252,6 +252,11 @@ class Float16Optimizer : private detail::GroupOptionsCheck, public torch::optim:
   // groups' current hyper-parameters (moments are made at a parameter's first step): what a
   // checkpoint of the optimizer will hold, known before training starts.
   int64_t state_bytes_when_stepped() const;
+  // The bytes of each state tensor that stepping every trainable parameter will still create
+  // (one entry per tensor, FP32, of the parameter's or this rank's piece's elements; empty once
+  // all are stepped): what a checkpoint will hold beyond today's, tensor by tensor, as a
+  // staging arena lays it out (checkpoint/training_state.h: staging_bytes_when_stepped).
+  std::vector<int64_t> state_tensor_bytes_to_come() const;
   // What the last update() that stepped did with offloading on (all zero without it).
   const OffloadStats& offload_stats() const { return offload_stats_; }
 

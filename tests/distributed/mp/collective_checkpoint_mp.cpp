@@ -520,6 +520,35 @@ TEST(CollectiveCheckpoint, AnAsyncSaveWithRanksWhosePartsAreEmptyCommitsAndLoads
   world().barrier();  // every rank has read before the directory goes
 }
 
+// What each rank reserves at training start, before any step, is exactly what its part of
+// the save at step 3 stages (its own pieces: the ranks' sizes differ), not its state's size at
+// start, which holds no moments yet.
+TEST(CollectiveCheckpoint, StagingBytesWhenSteppedAtStartAreWhatEachRanksSaveStagesLater) {
+  const int rank = world().rank();
+  SharedTempDir root;
+  ZeroRun run;
+  const std::size_t when_stepped =
+      distributed::staging_bytes_when_stepped(*run.model, *run.optimizer);
+  const std::size_t at_start =
+      checkpoint::staging_bytes_for(distributed::training_state_dict(*run.model, *run.optimizer));
+  checkpoint::AsyncCheckpointSaver saver(
+      checkpoint::AsyncSaveOptions().staging_budget_bytes(when_stepped));
+  saver.reserve(when_stepped);
+  for (int64_t step = 0; step < 3; ++step) run.step(step);
+  const ShardedStateDict stepped = distributed::training_state_dict(*run.model, *run.optimizer);
+  EXPECT_LT(at_start, checkpoint::staging_bytes_for(stepped)) << "rank " << rank;
+  EXPECT_EQ(when_stepped, checkpoint::staging_bytes_for(stepped)) << "rank " << rank;
+  distributed::save_checkpoint_async(saver, world_ptr(), root.path(), "step-3", stepped);
+  std::string error;
+  try {
+    saver.wait();
+  } catch (const std::exception& e) {
+    error = e.what();
+  }
+  EXPECT_EQ(error, "") << "rank " << rank;
+  EXPECT_EQ(saver.staging_bytes(), when_stepped) << "rank " << rank;
+}
+
 // Ranks whose saves are out of step (one saves under another name) are refused on every rank
 // before anything is written, rather than paired into one checkpoint.
 TEST(CollectiveCheckpoint, RanksSavingDifferentCheckpointsAreRefused) {
