@@ -5,6 +5,7 @@
 #include "distributed/mp/zero_support.h"
 #include "mixprec/checkpoint/async_save.h"
 #include "mixprec/checkpoint/format/box.h"
+#include "mixprec/checkpoint/format/error.h"
 #include "mixprec/checkpoint/format/manifest.h"
 #include "mixprec/checkpoint/format/safetensors_reader.h"
 #include "mixprec/checkpoint/format/state_keys.h"
@@ -518,6 +519,35 @@ TEST(CollectiveCheckpoint, AnAsyncSaveWithRanksWhosePartsAreEmptyCommitsAndLoads
     }
   }
   world().barrier();  // every rank has read before the directory goes
+}
+
+// A reserved or invalid name is refused by the collective async save at once on every rank,
+// as the single-process one refuses it, not by the next save; nothing is left in flight.
+TEST(CollectiveCheckpoint, AnAsyncSaveUnderAnInvalidNameIsRefusedAtOnce) {
+  const int n = world().size(), rank = world().rank();
+  SharedTempDir root;
+  auto group = own_group("async-bad-name", std::chrono::seconds(20));
+  ShardedStateDict whole;
+  whole.tensors.emplace("w", ShardedTensor::whole(at::arange(8, at::kFloat)));
+  checkpoint::AsyncCheckpointSaver saver;
+  for (const std::string name : {"latest", "a/b"}) {
+    std::string message;
+    try {
+      distributed::save_checkpoint_async(saver, group, root.path(), name,
+                                         checkpoint::shard_for_rank(whole, rank, n));
+    } catch (const mixprec::checkpoint::FormatError& e) {
+      message = e.what();
+    }
+    EXPECT_NE(message.find(name), std::string::npos) << message;
+    EXPECT_FALSE(saver.in_flight()) << name;
+  }
+  // The group is still in step: the next save commits.
+  distributed::save_checkpoint_async(saver, group, root.path(), "step-1",
+                                     checkpoint::shard_for_rank(whole, rank, n));
+  EXPECT_TRUE(saver.wait().has_value());
+  world().barrier();
+  EXPECT_EQ(read_latest(root.path()), "step-1");
+  world().barrier();
 }
 
 // What each rank reserves at training start, before any step, is exactly what its part of
