@@ -261,6 +261,9 @@ int run(int argc, char** argv, const std::string& malloc_policy) {
       std::printf("resumed      from %s at step %lld\n", paths.resume_from->string().c_str(),
                   static_cast<long long>(state.step));
       if (!paths.resume_note.empty()) std::printf("             (%s)\n", paths.resume_note.c_str());
+      for (const std::string& flag : paths.passed) {
+        std::printf("             %s ignored: the run is past that step\n", flag.c_str());
+      }
       if (saved_threads > 0 && saved_threads != state.threads) {
         std::printf(
             "             %lld intra-op threads per rank where the checkpoint's run had %lld: the "

@@ -36,22 +36,22 @@ std::optional<fs::path> newest_resumable_run() {
 // in the same second from one directory (an array job, a sweep) get a directory each, where
 // both would otherwise share one and the second fail on its lock. Rank 0 makes it; every rank
 // adopts the name.
-void claim_new_run_dir(RunPaths& paths, mixprec::distributed::Communicator* ranks) {
-  std::string claimed;
+void claim_new_run_dir(const TrainConfig& config, RunPaths& paths,
+                       mixprec::distributed::Communicator* ranks) {
+  std::string claimed;  // or, from rank 0, "!" and why it could not make one
   if (ranks == nullptr || ranks->rank() == 0) {
     fs::path dir = paths.ckpt_root.parent_path();
     std::error_code ec;
     fs::create_directories(dir.parent_path(), ec);
     // create_directory() is false, without an error, when the directory existed already.
-    while (!fs::create_directory(dir, ec)) {
-      if (ec) throw UsageError("cannot create run directory " + dir.string() + ": " + ec.message());
-      dir = new_run_dir();
-    }
-    claimed = dir.string();
+    while (!fs::create_directory(dir, ec) && !ec) dir = new_run_dir();
+    claimed =
+        ec ? "!cannot create run directory " + dir.string() + ": " + ec.message() : dir.string();
   }
   if (ranks != nullptr && ranks->size() > 1) claimed = ranks->all_gather_strings(claimed).front();
+  if (claimed.starts_with('!')) throw UsageError(claimed.substr(1));  // on every rank
   paths.ckpt_root = fs::path(claimed) / "checkpoints";
-  paths.metrics = fs::path(claimed) / "metrics.jsonl";
+  if (config.metrics.empty()) paths.metrics = fs::path(claimed) / "metrics.jsonl";
 }
 
 }  // namespace
@@ -137,7 +137,19 @@ void find_resume_point(TrainConfig& config, RunPaths& paths) {
                      " is already at step " + std::to_string(paths.resume_step) +
                      "; give a larger --steps to train on from it");
   }
-  // Steps the run will not take again: a stop or a trace there would never happen.
+  // Steps the run will not take again: a stop or a trace there would never happen. Refused
+  // when the user asked for this resume; a requeue of the job's own command line
+  // (--auto-resume) passed them on an earlier launch: dropped, and said so.
+  const bool requeued = config.auto_resume && !config.is_given("resume");
+  if (requeued && config.stop_at > 0 && config.stop_at <= paths.resume_step) {
+    paths.passed.push_back("--stop-at " + std::to_string(config.stop_at));
+    config.stop_at = 0;
+  }
+  if (requeued && !config.profile_steps.empty() &&
+      parse_profile_steps(config.profile_steps).first <= paths.resume_step) {
+    paths.passed.push_back("--profile-steps " + config.profile_steps);
+    config.profile_steps.clear();
+  }
   if (config.stop_at > 0 && config.stop_at <= paths.resume_step) {
     throw UsageError("--stop-at " + std::to_string(config.stop_at) + ": " + source +
                      " is already at step " + std::to_string(paths.resume_step) +
@@ -171,7 +183,7 @@ void find_resume_point(TrainConfig& config, RunPaths& paths) {
 HeldRun hold_run(TrainConfig& config, RunPaths& paths, mixprec::distributed::Communicator* ranks) {
   HeldRun held;
   const std::chrono::seconds wait(config.wait_for_ckpt_dir);
-  if (paths.new_run_dir) claim_new_run_dir(paths, ranks);
+  if (paths.new_run_dir) claim_new_run_dir(config, paths, ranks);
   ensure_writable_dir(paths.ckpt_root, "checkpoint directory");
   held.checkpoints =
       hold_run_dir(paths.ckpt_root, std::string(mixprec::checkpoint::kRunLockFileName),

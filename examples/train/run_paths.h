@@ -30,6 +30,8 @@ struct RunPaths {
   std::vector<ResumeChange> changes;  // settings this run gives anew (config.h)
   // Newer checkpoints than resume_from that do not verify (set_aside_unverified moves them).
   std::vector<std::string> unverified;
+  // Flags of a requeued command line (--auto-resume) for steps the run has passed: dropped.
+  std::vector<std::string> passed;
   // The run lives in a runs/<date>-<time> it named itself (no --out, --ckpt-dir or --resume):
   // hold_run() claims it, or the next free name.
   bool new_run_dir = false;

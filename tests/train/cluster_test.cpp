@@ -306,22 +306,36 @@ TEST_F(Cluster, ARunDirectoryTakenMeanwhileIsNotShared) {
   EXPECT_EQ(used, 1u);
 }
 
-// --auto-resume: one command for a job's first launch and its requeues. It starts the run when
-// the directory holds no checkpoint and continues it when it does.
-TEST_F(Cluster, AutoResumeStartsTheRunThenContinuesIt) {
-  const ProgramRun first = run_program(
-      dir_.path(), args({"--steps", "4", "--ckpt-every", "2", "--auto-resume", "--stop-at", "2"}),
-      "first");
+// --auto-resume: one command line for a job's first launch and its requeues. It starts the run
+// when the directory holds no checkpoint and continues it when it does; flags for steps the run
+// has passed (a --stop-at that ended the first launch, a trace already written) are dropped on
+// the requeue, and said so, not refused.
+TEST_F(Cluster, AutoResumeStartsTheRunThenContinuesItWithTheSameCommand) {
+  const auto job = args({"--steps", "4", "--ckpt-every", "2", "--auto-resume", "--stop-at", "2",
+                         "--profile-steps", "1:1"});
+  const ProgramRun first = run_program(dir_.path(), job, "first");
   ASSERT_EQ(first.status, 0) << first.err;
   EXPECT_EQ(first.out.find("resumed"), std::string::npos) << first.out;
   EXPECT_EQ(read_text(dir_ / "run/checkpoints/latest"), "step-000002\n");
-  const ProgramRun requeued = run_program(
-      dir_.path(), args({"--steps", "4", "--ckpt-every", "2", "--auto-resume"}), "requeued");
+  const ProgramRun requeued = run_program(dir_.path(), job, "requeued");
   ASSERT_EQ(requeued.status, 0) << requeued.err;
   EXPECT_NE(requeued.out.find("resumed      from"), std::string::npos) << requeued.out;
+  EXPECT_NE(requeued.out.find("--stop-at 2 ignored: the run is past that step"), std::string::npos)
+      << requeued.out;
+  EXPECT_NE(requeued.out.find("--profile-steps 1:1 ignored"), std::string::npos) << requeued.out;
   const auto metrics = read_metrics(dir_ / "run/metrics.jsonl");
   ASSERT_EQ(metrics.size(), 4u);
   EXPECT_EQ(metrics.back().step, 4);
+}
+
+// A run that names its own directory (no --out) still writes the metrics where --metrics says.
+TEST_F(Cluster, ARunNamingItsDirectoryKeepsItsMetricsFile) {
+  const ProgramRun run = run_program(
+      dir_.path(),
+      tiny_model() + std::vector<std::string>{"--data", (dir_ / "corpus.txt").string(), "--steps",
+                                              "2", "--metrics", "mine.jsonl"});
+  ASSERT_EQ(run.status, 0) << run.err;
+  EXPECT_EQ(count_lines(dir_ / "mine.jsonl"), 2u);
 }
 
 // A metrics file that stops taking writes (a full disk; here /dev/full) is said so, once on
