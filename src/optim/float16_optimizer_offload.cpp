@@ -22,7 +22,19 @@ void Float16Optimizer::step_offloaded(const std::vector<size_t>& active, double 
     const c10::Device d = slots_[k]->param.device();
     if (std::find(devices.begin(), devices.end(), d) == devices.end()) devices.push_back(d);
   }
-  for (const c10::Device device : devices) {
+  // Everything a step creates, for every device, before any pipeline runs (as update() does
+  // without offloading): running out of memory for it leaves every parameter, its state and
+  // its step count as they were.
+  struct DeviceWork {
+    detail::OffloadPipeline* pipeline = nullptr;
+    std::vector<size_t> stepped;
+    std::vector<detail::OffloadItem> items;
+    std::vector<std::vector<at::Tensor>> whole_state;  // committed once every chunk is done
+  };
+  std::vector<DeviceWork> work(devices.size());
+  std::vector<size_t> without_piece;  // counted all the same, once the steps are done
+  for (size_t d = 0; d < devices.size(); ++d) {
+    const c10::Device device = devices[d];
     auto found = std::find_if(offload_.begin(), offload_.end(),
                               [&](const auto& pipeline) { return pipeline->device() == device; });
     if (found == offload_.end()) {
@@ -30,14 +42,12 @@ void Float16Optimizer::step_offloaded(const std::vector<size_t>& active, double 
           std::make_unique<detail::OffloadPipeline>(*options_.offload(), device, who_.c_str()));
       found = std::prev(offload_.end());
     }
-    std::vector<size_t> stepped;
-    std::vector<detail::OffloadItem> items;
-    std::vector<std::vector<at::Tensor>> whole_state;  // committed once every chunk is done
+    work[d].pipeline = found->get();
     for (size_t k : active) {
       Slot& s = *slots_[k];
       if (s.param.device() != device) continue;
-      if (s.begin == s.end) {  // no piece here: the step is counted all the same
-        ++s.step;
+      if (s.begin == s.end) {  // no piece here
+        without_piece.push_back(k);
         continue;
       }
       const auto& options = param_groups()[info_[k].group].options();
@@ -52,14 +62,16 @@ void Float16Optimizer::step_offloaded(const std::vector<size_t>& active, double 
       for (const at::Tensor& t : state) item.state.push_back(t.defined() ? t.view({-1}) : t);
       item.options = &options;
       item.steps_before = s.step;
-      items.push_back(std::move(item));
-      whole_state.push_back(std::move(state));
-      stepped.push_back(k);
+      work[d].items.push_back(std::move(item));
+      work[d].whole_state.push_back(std::move(state));
+      work[d].stepped.push_back(k);
     }
-    const OffloadStats stats = (*found)->run(*traits_, items, grad_multiplier);
-    for (size_t i = 0; i < stepped.size(); ++i) {
-      Slot& s = *slots_[stepped[i]];
-      s.state = std::move(whole_state[i]);
+  }
+  for (DeviceWork& w : work) {
+    const OffloadStats stats = w.pipeline->run(*traits_, w.items, grad_multiplier);
+    for (size_t i = 0; i < w.stepped.size(); ++i) {
+      Slot& s = *slots_[w.stepped[i]];
+      s.state = std::move(w.whole_state[i]);
       ++s.step;
     }
     offload_stats_.chunks += stats.chunks;
@@ -69,6 +81,7 @@ void Float16Optimizer::step_offloaded(const std::vector<size_t>& active, double 
     offload_stats_.step_seconds += stats.step_seconds;
     offload_stats_.copy_seconds += stats.copy_seconds;
   }
+  for (size_t k : without_piece) ++slots_[k]->step;
 }
 
 }  // namespace mixprec::optim

@@ -109,11 +109,16 @@ TEST(Float16Optimizer, ASkippedStepHoldsNoGradient) {
 // Running out of memory for the state a first step creates changes nothing: the step can be
 // retried, and then gives what one uninterrupted step gives (torch.optim creates the state of
 // every parameter before it updates any). Every allocation of the step fails in turn.
-TEST(Float16Optimizer, AStepOutOfMemoryChangesNothing) {
-  const auto fresh = [] {
+class StepOutOfMemory : public ::testing::TestWithParam<bool> {};
+
+TEST_P(StepOutOfMemory, ChangesNothing) {
+  const bool offload = GetParam();
+  const auto fresh = [offload] {
     torch::manual_seed(7);  // the same initial weights every time
     Interleaved model;
-    auto opt = mixprec::testing::make_optimizer(model, torch::optim::AdamWOptions(1e-2));
+    Float16OptimizerOptions options;
+    if (offload) options.offload(OffloadOptions().chunk_bytes(256));
+    auto opt = mixprec::testing::make_optimizer(model, torch::optim::AdamWOptions(1e-2), options);
     set_grads(*model, 0);
     return std::make_pair(model, std::move(opt));
   };
@@ -141,6 +146,9 @@ TEST(Float16Optimizer, AStepOutOfMemoryChangesNothing) {
     EXPECT_TRUE(at::equal(opt->main_param("pre.weight"), reference_opt->main_param("pre.weight")));
   }
 }
+
+INSTANTIATE_TEST_SUITE_P(Float16Optimizer, StepOutOfMemory, ::testing::Bool(),
+                         [](const auto& info) { return info.param ? "Offloaded" : "OnDevice"; });
 
 TEST(Float16Optimizer, StateBytesPerParam) {
   Interleaved model;
