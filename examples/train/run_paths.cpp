@@ -193,6 +193,20 @@ HeldRun hold_run(TrainConfig& config, RunPaths& paths, mixprec::distributed::Com
   // save; from here a scheduler's SIGTERM is a request to stop.
   held.stop = std::make_unique<StopRequest>();
   find_resume_point(config, paths);
+  // Every rank reads the root itself: a filesystem that shows ranks different checkpoints (or
+  // one a checkpoint and another none, under --auto-resume) would start them from different
+  // states.
+  if (ranks != nullptr && ranks->size() > 1) {
+    const auto name = [](const std::string& s) { return s.empty() ? std::string("none") : s; };
+    const std::vector<std::string> points = ranks->all_gather_strings(
+        paths.resume_from ? paths.resume_from->filename().string() : std::string());
+    for (size_t r = 1; r < points.size(); ++r) {
+      if (points[r] == points[0]) continue;
+      throw UsageError("rank " + std::to_string(r) + " would resume from " + name(points[r]) +
+                       " in " + paths.ckpt_root.string() + ", rank 0 from " + name(points[0]) +
+                       ": the ranks see different checkpoints there");
+    }
+  }
   // A second run with its own --ckpt-dir would truncate the metrics file.
   const fs::path metrics_file = fs::absolute(paths.metrics);
   held.metrics =
