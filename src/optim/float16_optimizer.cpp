@@ -269,8 +269,9 @@ int64_t Float16Optimizer::state_bytes_when_stepped() const {
 std::vector<int64_t> Float16Optimizer::state_tensor_bytes_to_come() const {
   std::vector<int64_t> out;
   for (size_t k = 0; k < slots_.size(); ++k) {
-    if (info_[k].role == ParamRole::kFrozen) continue;
     const Slot& s = *slots_[k];
+    // (A rank that holds no piece of a parameter never makes state for it.)
+    if (info_[k].role == ParamRole::kFrozen || s.begin == s.end) continue;
     const std::vector<bool> held = traits_->held_state(param_groups()[info_[k].group].options());
     // A step allocates exactly these (AlgorithmTraits::allocate_state), FP32, piece-sized.
     for (size_t i = 0; i < held.size(); ++i) {
