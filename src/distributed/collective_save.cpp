@@ -170,10 +170,8 @@ void save_checkpoint_async(checkpoint::AsyncCheckpointSaver& saver,
                            ShardedStateDict mine, const checkpoint::SaveOptions& options) {
   TORCH_CHECK(checkpoint_comm, "[mixprec::distributed::save_checkpoint_async] the group is null");
   checkpoint_comm->check_usable("mixprec::distributed::save_checkpoint_async");
-  // Lexical, so the same answer on every rank that passes the same name (phase 1 refuses ranks
-  // whose names differ): thrown now, as the single-process async save does, instead of by the
-  // next save.
-  ckpt::check_checkpoint_name(root, name);
+  // The name is checked in the save's first phase, which every rank must reach: thrown here on
+  // a rank whose name alone is bad, it would leave the others' save to pair with its next one.
   saver.save(std::move(mine),
              [comm = std::move(checkpoint_comm), root, name, options](
                  const ShardedStateDict& staged, const std::exception_ptr& failed) {

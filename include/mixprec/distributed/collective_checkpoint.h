@@ -99,8 +99,9 @@ checkpoint::SaveResult save_checkpoint(Communicator& comm, const std::filesystem
 // with a saver of its own; at most one save is in flight (the saver waits for the previous one
 // first). An error surfaces at the next save or saver.wait(): the phases agree on outcomes, so
 // every rank has the same error; a rank lost mid-save is the group's error on the others, with
-// the guarantees of a synchronous save (nothing committed unless every file is durable). An
-// invalid or reserved name is thrown at once, as checkpoint::AsyncCheckpointSaver::save throws it.
+// the guarantees of a synchronous save (nothing committed unless every file is durable). So is
+// an invalid or reserved name, or names that differ between ranks: the first phase refuses them
+// on every rank, and the next saves still pair.
 void save_checkpoint_async(checkpoint::AsyncCheckpointSaver& saver,
                            std::shared_ptr<Communicator> checkpoint_comm,
                            const std::filesystem::path& root, const std::string& name,
