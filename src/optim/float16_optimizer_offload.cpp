@@ -22,9 +22,9 @@ void Float16Optimizer::step_offloaded(const std::vector<size_t>& active, double 
     const c10::Device d = slots_[k]->param.device();
     if (std::find(devices.begin(), devices.end(), d) == devices.end()) devices.push_back(d);
   }
-  // Everything a step creates, for every device, before any pipeline runs (as update() does
-  // without offloading): running out of memory for it leaves every parameter, its state and
-  // its step count as they were.
+  // Everything a step creates, for every device — new state and the pipelines' staging
+  // memory — before any pipeline runs (as update() does without offloading): running out of
+  // memory for it leaves every parameter, its state and its step count as they were.
   struct DeviceWork {
     detail::OffloadPipeline* pipeline = nullptr;
     std::vector<size_t> stepped;
@@ -66,6 +66,7 @@ void Float16Optimizer::step_offloaded(const std::vector<size_t>& active, double 
       work[d].whole_state.push_back(std::move(state));
       work[d].stepped.push_back(k);
     }
+    work[d].pipeline->prepare(work[d].items);  // its staging memory, before any device steps
   }
   for (DeviceWork& w : work) {
     const OffloadStats stats = w.pipeline->run(*traits_, w.items, grad_multiplier);

@@ -105,6 +105,12 @@ void OffloadPipeline::step_chunk(const AlgorithmTraits& traits,
   }
 }
 
+void OffloadPipeline::prepare(const std::vector<OffloadItem>& items) {
+  const size_t n = plan(items).size();
+  const size_t depth = std::min<size_t>(static_cast<size_t>(options_.chunks_in_flight()), n);
+  while (staging_.size() < depth) staging_.push_back(copier_->staging(options_.chunk_bytes()));
+}
+
 OffloadStats OffloadPipeline::run(const AlgorithmTraits& traits,
                                   const std::vector<OffloadItem>& items, double grad_multiplier) {
   for (const OffloadItem& item : items) {
@@ -119,7 +125,7 @@ OffloadStats OffloadPipeline::run(const AlgorithmTraits& traits,
   stats.chunks = static_cast<int64_t>(n);
   if (n == 0) return stats;
   const size_t depth = std::min<size_t>(static_cast<size_t>(options_.chunks_in_flight()), n);
-  while (staging_.size() < depth) staging_.push_back(copier_->staging(options_.chunk_bytes()));
+  prepare(items);
   // The parameters are written by copies, which bump no version counter on every engine: bump
   // each once, before the first host step, as the kernels do for what they write. Not
   // earlier: a step that fails before it changes anything (staging memory, a download) must

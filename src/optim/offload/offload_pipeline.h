@@ -47,6 +47,9 @@ class OffloadPipeline {
   // caller (the kernels' own checks are internal errors here).
   OffloadStats run(const AlgorithmTraits& traits, const std::vector<OffloadItem>& items,
                    double grad_multiplier);
+  // Allocates the staging buffers run(items) needs (run() does it too): called for every
+  // device before any runs, running out of memory for them changes nothing.
+  void prepare(const std::vector<OffloadItem>& items);
 
  private:
   struct Piece {
