@@ -35,25 +35,6 @@ namespace keys = mixprec::checkpoint::keys;
 
 namespace {
 
-// Runs `attempt` on every rank; a UsageError on any rank is thrown on every rank (the first
-// failing rank's), so that no rank goes on into a collective the failed one never joins.
-// Collective with several ranks.
-void on_every_rank_or_none(mixprec::distributed::Communicator* ranks,
-                           const std::function<void()>& attempt) {
-  const bool several = ranks != nullptr && ranks->size() > 1;
-  std::string refused;
-  try {
-    attempt();
-  } catch (const UsageError& e) {
-    if (!several) throw;
-    refused = e.what();
-  }
-  if (!several) return;
-  for (const std::string& message : ranks->all_gather_strings(refused)) {
-    if (!message.empty()) throw UsageError(message);
-  }
-}
-
 std::string host_name() {
   char name[256] = {};
   if (::gethostname(name, sizeof name - 1) != 0) return "unknown-host";
@@ -77,6 +58,22 @@ constexpr const char* kBusyReason = "another mixprec-train run is using this dir
 constexpr const char* kStillWaiting = "\x01waiting";
 
 }  // namespace
+
+void on_every_rank_or_none(mixprec::distributed::Communicator* ranks,
+                           const std::function<void()>& attempt) {
+  const bool several = ranks != nullptr && ranks->size() > 1;
+  std::string refused;
+  try {
+    attempt();
+  } catch (const UsageError& e) {
+    if (!several) throw;
+    refused = e.what();
+  }
+  if (!several) return;
+  for (const std::string& message : ranks->all_gather_strings(refused)) {
+    if (!message.empty()) throw UsageError(message);
+  }
+}
 
 std::string checkpoint_name(int64_t step) {
   char buf[32];

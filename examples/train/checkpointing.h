@@ -20,6 +20,7 @@
 
 #include <chrono>
 #include <filesystem>
+#include <functional>
 #include <memory>
 #include <optional>
 #include <string>
@@ -63,6 +64,12 @@ void ensure_writable_dir(const std::filesystem::path& dir, const std::string& wh
 // True if another process holds the run lock of `dir` now (a look, not a wait; writes
 // nothing: the answer may change at once).
 bool held_by_another_run(const std::filesystem::path& dir);
+
+// Runs `attempt` on every rank; a UsageError on any rank is thrown on every rank (the first
+// failing rank's), so that no rank goes on into a collective the failed one never joins.
+// Collective with several ranks (`ranks` may be null: one process).
+void on_every_rank_or_none(mixprec::distributed::Communicator* ranks,
+                           const std::function<void()>& attempt);
 
 // One run per checkpoint root and per metrics file, held for the whole run by rank 0's
 // process: the lock file <dir>/<lock_name> — the root's kRunLockFileName, so that a second run

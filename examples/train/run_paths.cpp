@@ -192,7 +192,7 @@ HeldRun hold_run(TrainConfig& config, RunPaths& paths, mixprec::distributed::Com
   // Before, while it waits for the directory, the default action ends the run with nothing to
   // save; from here a scheduler's SIGTERM is a request to stop.
   held.stop = std::make_unique<StopRequest>();
-  find_resume_point(config, paths);
+  on_every_rank_or_none(ranks, [&] { find_resume_point(config, paths); });
   // Every rank reads the root itself: a filesystem that shows ranks different checkpoints (or
   // one a checkpoint and another none, under --auto-resume) would start them from different
   // states.
