@@ -39,6 +39,17 @@ std::vector<std::string> staging_entries(const fs::path& root) {
   return out;
 }
 
+// This rank's contiguous share of the 1-D `values` as the flat shard "v" (the world's shares
+// tile it).
+ShardedStateDict flat_share(const at::Tensor& values) {
+  const int n = world().size(), rank = world().rank();
+  const int64_t total = values.numel(), begin = total * rank / n, end = total * (rank + 1) / n;
+  ShardedStateDict dict;
+  dict.tensors.emplace("v",
+                       ShardedTensor::flat(values.narrow(0, begin, end - begin), {total}, begin));
+  return dict;
+}
+
 std::string read_latest(const fs::path& root) {
   std::ifstream in(root / "latest");
   std::string name;
@@ -398,11 +409,8 @@ TEST(CollectiveCheckpoint, ARankThatNeverArrivesIsAnErrorNotAHang) {
   if (n != 2) GTEST_SKIP() << "runs on two ranks";
   SharedTempDir root;
   auto group = own_group("save-timeout", std::chrono::seconds(3));
-  ShardedStateDict mine;
   const at::Tensor values = at::arange(12, at::kFloat);
-  mine.tensors.emplace(
-      "v", ShardedTensor::flat(values.narrow(0, 12 * rank / n, 12 * (rank + 1) / n - 12 * rank / n),
-                               {12}, 12 * rank / n));
+  const ShardedStateDict mine = flat_share(values);
   distributed::save_checkpoint(*group, root.path(), "first", mine);
   if (rank != n - 1) {
     const std::string message =
@@ -426,14 +434,7 @@ TEST(CollectiveCheckpoint, AnAsyncSaveFailingOnOneRankFailsOnEveryRankAndTheNext
   SharedTempDir root;
   auto group = own_group("async-one-rank-fails", std::chrono::seconds(60));
   const at::Tensor values = at::arange(12, at::kFloat);
-  const auto mine = [&] {
-    ShardedStateDict dict;
-    dict.tensors.emplace(
-        "v",
-        ShardedTensor::flat(values.narrow(0, 12 * rank / n, 12 * (rank + 1) / n - 12 * rank / n),
-                            {12}, 12 * rank / n));
-    return dict;
-  };
+  const auto mine = [&] { return flat_share(values); };
   bool sabotage_staging = failing;
   checkpoint::AsyncCheckpointSaver saver(
       checkpoint::AsyncSaveOptions().on_tensor_staged([&](const std::string&) {
@@ -586,11 +587,8 @@ TEST(CollectiveCheckpoint, RanksSavingDifferentCheckpointsAreRefused) {
   const int n = world().size(), rank = world().rank();
   if (n < 2) GTEST_SKIP() << "needs two ranks";
   SharedTempDir root;
-  ShardedStateDict mine;
   const at::Tensor values = at::arange(12, at::kFloat);
-  mine.tensors.emplace(
-      "v", ShardedTensor::flat(values.narrow(0, 12 * rank / n, 12 * (rank + 1) / n - 12 * rank / n),
-                               {12}, 12 * rank / n));
+  const ShardedStateDict mine = flat_share(values);
   const std::string name = rank == n - 1 ? "step-2" : "step-1";
   const std::string message =
       error_of([&] { distributed::save_checkpoint(world(), root.path(), name, mine); });
@@ -615,11 +613,8 @@ TEST(CollectiveCheckpoint, RanksPassingDifferentSaveOptionsAreRefused) {
   const bool odd_one = rank == n - 1;
   const std::string last = std::to_string(n - 1);
   SharedTempDir root;
-  ShardedStateDict mine;
   const at::Tensor values = at::arange(12, at::kFloat);
-  mine.tensors.emplace(
-      "v", ShardedTensor::flat(values.narrow(0, 12 * rank / n, 12 * (rank + 1) / n - 12 * rank / n),
-                               {12}, 12 * rank / n));
+  const ShardedStateDict mine = flat_share(values);
   const auto refused = [&](const std::string& name, const checkpoint::SaveOptions& options,
                            const std::string& expected) {
     const std::string message =
