@@ -359,10 +359,6 @@ StepResult Float16Optimizer::update() {
   double sum_of_squares = 0.0;
   const std::string* first_non_finite = nullptr;
   std::vector<size_t>& active = active_;
-  for (size_t k : active) {  // (a previous update that ended early already cleared them)
-    step_state_[k].clear();
-    step_fresh_[k].clear();
-  }
   active.clear();
   for (size_t k = 0; k < slots_.size(); ++k) {
     if (plan.slots[k].role == ParamRole::kFrozen || !agreement.has_gradient[k]) continue;
