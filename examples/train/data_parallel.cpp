@@ -55,7 +55,7 @@ class DataParallelOptimizer final : public TrainingOptimizer {
   }
 
   std::size_t checkpoint_bytes() const override {
-    return checkpoint_bytes_when_stepped(training_state({}), optimizer_);
+    return mixprec::distributed::staging_bytes_when_stepped(model_, optimizer_);
   }
 
   OptimizerMemory memory() const override {

@@ -1,6 +1,5 @@
 #include "optimizer.h"
 
-#include "mixprec/checkpoint/async_save.h"
 #include "mixprec/checkpoint/training_state.h"
 
 #include <torch/nn/module.h>
@@ -50,7 +49,7 @@ class SingleProcessOptimizer final : public TrainingOptimizer {
                                 optimizer_.state_bytes(ParamRole::kNativeFp32));
   }
   std::size_t checkpoint_bytes() const override {
-    return checkpoint_bytes_when_stepped(training_state({}), optimizer_);
+    return mixprec::checkpoint::staging_bytes_when_stepped(model_, optimizer_);
   }
 
  private:
@@ -60,11 +59,6 @@ class SingleProcessOptimizer final : public TrainingOptimizer {
 };
 
 }  // namespace
-
-std::size_t checkpoint_bytes_when_stepped(const mixprec::ShardedStateDict& now,
-                                          const Float16Optimizer& optimizer) {
-  return mixprec::checkpoint::staging_bytes_when_stepped(now, optimizer);
-}
 
 std::vector<torch::optim::OptimizerParamGroup> adamw_groups(torch::nn::Module& model,
                                                             const TrainConfig& config) {

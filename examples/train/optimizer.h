@@ -70,11 +70,6 @@ class TrainingOptimizer {
   virtual std::size_t checkpoint_bytes() const = 0;
 };
 
-// checkpoint_bytes() of a training state dict `now` of `optimizer`'s model, before or after
-// its first steps.
-std::size_t checkpoint_bytes_when_stepped(const mixprec::ShardedStateDict& now,
-                                          const mixprec::optim::Float16Optimizer& optimizer);
-
 // AdamW over `model`'s parameters in two groups — matrices and embeddings with weight decay;
 // norms, biases and the router without — with Float16Optimizer's FP32 masters, global-norm
 // clipping (--clip-grad) and the loss scaler of `precision`.
