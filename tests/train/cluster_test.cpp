@@ -215,6 +215,17 @@ TEST_F(Cluster, AResumePastACheckpointThatDoesNotVerifySetsItAside) {
   EXPECT_EQ(read_text(root / "latest"), "step-000008\n");
 }
 
+// A resumed copy of a run trained to step 6 in its own metrics file, `copy`, and left the
+// original's file as it was (`before`).
+void expect_copy_trained_apart(const ProgramRun& resumed, const fs::path& original,
+                               const std::string& before, const fs::path& copy) {
+  ASSERT_EQ(resumed.status, 0) << resumed.err;
+  EXPECT_EQ(read_text(original), before);
+  const auto metrics = read_metrics(copy);
+  ASSERT_EQ(metrics.size(), 6u);
+  EXPECT_EQ(metrics.back().step, 6);
+}
+
 // A copy of a run resumed in its own directory writes its own metrics: the original's file is
 // neither appended to nor cut back to the resume step.
 TEST_F(Cluster, AResumedCopyOfARunLeavesTheOriginalsMetricsAlone) {
@@ -230,11 +241,8 @@ TEST_F(Cluster, AResumedCopyOfARunLeavesTheOriginalsMetricsAlone) {
                                               "copy", "--resume", "--steps", "6", "--ckpt-every",
                                               "2", "--eval-every", "1000"},
       "copy");
-  ASSERT_EQ(resumed.status, 0) << resumed.err;
-  EXPECT_EQ(read_text(dir_ / "run/metrics.jsonl"), original);
-  const auto metrics = read_metrics(dir_ / "copy/metrics.jsonl");
-  ASSERT_EQ(metrics.size(), 6u);
-  EXPECT_EQ(metrics.back().step, 6);
+  expect_copy_trained_apart(resumed, dir_ / "run/metrics.jsonl", original,
+                            dir_ / "copy/metrics.jsonl");
 }
 
 // A plain --resume (the newest run under runs/) of a run copied to another working directory
@@ -254,11 +262,8 @@ TEST_F(Cluster, APlainResumeOfACopiedRunWritesTheCopysMetrics) {
   const std::string before = read_text(original / "metrics.jsonl");
   const ProgramRun resumed = run_program(
       elsewhere.path(), {"--resume", "--steps", "6", "--progress", "lines", "--threads", "1"});
-  ASSERT_EQ(resumed.status, 0) << resumed.err;
-  EXPECT_EQ(read_text(original / "metrics.jsonl"), before);
-  const auto metrics = read_metrics(elsewhere / "runs/renamed/metrics.jsonl");
-  ASSERT_EQ(metrics.size(), 6u);
-  EXPECT_EQ(metrics.back().step, 6);
+  expect_copy_trained_apart(resumed, original / "metrics.jsonl", before,
+                            elsewhere / "runs/renamed/metrics.jsonl");
 }
 
 // Runs started in the same second from one working directory (an array job, a sweep) name the
