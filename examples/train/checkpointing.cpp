@@ -261,21 +261,20 @@ void check_shared_root(const fs::path& root, mixprec::distributed::Communicator&
   // Rank 0 writes a token only this run can know; every rank must read it back. A token it
   // cannot write (a full disk) is that error on every rank, not a directory they cannot see.
   std::string token;
-  if (ranks.rank() == 0) {
-    const std::string name = ".mixprec-train-shared-" + unique_suffix();
-    std::ofstream out(root / name);
-    out << name << "\n";
+  on_every_rank_or_none(&ranks, [&] {
+    if (ranks.rank() != 0) return;
+    token = ".mixprec-train-shared-" + unique_suffix();
+    std::ofstream out(root / token);
+    out << token << "\n";
     out.close();
-    token = name;
-    if (!out) {
-      token = "!cannot write to the checkpoint directory " + fs::absolute(root).string() + ": " +
-              std::strerror(errno);
-      std::error_code ec;
-      fs::remove(root / name, ec);
-    }
-  }
+    if (out) return;
+    const std::string why = std::strerror(errno);
+    std::error_code ec;
+    fs::remove(root / token, ec);
+    throw UsageError("cannot write to the checkpoint directory " + fs::absolute(root).string() +
+                     ": " + why);
+  });
   token = ranks.all_gather_strings(token).front();
-  if (token.starts_with('!')) throw UsageError(token.substr(1));
   std::string seen;
   std::ifstream(root / token) >> seen;
   const bool ok = seen == token;

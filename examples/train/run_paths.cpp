@@ -38,18 +38,18 @@ std::optional<fs::path> newest_resumable_run() {
 // adopts the name.
 void claim_new_run_dir(const TrainConfig& config, RunPaths& paths,
                        mixprec::distributed::Communicator* ranks) {
-  std::string claimed;  // or, from rank 0, "!" and why it could not make one
-  if (ranks == nullptr || ranks->rank() == 0) {
+  std::string claimed;
+  on_every_rank_or_none(ranks, [&] {
+    if (ranks != nullptr && ranks->rank() != 0) return;
     fs::path dir = paths.ckpt_root.parent_path();
     std::error_code ec;
     fs::create_directories(dir.parent_path(), ec);
     // create_directory() is false, without an error, when the directory existed already.
     while (!fs::create_directory(dir, ec) && !ec) dir = new_run_dir();
-    claimed =
-        ec ? "!cannot create run directory " + dir.string() + ": " + ec.message() : dir.string();
-  }
+    if (ec) throw UsageError("cannot create run directory " + dir.string() + ": " + ec.message());
+    claimed = dir.string();
+  });
   if (ranks != nullptr && ranks->size() > 1) claimed = ranks->all_gather_strings(claimed).front();
-  if (claimed.starts_with('!')) throw UsageError(claimed.substr(1));  // on every rank
   paths.ckpt_root = fs::path(claimed) / "checkpoints";
   if (config.metrics.empty()) paths.metrics = fs::path(claimed) / "metrics.jsonl";
 }
@@ -141,25 +141,23 @@ void find_resume_point(TrainConfig& config, RunPaths& paths) {
   // when the user asked for this resume; a requeue of the job's own command line
   // (--auto-resume) passed them on an earlier launch: dropped, and said so.
   const bool requeued = config.auto_resume && !config.is_given("resume");
-  if (requeued && config.stop_at > 0 && config.stop_at <= paths.resume_step) {
+  const bool stop_passed = config.stop_at > 0 && config.stop_at <= paths.resume_step;
+  const bool trace_passed = !config.profile_steps.empty() &&
+                            parse_profile_steps(config.profile_steps).first <= paths.resume_step;
+  const std::string at = source + " is already at step " + std::to_string(paths.resume_step);
+  if (stop_passed) {
+    if (!requeued)
+      throw UsageError("--stop-at " + std::to_string(config.stop_at) + ": " + at +
+                       "; give a later step to stop at");
     paths.passed.push_back("--stop-at " + std::to_string(config.stop_at));
     config.stop_at = 0;
   }
-  if (requeued && !config.profile_steps.empty() &&
-      parse_profile_steps(config.profile_steps).first <= paths.resume_step) {
+  if (trace_passed) {
+    if (!requeued)
+      throw UsageError("--profile-steps " + config.profile_steps + ": " + at +
+                       "; trace steps after it");
     paths.passed.push_back("--profile-steps " + config.profile_steps);
     config.profile_steps.clear();
-  }
-  if (config.stop_at > 0 && config.stop_at <= paths.resume_step) {
-    throw UsageError("--stop-at " + std::to_string(config.stop_at) + ": " + source +
-                     " is already at step " + std::to_string(paths.resume_step) +
-                     "; give a later step to stop at");
-  }
-  if (!config.profile_steps.empty() &&
-      parse_profile_steps(config.profile_steps).first <= paths.resume_step) {
-    throw UsageError("--profile-steps " + config.profile_steps + ": " + source +
-                     " is already at step " + std::to_string(paths.resume_step) +
-                     "; trace steps after it");
   }
   // The metrics file the saved run wrote, unless this run is told where it lives (--out,
   // --ckpt-dir, --metrics): a copy of a run resumed in another directory must not append to,
