@@ -425,19 +425,13 @@ void Float16Optimizer::step_slot(size_t index, double grad_multiplier) {
     const at::Tensor target =
         slot.remainder.defined() ? at::Tensor() : (slot.master.defined() ? slot.master : param);
     const at::Tensor model_param = slot.has_master() ? param : at::Tensor();
-    std::vector<bool>& fresh = step_fresh_[index];
-    if (fresh.empty()) {
-      traits_->step(param_groups()[info_[index].group].options(),
-                    {target, grad, model_param, slot.step, grad_multiplier, slot.remainder},
-                    slot.state);
-    } else {  // with the state create_step_state() made for it
-      traits_->step(param_groups()[info_[index].group].options(),
-                    {target, grad, model_param, slot.step, grad_multiplier, slot.remainder, fresh},
-                    step_state_[index]);
-      slot.state = std::move(step_state_[index]);
-      step_state_[index].clear();
-      fresh.clear();
-    }
+    // A first step runs with the state create_step_state() made, adopted once it succeeded.
+    const std::vector<bool>& fresh = step_fresh_[index];
+    std::vector<at::Tensor>& state = fresh.empty() ? slot.state : step_state_[index];
+    traits_->step(param_groups()[info_[index].group].options(),
+                  {target, grad, model_param, slot.step, grad_multiplier, slot.remainder, fresh},
+                  state);
+    if (!fresh.empty()) slot.state = std::move(state);
   }
   // Every rank counts the step of a parameter it was taken for, whatever piece it holds.
   ++slot.step;
