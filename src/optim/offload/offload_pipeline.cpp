@@ -106,9 +106,13 @@ void OffloadPipeline::step_chunk(const AlgorithmTraits& traits,
 }
 
 void OffloadPipeline::prepare(const std::vector<OffloadItem>& items) {
-  const size_t n = plan(items).size();
-  const size_t depth = std::min<size_t>(static_cast<size_t>(options_.chunks_in_flight()), n);
+  reserve_staging(plan(items).size());
+}
+
+size_t OffloadPipeline::reserve_staging(size_t chunks) {
+  const size_t depth = std::min<size_t>(static_cast<size_t>(options_.chunks_in_flight()), chunks);
   while (staging_.size() < depth) staging_.push_back(copier_->staging(options_.chunk_bytes()));
+  return depth;
 }
 
 OffloadStats OffloadPipeline::run(const AlgorithmTraits& traits,
@@ -124,8 +128,7 @@ OffloadStats OffloadPipeline::run(const AlgorithmTraits& traits,
   const size_t n = chunks.size();
   stats.chunks = static_cast<int64_t>(n);
   if (n == 0) return stats;
-  const size_t depth = std::min<size_t>(static_cast<size_t>(options_.chunks_in_flight()), n);
-  prepare(items);
+  const size_t depth = reserve_staging(n);
   // The parameters are written by copies, which bump no version counter on every engine: bump
   // each once, before the first host step, as the kernels do for what they write. Not
   // earlier: a step that fails before it changes anything (staging memory, a download) must

@@ -59,6 +59,8 @@ class OffloadPipeline {
   };
   using Chunk = std::vector<Piece>;
   std::vector<Chunk> plan(const std::vector<OffloadItem>& items) const;
+  // Grows the staging buffers to what `chunks` chunks keep in flight; returns that depth.
+  size_t reserve_staging(size_t chunks);
   void step_chunk(const AlgorithmTraits& traits, const std::vector<OffloadItem>& items,
                   const Chunk& chunk, const at::Tensor& staging, double grad_multiplier) const;
 
