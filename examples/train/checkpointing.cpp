@@ -382,9 +382,8 @@ void Checkpointer::finish() {
   if (!async_) return;
   const auto start = std::chrono::steady_clock::now();
   failures_of_the_run([&] { async_->wait(); });
-  const double waited =
+  stats_.end_wait_s +=
       std::chrono::duration<double>(std::chrono::steady_clock::now() - start).count();
-  stats_.blocked_s += waited;
 }
 
 uint64_t directory_bytes(const fs::path& dir) {

@@ -122,6 +122,9 @@ struct SaveStats {
   int64_t saves = 0;
   double blocked_s = 0;       // time training waited for saves, all saves together
   double last_blocked_s = 0;  // … for the last save
+  // Async: how long the run's end waited for the last background save (finish()). Not training
+  // blocked: no step was waiting; reported apart so the per-save figure means what it says.
+  double end_wait_s = 0;
   std::filesystem::path last_dir;
 };
 

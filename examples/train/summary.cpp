@@ -329,13 +329,19 @@ std::string summary(const RunReport& r) {
     }
   }
   if (r.saves.saves > 0) {
+    std::string async_text;
+    if (r.config.async_save) {
+      char end[96];
+      std::snprintf(end, sizeof end, "; the run's end waited %.3f s for the last",
+                    r.saves.end_wait_s);
+      async_text = std::string(" (async: written in the background") + end + ")";
+    }
     std::snprintf(line, sizeof line,
                   "checkpoint  %s: %s on disk; %lld saves, training blocked %.3f s per save%s\n",
                   r.saves.last_dir.string().c_str(),
                   bytes_text(static_cast<double>(directory_bytes(r.saves.last_dir))).c_str(),
                   static_cast<long long>(r.saves.saves),
-                  r.saves.blocked_s / static_cast<double>(r.saves.saves),
-                  r.config.async_save ? " (async: written in the background)" : "");
+                  r.saves.blocked_s / static_cast<double>(r.saves.saves), async_text.c_str());
     s << line;
   }
   if (!r.metrics_path.empty()) {

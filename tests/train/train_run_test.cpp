@@ -224,6 +224,8 @@ TEST(TrainRun, GradientAccumulationAndAsyncSaveTrainTheSameSteps) {
       common + std::vector<std::string>{"--out", "acc", "--grad-accum", "4", "--async-save"});
   ASSERT_EQ(accum.status, 0) << accum.err;
   EXPECT_NE(accum.out.find("async: written in the background"), std::string::npos);
+  EXPECT_NE(accum.out.find("the run's end waited"), std::string::npos)
+      << "the end-of-run wait for the last background save is reported apart from training's";
   const auto one = read_metrics(dir / "one/metrics.jsonl");
   const auto acc = read_metrics(dir / "acc/metrics.jsonl");
   ASSERT_EQ(one.size(), 6u);
