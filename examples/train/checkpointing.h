@@ -125,6 +125,10 @@ struct SaveStats {
   // Async: how long the run's end waited for the last background save (finish()). Not training
   // blocked: no step was waiting; reported apart so the per-save figure means what it says.
   double end_wait_s = 0;
+  // Async: saves that found the one before still being written and waited for it (part of
+  // blocked_s): the background save takes longer than --ckpt-every's steps.
+  int64_t waited_for_previous = 0;
+  double waited_for_previous_s = 0;
   std::filesystem::path last_dir;
 };
 
@@ -165,6 +169,7 @@ class Checkpointer {
 
  private:
   void save_now(int64_t step, mixprec::ShardedStateDict state);
+  void wait_for_previous_save(int64_t step);
   std::filesystem::path root_;
   CheckpointerOptions options_;
   std::unique_ptr<mixprec::checkpoint::AsyncCheckpointSaver> async_;

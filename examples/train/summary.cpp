@@ -331,10 +331,16 @@ std::string summary(const RunReport& r) {
   if (r.saves.saves > 0) {
     std::string async_text;
     if (r.config.async_save) {
+      char waits[160] = "";
+      if (r.saves.waited_for_previous > 0) {
+        std::snprintf(waits, sizeof waits, "; %lld waited %.3f s in all for the one before",
+                      static_cast<long long>(r.saves.waited_for_previous),
+                      r.saves.waited_for_previous_s);
+      }
       char end[96];
       std::snprintf(end, sizeof end, "; the run's end waited %.3f s for the last",
                     r.saves.end_wait_s);
-      async_text = std::string(" (async: written in the background") + end + ")";
+      async_text = std::string(" (async: written in the background") + waits + end + ")";
     }
     std::snprintf(line, sizeof line,
                   "checkpoint  %s: %s on disk; %lld saves, training blocked %.3f s per save%s\n",
