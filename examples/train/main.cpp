@@ -74,9 +74,11 @@ RunReport::Memory memory_report(const torch::nn::Module& model, const OptimizerM
   }
   for (const at::Tensor& b : model.buffers()) m.parameters += static_cast<int64_t>(b.nbytes());
   m.optimizer_state = optimizer.state_bytes;
-  m.step_extra = outcome.step_extra_peak_bytes;
-  m.activations = outcome.activation_peak_bytes;
-  if (outcome.records.size() > LoopOutcome::kFirstStepsLeftOut) {
+  // No step past the first ones (loop.h): nothing measured, which is not a peak of 0 bytes.
+  const bool measured = outcome.records.size() > LoopOutcome::kFirstStepsLeftOut;
+  m.step_extra = measured ? outcome.step_extra_peak_bytes : -1;
+  m.activations = measured ? outcome.activation_peak_bytes : -1;
+  if (measured) {
     std::vector<int64_t> faults;
     for (size_t i = LoopOutcome::kFirstStepsLeftOut; i < outcome.records.size(); ++i)
       faults.push_back(outcome.records[i].page_faults);

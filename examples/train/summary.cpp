@@ -316,10 +316,15 @@ std::string summary(const RunReport& r) {
     const auto mib = [](int64_t bytes) { return bytes_text(static_cast<double>(bytes)); };
     s << "memory      peak RSS " << mib(m.peak_rss) << "; tensors between steps: parameters "
       << mib(m.parameters) << " · gradients " << mib(m.gradients) << " · optimizer state "
-      << mib(m.optimizer_state)
-      << "\n            a step's peak over parameters and optimizer state " << mib(m.step_extra)
-      << ": activations kept for backward " << mib(m.activations)
-      << " + gradients, temporaries and workspaces " << mib(m.step_extra - m.activations) << "\n";
+      << mib(m.optimizer_state) << "\n";
+    if (m.step_extra >= 0) {
+      s << "            a step's peak over parameters and optimizer state " << mib(m.step_extra)
+        << ": activations kept for backward " << mib(m.activations)
+        << " + gradients, temporaries and workspaces " << mib(m.step_extra - m.activations) << "\n";
+    } else {
+      s << "            a step's peak: not measured (the first " << LoopOutcome::kFirstStepsLeftOut
+        << " steps, which create the optimizer's state, are left out)\n";
+    }
     if (m.page_faults_median >= 0) {
       std::snprintf(line, sizeof line,
                     "            page faults per step %.0f (median), %.1f (mean, with the steps in "

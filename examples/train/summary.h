@@ -34,7 +34,9 @@ struct RunReport {
     int64_t optimizer_state = 0;  // masters and moments (this rank's shard)
     int64_t step_extra = 0;       // the most a step added to parameters and optimizer state
     int64_t activations = 0;      // of which activations kept for backward (LoopOutcome)
-    int64_t peak_rss = 0;         // the process's peak resident set (VmHWM)
+    // -1 in both: no step was measured (the run had only the first steps, which LoopOutcome
+    // leaves out: they create the optimizer's state).
+    int64_t peak_rss = 0;  // the process's peak resident set (VmHWM)
     // Minor page faults per step, over the steps step_extra is: the median (a steady step) and
     // the mean (with the steps in which the heap still grew); -1: none.
     double page_faults_median = -1;

@@ -189,6 +189,9 @@ TEST(TrainRun, WithoutDataItTrainsOnThePythonDocs) {
       run_program(dir.path(), tiny_model() + std::vector<std::string>{"--steps", "2"});
   ASSERT_EQ(run.status, 0) << run.err;
   EXPECT_NE(run.out.find("pydoc_data/topics.py"), std::string::npos) << run.out;
+  // Two steps are the ones the step-peak figure leaves out: not a peak of 0 bytes.
+  EXPECT_NE(run.out.find("a step's peak: not measured"), std::string::npos) << run.out;
+  EXPECT_EQ(run.out.find("activations kept for backward 0 B"), std::string::npos) << run.out;
   // No --out: a new run directory under runs/ in the working directory.
   std::vector<fs::path> runs;
   for (const auto& e : fs::directory_iterator(dir / "runs")) runs.push_back(e.path());
