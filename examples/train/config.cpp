@@ -66,7 +66,9 @@ const std::vector<Flag>& flags() {
       {"data", "val-fraction", &C::val_fraction, "F", "held-out tail of the text for validation",
        kFixed},
       {"training", "steps", &C::steps, "N", "optimizer steps in total", kCarried},
-      {"training", "batch", &C::batch, "N", "sequences per optimizer step", kFixed},
+      {"training", "batch", &C::batch, "N",
+       "sequences per optimizer step, split evenly over the ranks (their number must divide it)",
+       kFixed},
       {"training", "grad-accum", &C::grad_accum, "N",
        "micro-batches per step (each batch/N sequences)", kFixed},
       {"training", "lr", &C::lr, "F", "peak learning rate (AdamW)", kCarried},
@@ -88,7 +90,8 @@ const std::vector<Flag>& flags() {
        "activation memory for one more forward per block, the same losses bit for bit"},
       {"training", "threads", &C::threads, "N", "intra-op threads (0: LibTorch's default)"},
       {"training", "omp-wait", &C::omp_wait, "auto|active|passive",
-       "how idle OpenMP threads wait: active spins (1.5x faster on a quiet machine), passive "
+       "how idle OpenMP threads wait: active spins (up to 1.6x faster on a quiet 2-core machine), "
+       "passive "
        "sleeps (spinning where threads outnumber cores makes steps up to 10x slower); auto is "
        "active when local ranks x threads fit the usable CPUs; an OMP_WAIT_POLICY in the "
        "environment wins over auto"},
@@ -364,10 +367,16 @@ void validate_combinations(const TrainConfig& c) {
     check(p.last <= c.steps,
           "--profile-steps " + c.profile_steps + " ends after --steps " + std::to_string(c.steps));
   }
+  // A resumed run keeps its --batch (kFixed): the number of ranks it continues on must divide
+  // it, which the message says, since "any number of ranks" is what a checkpoint allows.
   check(c.batch % c.world_size == 0 && (c.batch / c.world_size) % c.grad_accum == 0,
         "--batch " + std::to_string(c.batch) + " does not split into " +
             std::to_string(c.world_size) + " ranks x --grad-accum " + std::to_string(c.grad_accum) +
-            " micro-batches");
+            " micro-batches" +
+            (c.batch % c.world_size != 0
+                 ? " (every rank takes the same number of sequences; --batch is fixed on resume, "
+                   "so a run continues on a number of ranks that divides it)"
+                 : ""));
 }
 
 ProfileSteps parse_profile_steps(const std::string& text) {

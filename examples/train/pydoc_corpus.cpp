@@ -1,5 +1,6 @@
 #include "pydoc_corpus.h"
 
+#include "build_paths.h"
 #include "config.h"
 
 #include <array>

@@ -10,9 +10,6 @@
 
 namespace train {
 
-// The Python the build found (its venv's); "" if none. Defined in a generated file.
-extern const char* const kBuildPython;
-
 // Where the default corpus lives: asks the project's Python (the venv's, known at build time,
 // or MIXPREC_PYTHON / python3 on PATH) for pydoc_data.topics, falling back to the standard
 // library folders of the interpreters that venv was made from. Throws UsageError if none has it.

@@ -1,7 +1,6 @@
 #include "summary.h"
 
-#include "pydoc_corpus.h"
-
+#include "build_paths.h"
 #include "flops.h"
 #include "progress.h"
 
@@ -357,23 +356,24 @@ std::string summary(const RunReport& r) {
   }
   if (!r.metrics_path.empty()) {
     // The plotting script needs matplotlib, which set-up installs into the build's Python.
-    // Shown relative to the working directory when it lies below it (.venv/bin/python).
-    std::string python = "python3";
-    if (*kBuildPython != '\0') {
+    // Both paths are shown relative to the working directory when they lie below it
+    // (.venv/bin/python), absolute otherwise, so that the line works wherever it was run.
+    const auto shown = [](const char* path) -> std::string {
       // Lexically: the venv's python is a link, which proximate() would resolve.
       std::error_code ec;
       const std::filesystem::path near =
-          std::filesystem::path(kBuildPython)
-              .lexically_proximate(std::filesystem::current_path(ec));
-      python = !ec && !near.empty() && *near.begin() != ".." ? near.string() : kBuildPython;
-    }
-    s << "metrics     " << r.metrics_path.string() << "  (plot: " << python
-      << " scripts/plot_metrics.py " << r.metrics_path.string() << ")\n";
+          std::filesystem::path(path).lexically_proximate(std::filesystem::current_path(ec));
+      return !ec && !near.empty() && *near.begin() != ".." ? near.string() : path;
+    };
+    const std::string python = *kBuildPython != '\0' ? shown(kBuildPython) : "python3";
+    s << "metrics     " << r.metrics_path.string() << "  (plot: " << python << " "
+      << shown(kPlotScript) << " " << r.metrics_path.string() << ")\n";
     if (!r.metrics_problem.empty()) s << "            INCOMPLETE: " << r.metrics_problem << "\n";
   }
   const std::string root = r.saves.last_dir.empty() ? "" : r.saves.last_dir.parent_path().string();
   if (!root.empty()) {
-    // Any number of ranks resumes it: the same command alone, or under torchrun.
+    // Any number of ranks that divides --batch resumes it: the same command alone, or under
+    // torchrun.
     s << "resume      " << r.program << " --resume --ckpt-dir " << root;
     // An explicit --ckpt-dir puts metrics beside it unless told otherwise (run_paths.h).
     if (!r.metrics_path.empty() &&

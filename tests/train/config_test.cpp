@@ -63,6 +63,21 @@ TEST(TrainConfig, BadValuesNameTheFlag) {
             std::string::npos);
 }
 
+TEST(TrainConfig, ABatchTheRanksDoNotDivideSaysTheRankCountMustDivideIt) {
+  TrainConfig config = parse({"--batch", "16"}).config;
+  config.world_size = 3;  // a 2-rank run's checkpoint resumed on 3 ranks: --batch is fixed
+  std::string message;
+  try {
+    validate_combinations(config);
+  } catch (const UsageError& e) {
+    message = e.what();
+  }
+  EXPECT_NE(message.find("--batch 16 does not split into 3 ranks"), std::string::npos) << message;
+  EXPECT_NE(message.find("a number of ranks that divides it"), std::string::npos) << message;
+  config.world_size = 4;
+  EXPECT_NO_THROW(validate_combinations(config));
+}
+
 TEST(TrainConfig, HelpListsEveryFlagWithItsDefault) {
   EXPECT_TRUE(parse({"--help"}).help);
   const std::string text = usage();

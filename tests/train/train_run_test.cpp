@@ -192,6 +192,12 @@ TEST(TrainRun, WithoutDataItTrainsOnThePythonDocs) {
   // Two steps are the ones the step-peak figure leaves out: not a peak of 0 bytes.
   EXPECT_NE(run.out.find("a step's peak: not measured"), std::string::npos) << run.out;
   EXPECT_EQ(run.out.find("activations kept for backward 0 B"), std::string::npos) << run.out;
+  // The plot hint works from where the run was started (here, a scratch directory outside the
+  // source tree): the script it names exists as written.
+  std::smatch plot;
+  ASSERT_TRUE(std::regex_search(run.out, plot, std::regex(R"(\(plot: \S+ (\S+plot_metrics\.py) )")))
+      << run.out;
+  EXPECT_TRUE(fs::exists(dir / plot[1].str())) << plot[1].str();
   // No --out: a new run directory under runs/ in the working directory.
   std::vector<fs::path> runs;
   for (const auto& e : fs::directory_iterator(dir / "runs")) runs.push_back(e.path());
