@@ -13,6 +13,7 @@
 
 #include <cmath>
 #include <cstdio>
+#include <map>
 
 namespace mixprec::checkpoint::detail {
 
@@ -65,6 +66,10 @@ std::string shape_problem(const ShardedTensor& shard) {
 
 RankPlan plan_rank(const ShardedStateDict& state, size_t rank, std::vector<std::string>& problems) {
   RankPlan plan;
+  // A flat slice of key 'a' is stored as tensors 'a/0', 'a/1', … of the rank's data file: a key
+  // spelled like one of them would name the same tensor. Refused here, naming both keys, before
+  // the file's header is written (which would refuse it as a tensor "declared twice").
+  std::map<std::string, std::string> stored_by;  // tensor name in this rank's file → its key
   for (const auto& [key, shard] : state.tensors) {
     const std::string where = "key '" + key + "' (rank " + std::to_string(rank) + ")";
     if (!shard.local.defined()) {
@@ -81,6 +86,14 @@ RankPlan plan_rank(const ShardedStateDict& state, size_t rank, std::vector<std::
     entry.global_shape = shard.global_shape;
     if (shard.replica_id != 0) continue;  // a replica: written once, by its replica 0
     for (StoredTensor& stored : stored_tensors(key, shard)) {
+      if (const auto [it, fresh] = stored_by.try_emplace(stored.name, key); !fresh) {
+        problems.push_back("keys '" + it->second + "' and '" + key + "' (rank " +
+                           std::to_string(rank) + ") would both be stored as tensor '" +
+                           stored.name + "' (a flat slice of '" +
+                           (it->second == stored.name ? key : it->second) +
+                           "' is stored in pieces named '<key>/<i>'); rename one of them");
+        continue;
+      }
       Chunk chunk;
       chunk.file = data_file_name(rank);
       chunk.tensor = std::move(stored.name);

@@ -188,5 +188,25 @@ TEST(FlatShard, EmptyRangesAreKeysWithoutBytesAndBadPiecesAreRefused) {
             std::string::npos);
 }
 
+TEST(FlatShard, AKeyNamedLikeAnotherKeysPieceIsRefusedNamingBoth) {
+  testing::TempDir root;
+  // Rank 0's elements [2, 9) of a 3 x 4 tensor are stored as three boxes, 'a/0' … 'a/2', in its
+  // data file: a key spelled 'a/1' would be stored under the same tensor name.
+  const at::Tensor a = at::arange(12, at::kFloat).view({3, 4});
+  const auto piece = [&](int64_t begin, int64_t end) {
+    return ShardedTensor::flat(a.view({-1}).narrow(0, begin, end - begin), {3, 4}, begin);
+  };
+  std::vector<ShardedStateDict> ranks(3);
+  ranks[0].tensors.emplace("a", piece(2, 9));
+  ranks[0].tensors.emplace("a/1", ShardedTensor::whole(at::ones({2})));
+  ranks[1].tensors.emplace("a", piece(0, 2));  // the other elements: only the name is wrong
+  ranks[2].tensors.emplace("a", piece(9, 12));
+  const std::string message = error_of([&] { save_ranks(root.path(), ranks); });
+  EXPECT_NE(message.find("keys 'a' and 'a/1' (rank 0) would both be stored as tensor 'a/1'"),
+            std::string::npos)
+      << message;
+  EXPECT_TRUE(fs::is_empty(root.path())) << "refused before anything is written";
+}
+
 }  // namespace MIXPREC_UNITY_ID
 }  // namespace mixprec::checkpoint
