@@ -102,10 +102,14 @@ at::Tensor fake_quantize_nvfp4(const at::Tensor& x) {
   at::Tensor blocks = xf.reshape({xf.size(0), padded / kNvFp4Block, kNvFp4Block});
 
   const at::Tensor tensor_amax = xf.abs().amax();
-  // Global scale maps the largest block scale (amax / 6) onto E4M3's top of range.
-  // A NaN in x makes the whole result NaN, as in quantize_fp8.
+  // Global scale maps the largest block scale (amax / 6) onto E4M3's top of range. As in
+  // Transformer Engine it is capped at FP32's largest finite value: for an amax under ~7.9e-36
+  // the quotient overflows to Inf, and a block of zeros would decode as 0 * Inf.
+  // A NaN in x makes the whole result NaN, as in quantize_fp8; so does an Inf (a global scale
+  // of 0 makes every block scale 0 / 0).
   const at::Tensor global =
-      at::where(tensor_amax > 0, kE4M3Max * kE2M1Max / tensor_amax,
+      at::where(tensor_amax > 0,
+                (kE4M3Max * kE2M1Max / tensor_amax).clamp_max(std::numeric_limits<float>::max()),
                 at::where(at::isnan(tensor_amax), tensor_amax, at::ones_like(tensor_amax)));
   const at::Tensor block_amax = blocks.abs().amax(-1, /*keepdim=*/true);
   const at::Tensor block_scale_q =

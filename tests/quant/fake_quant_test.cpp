@@ -75,6 +75,33 @@ TEST(FakeQuantFp8, TinyAndNonFiniteInputs) {
       fake_quantize_nvfp4(torch::tensor({1.0f, std::nanf(""), 2.0f})).isnan().all().item<bool>());
 }
 
+// A tensor so small that 2688 / amax overflows FP32 (amax under ~7.9e-36) gets the largest
+// finite global scale, as in Transformer Engine: a block of zeros decodes to zeros (not
+// 0 * Inf), a block of tiny values to values near them (not 0). An Inf, like a NaN, makes
+// the whole result NaN.
+TEST(FakeQuantNvFp4, TinyAndNonFiniteInputs) {
+  for (const float v : {1e-30f, 1e-35f, 5e-36f, 1e-37f, 1e-44f}) {
+    at::Tensor x = torch::zeros({32});
+    x.narrow(0, 0, 16).fill_(v);
+    x[3] = -v;
+    const at::Tensor y = fake_quantize_nvfp4(x);
+    EXPECT_FALSE(y.isnan().any().item<bool>()) << v << ": " << y;
+    EXPECT_TRUE(at::equal(y.narrow(0, 16, 16), torch::zeros({16}))) << v << ": " << y;
+    // In FP32's normal range the block's values keep their size and sign (a block of equal
+    // magnitudes rounds to 6 or 4 block-scale units: at most a third off). Further down the
+    // block scale, amax / 6 times the largest global scale, falls below E4M3's smallest
+    // denormal and the block decodes to zeros, as in Transformer Engine.
+    if (v >= std::numeric_limits<float>::min()) {
+      EXPECT_NEAR(y[0].item<float>() / v, 1.0f, 0.34f) << v << ": " << y;
+      EXPECT_LT(y[3].item<float>(), 0.0f) << v;
+    }
+  }
+  EXPECT_TRUE(fake_quantize_nvfp4(torch::zeros({20})).eq(0).all().item<bool>());
+  at::Tensor with_inf = torch::randn({40});
+  with_inf[20] = std::numeric_limits<float>::infinity();
+  EXPECT_TRUE(fake_quantize_nvfp4(with_inf).isnan().all().item<bool>());
+}
+
 TEST(FakeQuantNvFp4, ValuesLieOnTheScaledE2M1Grid) {
   at::manual_seed(2);
   at::Tensor x = torch::randn({8, 40});  // 40 = two full blocks and a padded one
