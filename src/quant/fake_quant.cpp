@@ -35,6 +35,36 @@ void check_high_precision_input(const at::Tensor& x, const char* function) {
                   : std::string("an undefined tensor"));
 }
 
+// The dtype amax and scales are computed in: FP64 for an FP64 input, whose values may lie
+// outside FP32's range (an FP32 amax of 1e39 is Inf, one of 1e-50 is 0), FP32 otherwise.
+c10::ScalarType compute_dtype(const at::Tensor& x) {
+  return x.scalar_type() == at::kDouble ? at::kDouble : at::kFloat;
+}
+
+double smallest_positive(c10::ScalarType compute) {
+  return compute == at::kDouble ? std::numeric_limits<double>::denorm_min()
+                                : std::numeric_limits<float>::denorm_min();
+}
+
+double largest_finite(c10::ScalarType compute) {
+  return compute == at::kDouble ? std::numeric_limits<double>::max()
+                                : std::numeric_limits<float>::max();
+}
+
+// `v` (FP32 or FP64, within the FP8 format's range) rounded to nearest-even in `fp8_dtype`.
+// LibTorch converts FP64 to FP8 through FP32, rounding twice: a value just past a tie between
+// two FP8 values can land on the tie in FP32 and then go the wrong way. Rounding to FP32 by
+// round-to-odd instead (truncate, set the last bit if anything was lost) makes the second
+// rounding exact, FP32 having more than two bits beyond any FP8 mantissa.
+at::Tensor to_fp8(const at::Tensor& v, c10::ScalarType fp8_dtype) {
+  if (v.scalar_type() != at::kDouble) return v.to(fp8_dtype);
+  at::Tensor f = v.to(at::kFloat);
+  const at::Tensor rounded_away = f.to(at::kDouble).abs() > v.abs();
+  f = at::where(rounded_away, at::nextafter(f, at::zeros_like(f)), f);
+  const at::Tensor inexact = (f.to(at::kDouble) != v).to(at::kInt);
+  return at::bitwise_or(f.view(at::kInt), inexact).view(at::kFloat).to(fp8_dtype);
+}
+
 }  // namespace
 
 double fp8_max(c10::ScalarType fp8_dtype) {
@@ -47,23 +77,27 @@ ScaledFp8 quantize_fp8(const at::Tensor& x, c10::ScalarType fp8_dtype) {
   check_fp8_dtype(fp8_dtype, "quantize_fp8");
   const double max = fp8_max(fp8_dtype);
   at::NoGradGuard no_grad;
-  const at::Tensor xf = x.to(at::kFloat);
+  const c10::ScalarType compute = compute_dtype(x);
+  const at::Tensor xf = x.to(compute);
   const at::Tensor amax = xf.numel() ? xf.abs().amax() : at::zeros({}, xf.options());
-  // amax == 0 (or empty) would divide by zero: any scale works, take 1. A scale below FP32's
-  // smallest denormal (amax under ~6e-43) would round to 0 and make 0 / 0: the smallest
-  // denormal instead. A NaN in x gives a NaN scale, so the whole result is NaN — as an Inf
-  // already makes it — and the step it feeds is refused rather than trained on values
-  // quantized against a meaningless scale.
-  const at::Tensor scaled = at::clamp_min(amax / max, std::numeric_limits<float>::denorm_min());
+  // amax == 0 (or empty) would divide by zero: any scale works, take 1. A scale below the
+  // compute dtype's smallest denormal (an FP32 amax under ~6e-43) would round to 0 and make
+  // 0 / 0: the smallest denormal instead. A NaN in x gives a NaN scale, so the whole result is
+  // NaN — as an Inf already makes it — and the step it feeds is refused rather than trained on
+  // values quantized against a meaningless scale.
+  const at::Tensor scaled = at::clamp_min(amax / max, smallest_positive(compute));
   const at::Tensor scale_inv =
       at::where(amax > 0, scaled, at::where(at::isnan(amax), amax, at::ones_like(amax)));
-  const at::Tensor data = (xf / scale_inv).clamp(-max, max).to(fp8_dtype);
+  const at::Tensor data = to_fp8((xf / scale_inv).clamp(-max, max), fp8_dtype);
   return {data, scale_inv};
 }
 
 at::Tensor dequantize_fp8(const ScaledFp8& q, c10::ScalarType dtype) {
   at::NoGradGuard no_grad;
-  return (q.data.to(at::kFloat) * q.scale_inv).to(dtype);
+  // An FP64 scale (an FP64 input's) may lie outside FP32's range: the product is taken in FP64.
+  const c10::ScalarType compute =
+      q.scale_inv.scalar_type() == at::kDouble ? at::kDouble : at::kFloat;
+  return (q.data.to(compute) * q.scale_inv).to(dtype);
 }
 
 at::Tensor fake_quantize_fp8(const at::Tensor& x, c10::ScalarType fp8_dtype) {
@@ -97,23 +131,23 @@ at::Tensor fake_quantize_nvfp4(const at::Tensor& x) {
   if (x.numel() == 0) return x.clone();
   const int64_t last = x.dim() ? x.size(-1) : 1;
   const int64_t padded = (last + kNvFp4Block - 1) / kNvFp4Block * kNvFp4Block;
-  at::Tensor xf = x.to(at::kFloat).reshape({-1, last});
+  const c10::ScalarType compute = compute_dtype(x);
+  at::Tensor xf = x.to(compute).reshape({-1, last});
   if (padded != last) xf = at::constant_pad_nd(xf, {0, padded - last});
   at::Tensor blocks = xf.reshape({xf.size(0), padded / kNvFp4Block, kNvFp4Block});
 
   const at::Tensor tensor_amax = xf.abs().amax();
   // Global scale maps the largest block scale (amax / 6) onto E4M3's top of range. As in
-  // Transformer Engine it is capped at FP32's largest finite value: for an amax under ~7.9e-36
-  // the quotient overflows to Inf, and a block of zeros would decode as 0 * Inf.
+  // Transformer Engine it is capped at the largest finite value: for an FP32 amax under
+  // ~7.9e-36 the quotient overflows to Inf, and a block of zeros would decode as 0 * Inf.
   // A NaN in x makes the whole result NaN, as in quantize_fp8; so does an Inf (a global scale
   // of 0 makes every block scale 0 / 0).
-  const at::Tensor global =
-      at::where(tensor_amax > 0,
-                (kE4M3Max * kE2M1Max / tensor_amax).clamp_max(std::numeric_limits<float>::max()),
-                at::where(at::isnan(tensor_amax), tensor_amax, at::ones_like(tensor_amax)));
+  const at::Tensor global = at::where(
+      tensor_amax > 0, (kE4M3Max * kE2M1Max / tensor_amax).clamp_max(largest_finite(compute)),
+      at::where(at::isnan(tensor_amax), tensor_amax, at::ones_like(tensor_amax)));
   const at::Tensor block_amax = blocks.abs().amax(-1, /*keepdim=*/true);
   const at::Tensor block_scale_q =
-      (block_amax / kE2M1Max * global).clamp_max(kE4M3Max).to(at::kFloat8_e4m3fn).to(at::kFloat);
+      to_fp8((block_amax / kE2M1Max * global).clamp_max(kE4M3Max), at::kFloat8_e4m3fn).to(compute);
   const at::Tensor block_scale = block_scale_q / global;  // what a decoder reconstructs
   const at::Tensor safe = at::where(block_scale > 0, block_scale, at::ones_like(block_scale));
   const at::Tensor dq = round_to_e2m1(blocks / safe) * block_scale;

@@ -79,6 +79,56 @@ TEST(FakeQuantFp8, TinyAndNonFiniteInputs) {
 // finite global scale, as in Transformer Engine: a block of zeros decodes to zeros (not
 // 0 * Inf), a block of tiny values to values near them (not 0). An Inf, like a NaN, makes
 // the whole result NaN.
+// FP64 inputs are computed in FP64: values outside FP32's range (1e39, 1e-50) quantize as
+// they would scaled into it. Scaling by a power of two commutes with every step (amax, the
+// scales, the rounding), so the results scale exactly.
+TEST(FakeQuantFp64, ValuesOutsideFp32RangeQuantizeAsScaledOnes) {
+  at::manual_seed(4);
+  const at::Tensor x = torch::randn({5, 48}, torch::kDouble);
+  for (const double s : {std::ldexp(1.0, 130), std::ldexp(1.0, -170), std::ldexp(1.0, 900)}) {
+    for (const auto fp8 : {at::kFloat8_e4m3fn, at::kFloat8_e5m2}) {
+      EXPECT_TRUE(at::equal(fake_quantize_fp8(x * s, fp8), fake_quantize_fp8(x, fp8) * s))
+          << s << " " << fp8;
+      const ScaledFp8 q = quantize_fp8(x * s, fp8);
+      EXPECT_EQ(q.scale_inv.scalar_type(), at::kDouble);
+      EXPECT_TRUE(at::equal(dequantize_fp8(q, at::kDouble), fake_quantize_fp8(x, fp8) * s));
+    }
+    EXPECT_TRUE(at::equal(fake_quantize_nvfp4(x * s), fake_quantize_nvfp4(x) * s)) << s;
+  }
+  // The reviewer's cases: all-NaN and all-zero results before.
+  const at::Tensor big = torch::tensor({1e39, 1.0, -2.0}, torch::kDouble);
+  for (const at::Tensor& y :
+       {fake_quantize_fp8(big, at::kFloat8_e4m3fn), fake_quantize_nvfp4(big)}) {
+    EXPECT_NEAR(y[0].item<double>() / 1e39, 1.0, 1e-12) << y;
+    EXPECT_FALSE(y.isnan().any().item<bool>()) << y;
+  }
+  const at::Tensor tiny = torch::tensor({1e-50, 2e-50, -3e-50}, torch::kDouble);
+  const at::Tensor y = fake_quantize_fp8(tiny, at::kFloat8_e4m3fn);
+  EXPECT_TRUE(((y - tiny).abs() <= tiny.abs() / 16).all().item<bool>()) << y;
+}
+
+// An FP64 value just past a tie between two FP8 values rounds up, not onto the tie: LibTorch's
+// FP64 -> FP8 conversion goes through FP32, where 1.0625 + 2^-30 becomes 1.0625 (E4M3's tie
+// between 1 and 1.125) and then 1.
+TEST(FakeQuantFp64, ValuesAreRoundedOnce) {
+  const double above_tie = 1.0625 + std::ldexp(1.0, -30);
+  const double below_tie = 1.0625 - std::ldexp(1.0, -30);
+  const at::Tensor x = torch::tensor({448.0, above_tie, -above_tie, below_tie}, torch::kDouble);
+  const at::Tensor y = fake_quantize_fp8(x, at::kFloat8_e4m3fn);
+  EXPECT_EQ(y[1].item<double>(), 1.125);
+  EXPECT_EQ(y[2].item<double>(), -1.125);
+  EXPECT_EQ(y[3].item<double>(), 1.0);
+  // The same for NVFP4's E4M3 block scales: with a tensor amax of 2688 the global scale is 1,
+  // and a block of amax 6 * (1.0625 + 2^-30) gets the block scale 1.125, not 1; its amax
+  // (5.67 units) then decodes as 6 * 1.125 (it would have been clamped to 6 * 1).
+  at::Tensor blocks = torch::zeros({32}, torch::kDouble);
+  blocks.narrow(0, 0, 16).fill_(2688.0);
+  blocks[16] = 6 * above_tie;
+  const at::Tensor nv = fake_quantize_nvfp4(blocks);
+  EXPECT_EQ(nv[0].item<double>(), 2688.0);
+  EXPECT_EQ(nv[16].item<double>(), 6.75);
+}
+
 TEST(FakeQuantNvFp4, TinyAndNonFiniteInputs) {
   for (const float v : {1e-30f, 1e-35f, 5e-36f, 1e-37f, 1e-44f}) {
     at::Tensor x = torch::zeros({32});

@@ -15,21 +15,25 @@ namespace mixprec::quant {
 
 // An FP8 tensor and the factor that maps it back: x ≈ data.to(float) * scale_inv.
 struct ScaledFp8 {
-  at::Tensor data;       // dtype Float8_e4m3fn or Float8_e5m2, the input's shape
-  at::Tensor scale_inv;  // FP32 scalar (0-dim), amax / fp8_max (1 if amax is 0)
+  at::Tensor data;  // dtype Float8_e4m3fn or Float8_e5m2, the input's shape
+  // A 0-dim FP32 tensor (FP64 for an FP64 input), amax / fp8_max (1 if amax is 0).
+  at::Tensor scale_inv;
 };
 
 // Largest finite value of an FP8 dtype (448 for e4m3fn, 57344 for e5m2).
 double fp8_max(c10::ScalarType fp8_dtype);
 
 // Quantizes a floating tensor (any float dtype) with per-tensor amax scaling (scale_inv =
-// amax / fp8_max, at least FP32's smallest denormal; 1 for an all-zero tensor). A NaN or Inf
-// anywhere in x makes every value of the dequantized result NaN: non-finite input is loud.
+// amax / fp8_max, at least the smallest denormal; 1 for an all-zero tensor). Amax and scale are
+// computed in FP32, or in FP64 for an FP64 input, whose values may lie outside FP32's range;
+// either way each scaled value goes straight to the nearest FP8 value (an FP64 one
+// not through FP32, which would round twice). A NaN or Inf anywhere in x
+// makes every value of the dequantized result NaN: non-finite input is loud.
 // Throws c10::Error if `x` is not a floating tensor of a high-precision dtype (an FP8 tensor
 // is refused) or `fp8_dtype` is not e4m3fn/e5m2.
 ScaledFp8 quantize_fp8(const at::Tensor& x, c10::ScalarType fp8_dtype);
 
-// data * scale_inv, in `dtype`.
+// data * scale_inv, in `dtype` (computed in FP32, or FP64 for an FP64 scale_inv).
 at::Tensor dequantize_fp8(const ScaledFp8& q, c10::ScalarType dtype);
 
 // quantize_fp8 then dequantize_fp8 back to x's dtype, without materializing the FP8 tensor.
@@ -41,8 +45,10 @@ at::Tensor dequantize_fp8(const ScaledFp8& q, c10::ScalarType dtype);
 at::Tensor fake_quantize_fp8(const at::Tensor& x, c10::ScalarType fp8_dtype);
 
 // NVFP4 fake quantization along the last dimension: blocks of 16 values share an E4M3 scale
-// (itself scaled by an FP32 per-tensor scale so block scales fit E4M3); values are rounded to
-// nearest-even on the E2M1 grid {0, 0.5, 1, 1.5, 2, 3, 4, 6}. Returns x's dtype and shape.
+// (itself scaled by an FP32 per-tensor scale so block scales fit E4M3 — FP64 for an FP64
+// input; as in Transformer Engine at most the largest finite value, so a tiny tensor's zeros
+// stay zeros); values are rounded to nearest-even on the E2M1 grid {0, 0.5, 1, 1.5, 2, 3, 4,
+// 6}. A NaN or Inf anywhere in x makes every value NaN. Returns x's dtype and shape.
 // Throws c10::Error like quantize_fp8 for an input that is not high-precision floating.
 at::Tensor fake_quantize_nvfp4(const at::Tensor& x);
 
