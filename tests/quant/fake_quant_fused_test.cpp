@@ -217,6 +217,34 @@ TEST(FusedFakeQuant, ShapesStridesAndTheDispatch) {
   EXPECT_THROW(fake_quantize_fp8(torch::ones({2}), at::kHalf), c10::Error);
 }
 
+// The kernel reads raw memory, so views whose values are not their memory's must not reach it
+// as they are: a negative view (its neg bit) is resolved first, a ZeroTensor (no memory at all)
+// takes the ATen composition and comes back as zeros.
+TEST(FusedFakeQuant, NegativeViewsAndZeroTensors) {
+  at::manual_seed(12);
+  for (const auto dtype : {at::kFloat, at::kBFloat16, at::kHalf}) {
+    SCOPED_TRACE(c10::toString(dtype));
+    const at::Tensor x = (at::randn({37, 41}) * 5).to(dtype);
+    for (const at::Tensor& negative : {at::_neg_view(x), at::_neg_view(x.t())}) {
+      ASSERT_TRUE(negative.is_neg());
+      const at::Tensor values = negative.resolve_neg();  // same_values reads the bits
+      const at::Tensor expected = reference(values, at::kFloat8_e4m3fn);
+      EXPECT_TRUE(same_values(values, fake_quantize_fp8(negative, at::kFloat8_e4m3fn), expected));
+      EXPECT_TRUE(same_values(values, detail::fused_fake_quantize_fp8(negative, at::kFloat8_e4m3fn),
+                              expected));
+    }
+    const at::Tensor zeros = at::_efficientzerotensor({40000}, at::TensorOptions().dtype(dtype));
+    ASSERT_TRUE(zeros._is_zerotensor());
+    EXPECT_FALSE(detail::fused_fake_quant_supports(zeros));
+    for (const auto fp8 : kFp8s) {
+      const at::Tensor y = fake_quantize_fp8(zeros, fp8);
+      EXPECT_EQ(y.scalar_type(), dtype);
+      EXPECT_EQ(y.sizes(), zeros.sizes());
+      EXPECT_TRUE(y.eq(0).all().item<bool>());
+    }
+  }
+}
+
 // Highway picks the kernel for the running CPU; every compiled target this CPU supports must
 // give the same bits (a target that emulates an operation differently would show here).
 TEST(FusedFakeQuant, EverySimdTargetAgrees) {

@@ -48,6 +48,9 @@ float amax_value(uint32_t bits, ElementFormat format) {
 
 bool fused_fake_quant_supports(const at::Tensor& x) {
   if (!x.defined() || !x.device().is_cpu() || x.layout() != at::kStrided) return false;
+  // The kernel reads raw memory: a ZeroTensor has none (its data pointer is null), and a
+  // conjugate view's bit would be ignored (a neg view's is resolved before the kernel).
+  if (x._is_zerotensor() || x.is_conj()) return false;
   const auto dtype = x.scalar_type();
   return dtype == at::kFloat || dtype == at::kBFloat16 || dtype == at::kHalf;
 }
@@ -56,7 +59,9 @@ at::Tensor fused_fake_quantize_fp8(const at::Tensor& x, c10::ScalarType fp8_dtyp
   TORCH_INTERNAL_ASSERT(fused_fake_quant_supports(x));
   TORCH_INTERNAL_ASSERT(fp8_dtype == at::kFloat8_e4m3fn || fp8_dtype == at::kFloat8_e5m2);
   at::NoGradGuard no_grad;
-  const at::Tensor in = x.contiguous();
+  // A negative view (at::_neg_view) keeps its neg bit through contiguous(): the raw values
+  // would be read with the wrong sign.
+  const at::Tensor in = x.is_neg() ? x.resolve_neg().contiguous() : x.contiguous();
   at::Tensor out = at::empty(in.sizes(), in.options().requires_grad(false));
   const int64_t n = in.numel();
   if (n == 0) return out;

@@ -14,7 +14,8 @@
 namespace mixprec::quant::detail {
 
 // Whether fused_fake_quantize_fp8 takes x: a defined CPU tensor of dtype Float, BFloat16 or
-// Half (any shape and strides; non-contiguous input is made contiguous first).
+// Half (any shape and strides; non-contiguous input is made contiguous first, a negative view
+// resolved), not a ZeroTensor (it has no memory to read; the ATen composition gives its zeros).
 bool fused_fake_quant_supports(const at::Tensor& x);
 
 // fake_quantize_fp8(x, fp8_dtype) for a tensor fused_fake_quant_supports; fp8_dtype is
