@@ -44,6 +44,12 @@ struct BiasGradient : torch::autograd::Function<BiasGradient> {
   }
 };
 
+// Whether a model-init scope builds FP8 primary weights.
+bool is_fp8_init(const QuantScopeState& init) {
+  return init.enabled &&
+         (init.format == QuantFormat::kFp8E4M3 || init.format == QuantFormat::kFp8Hybrid);
+}
+
 // What a format's forward rounding is: both FP8 recipes round operands to E4M3 in forward
 // (they differ in backward only), so one kept weight operand serves both.
 QuantFormat forward_operand_format(QuantFormat format) {
@@ -74,13 +80,16 @@ void QuantLinearImpl::reset() {
   // Same initialization as torch::nn::Linear.
   at::Tensor w = at::empty({options.out_features(), options.in_features()});
   torch::nn::init::kaiming_uniform_(w, std::sqrt(5.0));
-  const QuantScopeState init = model_init_state();
-  // A module that already holds an FP8 weight keeps that layout when rebuilt: this is how
-  // Cloneable::clone() rebuilds the copy (outside any init scope) before copying the data.
-  const bool keep_fp8 = weight_scale_inv.defined();
+  // A rebuild (the weight exists already) keeps the module's layout, FP8 primary weight or
+  // not, whatever scope is active: Cloneable::clone() rebuilds its copy with reset() before
+  // copying the data in, and refuses a copy whose parameters or buffers differ from the
+  // original's — a clone taken inside an FP8 init scope (an EMA copy built with the model)
+  // would otherwise gain a weight_scale_inv. Only the first build reads the scope.
+  const bool rebuild = weight.defined();
+  const QuantScopeState init = rebuild ? QuantScopeState{} : model_init_state();
+  const bool fp8 = rebuild ? weight_scale_inv.defined() : is_fp8_init(init);
   weight_scale_inv = at::Tensor();
-  if (keep_fp8 || (init.enabled && (init.format == QuantFormat::kFp8E4M3 ||
-                                    init.format == QuantFormat::kFp8Hybrid))) {
+  if (fp8) {
     ScaledFp8 q = quantize_fp8(w, at::kFloat8_e4m3fn);
     weight = register_parameter("weight", q.data, /*requires_grad=*/false);
     // The scale is part of the FP8 weight: a conversion to BF16 must not round it (every

@@ -4,6 +4,7 @@
 #include "mixprec/precision/convert.h"
 #include "mixprec/precision/float16_module.h"
 #include "mixprec/precision/keep_fp32.h"
+#include "mixprec/precision/module_clone.h"
 #include "mixprec/quant/fake_quant.h"
 #include "mixprec/quant/quant_state.h"
 
@@ -148,6 +149,38 @@ TEST(QuantLinear, Fp8PrimaryWeightsSurviveClone) {
   EXPECT_TRUE(at::equal(cloned->weight.to(at::kFloat), layer->weight.to(at::kFloat)));
   EXPECT_TRUE(at::equal(cloned->weight_scale_inv, layer->weight_scale_inv));
   EXPECT_FALSE(cloned->weight.is_same(layer->weight));
+}
+
+// A clone keeps the original's layout whatever init scope is active where it is taken (an
+// EMA copy built alongside an FP8 model): a high-precision layer gains no FP8 weight, an FP8
+// one stays FP8. Before, the first threw inside LibTorch's clone ("does not have the same
+// number of buffers").
+TEST(QuantLinear, ClonesKeepTheLayoutInsideAnInitScope) {
+  at::manual_seed(6);
+  QuantLinear plain(16, 8);
+  QuantLinear fp8(nullptr);
+  {
+    QuantModelInitGuard init(kFp8Param);
+    fp8 = QuantLinear(16, 8);
+  }
+  const at::Tensor x = torch::randn({2, 16});
+  for (const QuantConfig& scope :
+       {kFp8Param, QuantConfig().fp4(Fp4Recipe::kNvFp4).fp4_param(true), QuantConfig()}) {
+    QuantModelInitGuard init(scope);
+    for (QuantLinear layer : {plain, fp8}) {
+      const std::shared_ptr<torch::nn::Module> copies[] = {layer->clone(),
+                                                           mixprec::clone_module(*layer)};
+      for (const auto& copy : copies) {
+        auto* cloned = copy->as<QuantLinearImpl>();
+        ASSERT_NE(cloned, nullptr);
+        EXPECT_EQ(cloned->has_fp8_weight(), layer->has_fp8_weight());
+        EXPECT_EQ(cloned->weight.scalar_type(), layer->weight.scalar_type());
+        EXPECT_EQ(cloned->named_buffers().size(), layer->named_buffers().size());
+        EXPECT_EQ(cloned->weight.requires_grad(), layer->weight.requires_grad());
+        EXPECT_TRUE(at::equal(cloned->forward(x), layer->forward(x)));
+      }
+    }
+  }
 }
 
 TEST(QuantLinear, DisabledInitScopeBuildsHighPrecisionWeights) {

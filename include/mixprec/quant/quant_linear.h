@@ -66,8 +66,10 @@ class QuantLinearImpl : public torch::nn::Cloneable<QuantLinearImpl> {
   // Throws c10::Error if a feature count is not positive.
   explicit QuantLinearImpl(QuantLinearOptions options);
 
-  // Reads the model-init scope (see above) and (re)creates weight and bias. A module that
-  // already has an FP8 weight keeps the FP8 layout, so clone() works for FP8 modules too.
+  // Creates weight and bias; the first call (construction) reads the model-init scope (see
+  // above). A rebuild — clone() calls reset() on its copy — keeps the module's layout (an FP8
+  // primary weight or not) whatever scope is active, so clone() and clone_module work for
+  // either kind, inside an init scope or not.
   void reset() override;
 
   // input: (..., in_features), a high-precision floating dtype. Returns (..., out_features) in
