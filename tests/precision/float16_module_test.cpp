@@ -1,5 +1,6 @@
 #include "mixprec/precision/float16_module.h"
 
+#include "support/error_message.h"
 #include "support/toy_net.h"
 
 #include <gtest/gtest.h>
@@ -109,6 +110,55 @@ TEST(Float16Module, StateHasNoWrapperPrefix) {
   torch::load(bare, archive);
   EXPECT_TRUE(torch::equal(bare->fc->weight, net->fc->weight));
   EXPECT_TRUE(torch::equal(bare->router_weight, net->router_weight));
+}
+
+// The wrapper adopts the wrapped module's tensors at construction. One registered on the
+// wrapped module afterwards would run in forward but be missing from the wrapper's parameters
+// and archives (an optimizer or checkpoint of the wrapper would silently leave it out):
+// forward, save and load name it instead.
+TEST(Float16Module, ARegistrationOnTheWrappedModuleAfterWrappingIsNamed) {
+  using mixprec::testing::error_of;
+  ToyNet net;
+  Float16Module wrapped(net);
+  net->register_module("extra", torch::nn::Linear(8, 8));
+  std::string msg = error_of([&] { wrapped->forward(torch::randn({3, 8})); });
+  EXPECT_NE(msg.find("[mixprec::Float16Module::forward] the wrapped module"), std::string::npos)
+      << msg;
+  EXPECT_NE(msg.find("submodule 'extra' (extra.weight, extra.bias) was registered after "
+                     "wrapping"),
+            std::string::npos)
+      << msg;
+  std::stringstream archive;
+  msg = error_of([&] { torch::save(wrapped, archive); });
+  EXPECT_NE(msg.find("[mixprec::Float16Module::save]"), std::string::npos) << msg;
+
+  ToyNet other;
+  Float16Module wrapped_other(other);
+  other->register_parameter("late", torch::randn({2}));
+  other->register_buffer("late_buffer", torch::randn({2}));
+  msg = error_of([&] { wrapped_other->forward(torch::randn({3, 8})); });
+  EXPECT_NE(msg.find("parameter 'late' was registered"), std::string::npos) << msg;
+  EXPECT_NE(msg.find("buffer 'late_buffer' was registered"), std::string::npos) << msg;
+  std::stringstream saved;
+  torch::save(Float16Module(ToyNet()), saved);
+  msg = error_of([&] { torch::load(wrapped_other, saved); });
+  EXPECT_NE(msg.find("[mixprec::Float16Module::load]"), std::string::npos) << msg;
+
+  // A submodule replaced on the wrapped module is named too.
+  ToyNet third;
+  Float16Module wrapped_third(third);
+  third->replace_module("fc", torch::nn::Linear(8, 8));
+  msg = error_of([&] { wrapped_third->forward(torch::randn({3, 8})); });
+  EXPECT_NE(msg.find("submodule 'fc' was replaced after wrapping"), std::string::npos) << msg;
+}
+
+// Registered deeper, on a submodule the wrapper holds too, a tensor is seen by the wrapper.
+TEST(Float16Module, ARegistrationOnASubmoduleIsSeen) {
+  ToyNet net;
+  Float16Module wrapped(net);
+  net->fc->register_parameter("late", torch::randn({2}));
+  EXPECT_TRUE(wrapped->named_parameters().contains("fc.late"));
+  EXPECT_NO_THROW(wrapped->forward(torch::randn({3, 8})));
 }
 
 TEST(Float16Module, TrainEvalReachesTheWrappedModule) {

@@ -12,6 +12,12 @@
 // names, so its named_parameters(), state and saved archive carry no wrapper prefix: a
 // checkpoint of the wrapper loads into the bare module and back — a bare module converted the
 // same way (LibTorch's archive load keeps each tensor's dtype and refuses another).
+// It adopts them once, at construction: a parameter, buffer or submodule registered on the
+// wrapped module itself afterwards (or one removed or replaced there) would run in forward but
+// be missing from the wrapper's parameters and state, so an optimizer or checkpoint of the
+// wrapper would silently leave it out. forward, save and load throw c10::Error naming it
+// instead; register everything before wrapping. (Tensors registered deeper, on a submodule,
+// are seen: the wrapper holds the same submodule. Neither kind is converted.)
 #pragma once
 
 #include "mixprec/detail/nested_cast.h"
@@ -57,6 +63,7 @@ class Float16ModuleImpl : public torch::nn::Module {
   // by default); arguments must have the exact types it takes, as with AnyModule.
   template <typename Return = at::Tensor, typename... Args>
   Return forward(Args&&... args) {
+    check_adopted("forward");
     const c10::ScalarType half = options_.dtype();
     auto to_half = [&](const at::Tensor& t) {
       return options_.is_first_stage() && t.defined() && t.scalar_type() == at::kFloat ? t.to(half)
@@ -75,11 +82,21 @@ class Float16ModuleImpl : public torch::nn::Module {
   // Also sets the wrapped module's own training flag (it is not registered as a child).
   void train(bool on = true) override;
 
+  // Module::save / Module::load, after checking (as forward does) that the wrapper still holds
+  // every parameter, buffer and child of the wrapped module.
+  void save(torch::serialize::OutputArchive& archive) const override;
+  void load(torch::serialize::InputArchive& archive) override;
+
   const Float16ModuleOptions& options() const { return options_; }
   const ConversionReport& conversion_report() const { return report_; }
   const std::shared_ptr<torch::nn::Module>& module() const { return inner_ptr_; }
 
  private:
+  // Throws c10::Error, naming `op` and every difference, unless the wrapper's own parameters,
+  // buffers and children are still exactly the wrapped module's (same names, same tensors and
+  // modules).
+  void check_adopted(const char* op) const;
+
   Float16ModuleOptions options_;
   torch::nn::AnyModule inner_;
   std::shared_ptr<torch::nn::Module> inner_ptr_;
