@@ -130,17 +130,33 @@ PrecisionPlan::Resolved PrecisionPlan::resolve(const torch::nn::Module& module) 
 
   for (const auto& pattern : patterns_) {
     size_t hits = 0;
+    std::vector<std::string> fp8_matches;  // quantized primary weights: never kept
+    bool non_floating_match = false;
     for (auto& p : out.tensors) {
-      if (!keepable(p.tensor)) continue;
       if (!detail::glob_match(pattern, p.name)) continue;
+      if (at::isFloat8Type(p.tensor.scalar_type())) {
+        fp8_matches.push_back(describe(p) + " (" + c10::toString(p.tensor.scalar_type()) + ")");
+        continue;
+      }
+      if (!keepable(p.tensor)) {
+        non_floating_match = true;
+        continue;
+      }
       ++hits;
       keep(p, KeepReason::kPattern, pattern);
     }
     if (hits > 0) continue;
     if (strict_) {
-      problems.push_back("pattern '" + pattern +
-                         "' matches no floating parameter or buffer (the plan is strict; "
-                         "call strict(false) to allow it)");
+      // A pattern that matches FP8 tensors says so, as a name does: "matches no floating
+      // parameter" would send the reader looking for a typo in a pattern that does match.
+      const std::string what = fp8_matches.empty()
+                                   ? std::string("matches no floating parameter or buffer")
+                                   : std::string("matches only FP8 (quantized) ") +
+                                         (non_floating_match ? "and non-floating " : "") +
+                                         "tensors: " + detail::join(fp8_matches) +
+                                         "; only floating, non-FP8 tensors can be kept in FP32";
+      problems.push_back("pattern '" + pattern + "' " + what +
+                         " (the plan is strict; call strict(false) to allow it)");
     } else {
       out.unmatched_patterns.push_back(pattern);
     }

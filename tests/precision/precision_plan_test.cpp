@@ -1,5 +1,7 @@
 #include "mixprec/precision/precision_plan.h"
 
+#include "mixprec/quant/quant_linear.h"
+#include "mixprec/quant/quant_state.h"
 #include "support/toy_net.h"
 
 #include "support/error_message.h"
@@ -84,6 +86,30 @@ TEST(PrecisionPlan, StrictPatternMatchingNothingIsAnError) {
   auto r = PrecisionPlan().keep_fp32_pattern("*.router.weight").strict(false).resolve(*net);
   ASSERT_EQ(r.unmatched_patterns.size(), 1u);
   EXPECT_EQ(r.unmatched_patterns[0], "*.router.weight");
+}
+
+// A pattern that matches only an FP8 primary weight does match: it says the tensor cannot be
+// kept FP32, as a name does, not that it matches nothing.
+TEST(PrecisionPlan, StrictPatternMatchingOnlyFp8TensorsSaysSo) {
+  quant::QuantLinear proj(nullptr);
+  {
+    quant::QuantModelInitGuard init(
+        quant::QuantConfig().fp8(quant::Fp8Recipe::kE4M3).fp8_param(true));
+    proj = quant::QuantLinear(4, 4);
+  }
+  torch::nn::Sequential net(proj);
+  const std::string msg =
+      error_of([&] { PrecisionPlan().keep_fp32_pattern("0.weight").resolve(*net); });
+  EXPECT_NE(msg.find("pattern '0.weight' matches only FP8 (quantized) tensors: parameter "
+                     "'0.weight' (Float8_e4m3fn); only floating, non-FP8 tensors can be kept "
+                     "in FP32"),
+            std::string::npos)
+      << msg;
+  auto r = PrecisionPlan().keep_fp32_pattern("0.weight").strict(false).resolve(*net);
+  ASSERT_EQ(r.unmatched_patterns.size(), 1u);
+  // An FP8 weight beside a floating tensor the pattern keeps is no error: a broad pattern
+  // simply does not cover it.
+  EXPECT_NO_THROW(PrecisionPlan().keep_fp32_pattern("0.*").resolve(*net));
 }
 
 TEST(PrecisionPlan, ReportsEveryProblemAtOnce) {

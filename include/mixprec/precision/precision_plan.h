@@ -63,7 +63,8 @@ class PrecisionPlan {
 
   // Applies the plan to `module`'s parameters and buffers (undefined ones are skipped).
   // Throws c10::Error, naming every culprit at once, if a name matches nothing, a name or
-  // tensor mark points at a non-floating tensor, or (strict) a pattern matches nothing.
+  // tensor mark points at a non-floating tensor, or (strict) a pattern matches no tensor it
+  // can keep (none, or only FP8 ones: the message names them).
   // Never modifies the module.
   Resolved resolve(const torch::nn::Module& module) const;
 
