@@ -47,13 +47,17 @@ void cast_in_place(at::Tensor& tensor, c10::ScalarType dtype) {
 }
 
 std::string keep_description(const PlannedTensor& p) {
+  // A tied tensor kept through another of its names says which: the rule does not apply to
+  // this name.
+  const std::string via =
+      p.matched.empty() || p.matched == p.name ? std::string() : " via tied '" + p.matched + "'";
   switch (p.reason) {
     case KeepReason::kTensorMark:
       return "keep_in_fp32 mark";
     case KeepReason::kName:
-      return "name '" + p.rule + "'";
+      return "name '" + p.rule + "'" + via;
     case KeepReason::kPattern:
-      return "pattern '" + p.rule + "'";
+      return "pattern '" + p.rule + "'" + via;
     case KeepReason::kNone:
       break;
   }
@@ -115,6 +119,12 @@ ConversionReport convert_module_to_dtype_except_fp32_marked(torch::nn::Module& m
       tied.name = p.name;
       tied.kind = p.kind;
       tied.shared = true;
+      // Same strength of reason as the first name (resolve() makes it so), but this name's
+      // own rule, or the name the rule matched.
+      if (tied.reason != KeepReason::kNone) {
+        tied.reason = p.reason;
+        tied.why = keep_description(p);
+      }
       report.entries.push_back(std::move(tied));
       continue;
     }

@@ -81,6 +81,7 @@ PrecisionPlan::Resolved PrecisionPlan::resolve(const torch::nn::Module& module) 
     if (p.reason != KeepReason::kNone) return;  // the first reason (mark > name > pattern) wins
     p.reason = reason;
     p.rule = rule;
+    if (reason != KeepReason::kTensorMark) p.matched = p.name;
   };
 
   for (auto& p : out.tensors) {
@@ -165,17 +166,35 @@ PrecisionPlan::Resolved PrecisionPlan::resolve(const torch::nn::Module& module) 
   detail::check_no_problems(
       problems, "[mixprec::PrecisionPlan::resolve] cannot apply the plan to " + module.name());
 
-  // Tied tensors: if any name of a tensor is kept, every name of it is.
-  std::unordered_map<const c10::TensorImpl*, const PlannedTensor*> kept;
+  // Tied tensors: if any name of a tensor is kept, every name of it is, for the strongest
+  // reason any of its names has (mark > name > pattern; the first name's at equal strength).
+  // A name kept at that strength by a rule of its own keeps it; the others take the rule and
+  // record which name it matched, so the report does not credit a rule to a name it does not
+  // apply to.
+  struct Strongest {
+    KeepReason reason;
+    std::string rule;
+    std::string matched;
+  };
+  // KeepReason is declared in precedence order after kNone.
+  auto stronger = [](KeepReason a, KeepReason b) {
+    return static_cast<int>(a) < static_cast<int>(b);
+  };
+  std::unordered_map<const c10::TensorImpl*, Strongest> strongest;
   for (const auto& p : out.tensors) {
-    if (p.reason != KeepReason::kNone) kept.emplace(p.tensor.unsafeGetTensorImpl(), &p);
+    if (p.reason == KeepReason::kNone) continue;
+    auto [it, inserted] = strongest.try_emplace(p.tensor.unsafeGetTensorImpl(),
+                                                Strongest{p.reason, p.rule, p.matched});
+    if (!inserted && stronger(p.reason, it->second.reason)) {
+      it->second = Strongest{p.reason, p.rule, p.matched};
+    }
   }
   for (auto& p : out.tensors) {
-    if (p.reason != KeepReason::kNone) continue;
-    if (auto it = kept.find(p.tensor.unsafeGetTensorImpl()); it != kept.end()) {
-      p.reason = it->second->reason;
-      p.rule = it->second->rule.empty() ? it->second->name : it->second->rule;
-    }
+    auto it = strongest.find(p.tensor.unsafeGetTensorImpl());
+    if (it == strongest.end() || p.reason == it->second.reason) continue;
+    p.reason = it->second.reason;
+    p.rule = it->second.rule;
+    p.matched = it->second.matched;
   }
   return out;
 }

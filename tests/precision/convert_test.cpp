@@ -153,6 +153,36 @@ TEST(Convert, KeepingOneNameOfATiedTensorKeepsBoth) {
   EXPECT_EQ(report.entries[0].action, ConversionAction::kKeptFp32);
 }
 
+// Each name of a tied tensor is reported with the strongest reason any of its names has
+// (mark > name > pattern, docs/precision-plan.md), and a rule that matched another name says
+// which. Before, "embed"'s own weaker pattern was reported for both names.
+TEST(Convert, TiedTensorsReportTheStrongestReasonAndTheNameItMatched) {
+  auto tied = std::make_shared<TiedImpl>();
+  const at::Tensor w = tied->named_parameters()["embed"];
+  auto report = convert_module_to_dtype_except_fp32_marked(
+      *tied, at::kBFloat16, PrecisionPlan().keep_fp32_name("head").keep_fp32_pattern("emb*"));
+  ASSERT_EQ(report.entries.size(), 2u);
+  EXPECT_EQ(report.entries[0].reason, KeepReason::kName);
+  EXPECT_EQ(report.entries[0].why, "name 'head' via tied 'head'");
+  EXPECT_EQ(report.entries[1].reason, KeepReason::kName);
+  EXPECT_EQ(report.entries[1].why, "name 'head'");
+  EXPECT_NE(report.to_string().find("name 'head' (tied)"), std::string::npos) << report.to_string();
+  EXPECT_EQ(kept_fp32_reason(w).reason, KeepReason::kName);
+  EXPECT_EQ(kept_fp32_reason(w).rule, "head");
+
+  // Only the second name is kept: the first says through which name.
+  report = convert_module_to_dtype_except_fp32_marked(*tied, at::kBFloat16,
+                                                      PrecisionPlan().keep_fp32_pattern("he*"));
+  EXPECT_EQ(report.entries[0].why, "pattern 'he*' via tied 'head'");
+  EXPECT_EQ(report.entries[1].why, "pattern 'he*'");
+  // Kept at the same strength by a rule of its own, each name gives its own.
+  report = convert_module_to_dtype_except_fp32_marked(
+      *tied, at::kBFloat16, PrecisionPlan().keep_fp32_pattern("emb*").keep_fp32_pattern("he*"));
+  EXPECT_EQ(report.entries[0].why, "pattern 'emb*'");
+  EXPECT_EQ(report.entries[1].why, "pattern 'he*'");
+  EXPECT_EQ(kept_fp32_reason(w).rule, "emb*");
+}
+
 TEST(Convert, NonHalfTargetIsAnErrorAndChangesNothing) {
   ToyNet net;
   auto before = snapshot(*net);

@@ -48,6 +48,21 @@ TEST(PrecisionPlan, SubmoduleNameCoversItsTensors) {
   EXPECT_EQ(find(r, "fc.weight").reason, KeepReason::kNone);
 }
 
+// A tied tensor's names all get the strongest reason any of them has (a name beats a
+// pattern), with the name that rule matched.
+TEST(PrecisionPlan, TiedNamesShareTheStrongestReason) {
+  torch::nn::Module tied;
+  const at::Tensor w = tied.register_parameter("emb", torch::randn({4, 4}));
+  tied.register_parameter("head", w);
+  auto r = PrecisionPlan().keep_fp32_name("head").keep_fp32_pattern("em*").resolve(tied);
+  for (const char* name : {"emb", "head"}) {
+    EXPECT_EQ(find(r, name).reason, KeepReason::kName) << name;
+    EXPECT_EQ(find(r, name).rule, "head") << name;
+    EXPECT_EQ(find(r, name).matched, "head") << name;
+  }
+  EXPECT_TRUE(find(r, "head").shared);
+}
+
 TEST(PrecisionPlan, PatternsSkipIntegerAndBoolBuffers) {
   ToyNet net;
   auto r = PrecisionPlan().keep_fp32_pattern("*expert*").resolve(*net);

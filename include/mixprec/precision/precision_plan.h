@@ -23,7 +23,8 @@ namespace mixprec {
 
 enum class TensorKind { kParameter, kBuffer };
 
-// Why a tensor is kept in FP32 (kNone: it is not).
+// Why a tensor is kept in FP32 (kNone: it is not). After kNone, in precedence order: a tensor
+// several rules keep is reported kept by the first of them here.
 enum class KeepReason { kNone, kTensorMark, kName, kPattern };
 
 const char* to_string(TensorKind kind);
@@ -31,11 +32,14 @@ const char* to_string(KeepReason reason);
 
 // One tensor of a module as the plan sees it.
 struct PlannedTensor {
-  std::string name;     // fully qualified name, e.g. "blocks.0.norm.weight"
-  TensorKind kind;      // parameter or buffer
-  at::Tensor tensor;    // the module's own tensor (same TensorImpl)
-  KeepReason reason;    // why it stays FP32, kNone for tensors the plan may cast
-  std::string rule;     // the name or pattern that matched, empty otherwise
+  std::string name;   // fully qualified name, e.g. "blocks.0.norm.weight"
+  TensorKind kind;    // parameter or buffer
+  at::Tensor tensor;  // the module's own tensor (same TensorImpl)
+  KeepReason reason;  // why it stays FP32, kNone for tensors the plan may cast
+  std::string rule;   // the name or pattern that matched, empty otherwise
+  // The name `rule` matched: this entry's own, or for a tied tensor kept through another of
+  // its names, that name. Empty for a mark and for tensors not kept.
+  std::string matched;
   bool shared = false;  // true if an earlier entry holds the same tensor (tied weights)
 };
 
@@ -61,7 +65,9 @@ class PrecisionPlan {
     std::vector<std::string> unmatched_patterns;  // only ever non-empty when not strict
   };
 
-  // Applies the plan to `module`'s parameters and buffers (undefined ones are skipped).
+  // Applies the plan to `module`'s parameters and buffers (undefined ones are skipped). A
+  // tensor under several names (tied) is kept if any name is, every name with the strongest
+  // reason of any (mark > name > pattern; see PlannedTensor::matched).
   // Throws c10::Error, naming every culprit at once, if a name matches nothing, a name or
   // tensor mark points at a non-floating tensor, or (strict) a pattern matches no tensor it
   // can keep (none, or only FP8 ones: the message names them).
