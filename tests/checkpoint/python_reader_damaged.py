@@ -1,8 +1,11 @@
 """Damaged copies of a good checkpoint, read with python/mixprec_reader.py: each one must end in
-a CheckpointError that names the file at fault — never a hang, a foreign exception or an
-allocation of what a manifest merely claims.
+a CheckpointError that names the file at fault (and for a manifest, the key and field) — never
+a hang, a foreign exception, an allocation of what a manifest merely claims, or a read of what
+mixprec's own reader refuses (a manifest or a `latest` it does not accept).
 
     python_reader_damaged.py CHECKPOINT SCRATCH    (prints "ok <cases>" and exits 0, or fails)
+
+CHECKPOINT must be the checkpoint its root's `latest` names (the root is its parent).
 """
 import json
 import os
@@ -16,7 +19,7 @@ import mixprec_reader as mr  # noqa: E402
 def damaged(scratch, good, name, change):
     """A copy of `good` in scratch/name with change(copy) applied."""
     copy = os.path.join(scratch, name)
-    shutil.copytree(good, copy)
+    shutil.copytree(good, copy, symlinks=True)
     change(copy)
     return copy
 
@@ -47,17 +50,56 @@ def edit_manifest(ckpt_dir, edit):
         json.dump(manifest, f)
 
 
+def edit_chunk(key, edit):
+    """A manifest edit applying edit(chunk) to the first chunk of `key`."""
+    return lambda manifest: edit(manifest["keys"][key]["chunks"][0])
+
+
+def edit_raw_manifest(ckpt_dir, old, new):
+    """Replaces the first `old` in manifest.json's text (for what json.dump cannot write)."""
+    path = os.path.join(ckpt_dir, "manifest.json")
+    with open(path) as f:
+        text = f.read()
+    assert old in text, old
+    with open(path, "w") as f:
+        f.write(text.replace(old, new, 1))
+
+
+def rename_data_files(ckpt_dir, name):
+    """Every chunk in one data file called `name` (the checkpoint has one data file)."""
+    os.rename(first_data_file(ckpt_dir), os.path.join(ckpt_dir, name))
+
+    def edit(manifest):
+        for entry in manifest["keys"].values():
+            for chunk in entry["chunks"]:
+                chunk["file"] = name
+    edit_manifest(ckpt_dir, edit)
+
+
+def write_latest(root, content):
+    with open(os.path.join(root, "latest"), "wb") as f:
+        f.write(content)
+
+
 def claim_huge_shape(manifest):
     key = next(k for k, e in manifest["keys"].items() if e["shape"])
     manifest["keys"][key]["shape"] = [100000, 100000]
 
 
 def claim_huge_chunk(manifest):
-    """Shape and chunk agree with each other, not with the stored tensor: 2^40 elements."""
-    key = next(k for k, e in manifest["keys"].items() if len(e["chunks"]) == 1 and e["shape"])
+    """Shape, chunk and bytes agree with each other, not with the stored tensor: 2^40 elements.
+    As version 1 (no block checksums, which would take 2^22 entries)."""
+    manifest["version"] = 1
+    manifest.pop("block_bytes")
+    for entry in manifest["keys"].values():
+        for chunk in entry["chunks"]:
+            chunk.pop("block_xxh3")
+    key = next(k for k, e in manifest["keys"].items()
+               if len(e["chunks"]) == 1 and e["shape"] and e["dtype"] == "F32")
     entry = manifest["keys"][key]
     entry["shape"] = [1 << 40] + [1] * (len(entry["shape"]) - 1)
     entry["chunks"][0]["shape"] = list(entry["shape"])
+    entry["chunks"][0]["bytes"] = 4 << 40
 
 
 def link_data_file(ckpt_dir):
@@ -66,9 +108,84 @@ def link_data_file(ckpt_dir):
     os.symlink(os.path.basename(data) + ".real", data)
 
 
+def manifest_cases(exp_avg_gate):
+    """Manifests mixprec's parser refuses (manifest.h), each with what the error must name."""
+    def pop(field):
+        return lambda obj: obj.pop(field)
+
+    def share_gate_chunks(manifest):  # exp_avg of gate would read as gate's values
+        manifest["keys"][exp_avg_gate]["chunks"] = manifest["keys"]["gate"]["chunks"]
+
+    def set_field(field, value):
+        def edit(obj):
+            obj[field] = value
+        return edit
+
+    def edited(edit):
+        return lambda d: edit_manifest(d, edit)
+
+    gate = ("manifest.json", "key 'gate'", "chunk 0")
+    return [
+        ("no common state", ("manifest.json", "exactly one of 'common' and 'common_file'"),
+         edited(pop("common_file"))),
+        ("common_file without bytes", ("manifest.json", "field 'common_file'",
+                                       "missing field 'bytes'"),
+         edited(lambda m: m["common_file"].pop("bytes"))),
+        ("chunk without offset", gate + ("missing field 'offset'",),
+         edited(edit_chunk("gate", pop("offset")))),
+        ("offset of strings", gate + ("field 'offset'[0]", "found a string"),
+         edited(edit_chunk("gate", set_field("offset", ["0"])))),
+        ("chunk file a number", gate + ("field 'file': expected a string",),
+         edited(edit_chunk("gate", set_field("file", 5)))),
+        ("key entry a list", ("manifest.json", "key 'gate': expected a JSON object"),
+         edited(lambda m: m["keys"].__setitem__("gate", [1]))),
+        ("two keys share a stored tensor",
+         ("manifest.json", f"key '{exp_avg_gate}'", "already used by another chunk"),
+         edited(share_gate_chunks)),
+        ("version true", ("manifest.json", "field 'version'", "found a boolean"),
+         edited(set_field("version", True))),
+        ("version 1 with block checksums", ("manifest.json", "unknown field 'block_bytes'"),
+         edited(set_field("version", 1))),
+        ("unknown chunk field", gate + ("unknown field 'extra'",),
+         edited(edit_chunk("gate", set_field("extra", 1)))),
+        ("wrong bytes", gate + ("field 'bytes' is 5",),
+         edited(edit_chunk("gate", set_field("bytes", 5)))),
+        ("file name with a space", ("manifest.json", "field 'file'", "'data 0.safetensors'"),
+         lambda d: rename_data_files(d, "data 0.safetensors")),
+        ("block checksum missing", gate + ("field 'block_xxh3' has 0 checksums",),
+         edited(edit_chunk("gate", set_field("block_xxh3", [])))),
+        ("duplicate member", ("manifest.json", "duplicate member 'format'"),
+         lambda d: edit_raw_manifest(d, '"format":', '"format": 1, "format":')),
+        ("number beyond double", ("manifest.json", "1e400"),
+         lambda d: edit_raw_manifest(d, '"sequence": 1', '"sequence": 1e400')),
+    ]
+
+
+def latest_cases(name):
+    """`latest` contents mixprec refuses (latest.cpp: a name and exactly one newline), for the
+    checkpoint `name`."""
+    cases = [
+        ("latest without its newline", f"{name}", "followed by a newline"),
+        ("latest with a leading space", f" {name}\n", f"' {name}'"),
+        ("latest with two newlines", f"{name}\n\n", f"'{name}\\n'"),
+        ("latest with CRLF", f"{name}\r\n", f"'{name}\\r'"),
+        ("latest naming the lock", "lock\n", "'lock'"),
+    ]
+    return [(what, ("latest", fragment), lambda r, c=content: write_latest(r, c.encode()))
+            for what, content, fragment in cases]
+
+
 def main():
     good, scratch = sys.argv[1], sys.argv[2]
+    root, name = os.path.split(os.path.normpath(good))
+    with open(os.path.join(root, "latest"), "rb") as f:
+        assert f.read() == name.encode() + b"\n", f"{root}/latest does not name {name}"
     common = os.path.join(good, "common.json")
+    with open(os.path.join(good, "manifest.json")) as f:
+        manifest = json.load(f)
+    assert "common_file" in manifest and "gate" in manifest["keys"], "not the expected checkpoint"
+    exp_avg_gate = mr.optimizer_state_key(mr.EXP_AVG, "gate")
+    assert exp_avg_gate in manifest["keys"], "not the expected checkpoint"
     cases = [
         ("data file is a FIFO", "data-", lambda d: to_fifo(first_data_file(d))),
         ("data file is a link", "data-", link_data_file),
@@ -85,15 +202,20 @@ def main():
     if os.path.exists(common):
         cases.append(("common state is a FIFO", "common.json",
                       lambda d: to_fifo(os.path.join(d, "common.json"))))
-    for i, (what, named, change) in enumerate(cases):
-        copy = damaged(scratch, good, f"case{i}", change)
+    cases += manifest_cases(exp_avg_gate)
+    cases = [(what, (named,) if isinstance(named, str) else named, change, False)
+             for what, named, change in cases]
+    cases += [(what, named, change, True) for what, named, change in latest_cases(name)]
+    for i, (what, named, change, of_root) in enumerate(cases):
+        copy = damaged(scratch, root if of_root else good, f"case{i}", change)
         try:
             ckpt = mr.Checkpoint(copy)
             ckpt.tensors()
         except mr.CheckpointError as e:
             message = str(e)
-            if copy not in message or named not in message:
-                sys.exit(f"{what}: the error does not name {named} in {copy}: {message}")
+            missing = [n for n in named if n not in message]
+            if copy not in message or missing:
+                sys.exit(f"{what}: the error does not name {missing} in {copy}: {message}")
         except Exception as e:  # noqa: BLE001 - the point is that none other escapes
             sys.exit(f"{what}: {type(e).__name__} instead of CheckpointError: {e}")
         else:
