@@ -328,6 +328,12 @@ TEST_F(CkptTool, BadArgumentsAndPathsAreOneLineErrors) {
   expect_one_line_error(tool({"diff", ckpt.string(), missing}), 2, missing);
   expect_one_line_error(tool({"inspect", dir_.path().string()}), 2, "neither a checkpoint");
   expect_one_line_error(tool({"inspect", (ckpt / "common.json").string()}), 2, "not a directory");
+  // Control characters are shown escaped, not dropped: "no\rsuch" must not read "nosuch".
+  expect_one_line_error(tool({"inspect", missing + "\r\x01"}), 2, missing + "\\r\\x01: no such");
+  testing::write_file(ckpt.parent_path() / "latest", "step-2\r\n");
+  expect_one_line_error(tool({"inspect", ckpt.parent_path().string()}), 2,
+                        "'step-2\\r' is not a valid checkpoint name");
+  testing::write_file(ckpt.parent_path() / "latest", "step-2\n");
 
   testing::write_file(ckpt / "manifest.json", "{\"format\": \"mixprec-checkpoint\", \"vers");
   expect_one_line_error(tool({"inspect", ckpt.string()}), 2, (ckpt / "manifest.json").string());

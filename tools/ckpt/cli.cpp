@@ -49,12 +49,21 @@ fs::path checkpoint_dir_from_arg(const std::string& arg) {
 }
 
 std::string one_line(std::string_view message) {
+  static constexpr char kHex[] = "0123456789abcdef";
   std::string out;
   out.reserve(message.size());
   for (char c : message) {
+    const auto byte = static_cast<unsigned char>(c);
     if (c == '\n') {
       out += "; ";
-    } else if (c != '\r') {
+    } else if (c == '\r') {
+      // Shown, not dropped: a name read as "step-10\r" must not print as the valid "step-10".
+      out += "\\r";
+    } else if (c == '\t') {
+      out += "\\t";
+    } else if (byte < 0x20 || byte == 0x7f) {
+      out += {'\\', 'x', kHex[byte >> 4], kHex[byte & 0xf]};
+    } else {
       out += c;
     }
   }

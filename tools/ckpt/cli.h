@@ -38,7 +38,9 @@ class ToolError : public std::runtime_error {
 std::filesystem::path checkpoint_dir_from_arg(const std::string& arg);
 
 // `message` as a single line: newlines (library messages may list several problems) become
-// "; ", surrounding whitespace is trimmed. Never empty ("unknown error" instead).
+// "; ", other control characters are shown escaped (\r, \t, \xNN: a name from a file or the
+// command line is seen as it is), surrounding whitespace is trimmed. Never empty ("unknown
+// error" instead).
 std::string one_line(std::string_view message);
 
 }  // namespace mixprec::tools

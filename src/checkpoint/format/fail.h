@@ -7,6 +7,7 @@
 #include <cstring>
 #include <filesystem>
 #include <sstream>
+#include <string>
 #include <string_view>
 
 namespace mixprec::checkpoint::detail {
@@ -16,6 +17,32 @@ std::string concat(const Parts&... parts) {
   std::ostringstream out;
   (out << ... << parts);
   return out.str();
+}
+
+// `text` (a name read from a file, which may hold any byte) as an error message can show it:
+// control characters written as \n, \r, \t or \xNN and a backslash as \\, so that the message
+// stays one line and a name with a stray "\r" does not look like a valid one.
+inline std::string printable(std::string_view text) {
+  static constexpr char kHex[] = "0123456789abcdef";
+  std::string out;
+  out.reserve(text.size());
+  for (const char c : text) {
+    const auto byte = static_cast<unsigned char>(c);
+    if (c == '\\') {
+      out += "\\\\";
+    } else if (c == '\n') {
+      out += "\\n";
+    } else if (c == '\r') {
+      out += "\\r";
+    } else if (c == '\t') {
+      out += "\\t";
+    } else if (byte < 0x20 || byte == 0x7f) {
+      out += {'\\', 'x', kHex[byte >> 4], kHex[byte & 0xf]};
+    } else {
+      out += c;
+    }
+  }
+  return out;
 }
 
 // Throws FormatError("[mixprec::checkpoint] " + parts...).

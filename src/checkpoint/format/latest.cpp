@@ -43,7 +43,7 @@ void write_latest(const std::filesystem::path& root, std::string_view name) {
 
 void write_latest(const Directory& root, std::string_view name) {
   if (!is_valid_file_name(name) || is_reserved_name(name)) {
-    fail(root.path().string(), ": '", name, "' is not a checkpoint name");
+    fail(root.path().string(), ": '", detail::printable(name), "' is not a checkpoint name");
   }
   const std::filesystem::path target = root / name;
   const auto st = detail::stat_entry(root.fd(), name, target);
@@ -96,8 +96,8 @@ std::optional<std::string> read_latest(const Directory& root) {
   }
   text.pop_back();
   if (!is_valid_file_name(text) || is_reserved_name(text)) {
-    fail(latest.string(), ": '", text, "' is not a valid checkpoint name (no '/', no leading '.', ",
-         "not a reserved name)");
+    fail(latest.string(), ": '", detail::printable(text),
+         "' is not a valid checkpoint name (no '/', no leading '.', not a reserved name)");
   }
   const std::filesystem::path target = root / text;
   const auto st = detail::stat_entry(root.fd(), text, target);

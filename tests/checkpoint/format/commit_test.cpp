@@ -98,7 +98,12 @@ TEST(Latest, ReadingValidatesTheName) {
                                          {"/etc\n", "not a valid checkpoint name"},
                                          {"..\n", "not a valid checkpoint name"},
                                          {"good\n\n", "not a valid checkpoint name"},
-                                         {"gone\n", "is not a directory"}}) {
+                                         {"gone\n", "is not a directory"},
+                                         // The name as it is, control characters shown: not
+                                         // "'good'", which would look valid.
+                                         {"good\r\n", "'good\\r' is not a valid"},
+                                         {"good\n\n", "'good\\n' is not a valid"},
+                                         {"go\x01od\n", "'go\\x01od' is not a valid"}}) {
     testing::write_file(root / "latest", c.content);
     EXPECT_FORMAT_ERROR(read_latest(root), (root / "latest").string(), c.fragment);
   }
