@@ -15,8 +15,14 @@
 
 #include <cstdint>
 #include <memory>
+#include <string_view>
 
 namespace mixprec::checkpoint {
+namespace {
+
+constexpr std::string_view kErrorPrefix = "[mixprec::checkpoint] ";
+
+}  // namespace
 
 ResolvedCheckpoint find_checkpoint(const std::filesystem::path& path) {
   std::error_code ec;
@@ -27,12 +33,26 @@ ResolvedCheckpoint find_checkpoint(const std::filesystem::path& path) {
   const Directory root = Directory::open(path, Directory::Last::kMayBeLink);
   const NewestCheckpoint newest = find_newest_checkpoint(root);
   if (!newest.latest_error.empty()) throw FormatError(newest.latest_error);
+  if (!newest.name && !newest.skipped.empty()) {
+    // Checkpoints are there, all damaged: say which and why, not that there are none.
+    std::string why;
+    for (const NewestCheckpoint::Skipped& s : newest.skipped) {
+      std::string_view error = s.error;
+      if (error.starts_with(kErrorPrefix)) error.remove_prefix(kErrorPrefix.size());
+      why += (why.empty() ? "" : "; ") + s.name + ": " + std::string(error);
+    }
+    throw NoIntactCheckpointError(
+        std::string(kErrorPrefix) + path.string() +
+        ": no 'latest', and none of its committed checkpoints verifies: " + why);
+  }
   if (!newest.name) {
-    throw FormatError("[mixprec::checkpoint] " + path.string() +
+    throw FormatError(std::string(kErrorPrefix) + path.string() +
                       ": neither a checkpoint (no manifest.json) nor a root with a 'latest' file "
                       "or committed checkpoints");
   }
-  return {path / *newest.name, newest.note()};
+  std::vector<std::string> skipped;
+  for (const NewestCheckpoint::Skipped& s : newest.skipped) skipped.push_back(s.name);
+  return {path / *newest.name, newest.note(), std::move(skipped)};
 }
 
 std::filesystem::path resolve_checkpoint(const std::filesystem::path& path) {

@@ -1,5 +1,6 @@
 // read_checkpoint on damaged or hostile checkpoints: what the manifest claims is checked
-// before anything is allocated, and BOOL data must be 0 or 1.
+// before anything is allocated, and BOOL data must be 0 or 1; find_checkpoint on a root whose
+// checkpoints are all damaged.
 #include "mixprec/checkpoint/load.h"
 #include "mixprec/checkpoint/format/verify.h"
 
@@ -116,6 +117,38 @@ TEST(ReadCheckpoint, BoolTensorsMustHoldOnlyZeroAndOne) {
   rows_01.keys = {"mask"};
   EXPECT_NE(format_error([&] { read_checkpoint(dir, rows_01); }).find("BOOL element [1, 2]"),
             std::string::npos);
+}
+
+// A root without `latest` (a crash before its first update) whose committed checkpoints all
+// fail verification holds checkpoints: the error says which and why, not that it holds none.
+TEST(FindCheckpoint, ARootWhoseCheckpointsAllFailVerificationNamesThem) {
+  TempDir tmp;
+  const fs::path root = tmp.path() / "root";
+  for (const std::string name : {"c1", "c2"}) {
+    const fs::path dir = testing::write_sample_checkpoint(root, name, name == "c1" ? 1 : 2, 1);
+    std::string data = testing::read_file(dir / "data-1.safetensors");
+    data.back() ^= 1;
+    testing::write_file(dir / "data-1.safetensors", data);
+  }
+  fs::remove(root / "latest");
+  try {
+    find_checkpoint(root);
+    FAIL() << "expected NoIntactCheckpointError";
+  } catch (const NoIntactCheckpointError& e) {
+    const std::string message = e.what();
+    EXPECT_NE(message.find(root.string() + ": no 'latest', and none of its committed "
+                                           "checkpoints verifies: c2: "),
+              std::string::npos)
+        << message;
+    EXPECT_NE(message.find("; c1: "), std::string::npos) << message;
+    EXPECT_NE(message.find("checksum mismatch"), std::string::npos) << message;
+    EXPECT_EQ(message.find("neither a checkpoint"), std::string::npos) << message;
+  }
+  // An empty root still says that it holds none.
+  fs::create_directories(tmp.path() / "empty");
+  EXPECT_NE(
+      format_error([&] { find_checkpoint(tmp.path() / "empty"); }).find("neither a checkpoint"),
+      std::string::npos);
 }
 
 }  // namespace MIXPREC_UNITY_ID

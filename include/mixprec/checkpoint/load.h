@@ -30,6 +30,7 @@
 #include <optional>
 #include <set>
 #include <string>
+#include <vector>
 
 namespace mixprec::checkpoint {
 
@@ -66,13 +67,18 @@ struct ResolvedCheckpoint {
   // checkpoint was found (a save ended between its commit and the `latest` update), or there
   // is no `latest`; plus newer checkpoints skipped because they do not verify.
   std::string note;
+  // The names of those skipped checkpoints, newest first (empty normally): `dir` is then the
+  // newest but these.
+  std::vector<std::string> skipped = {};
 };
 
 // The checkpoint directory `path` names: `path` itself if it holds a manifest.json (it must
 // be a real directory, not a link); else `path` is a root and the result is its newest
 // complete checkpoint (format/newest_checkpoint.h) — the one `latest` names, unless a newer
 // one verifies. Never writes (the next save repairs `latest`). Throws FormatError naming the
-// path if it is neither, or if `latest` is unusable (a link, FIFO, malformed, naming a link).
+// path if it is neither, or if `latest` is unusable (a link, FIFO, malformed, naming a link);
+// NoIntactCheckpointError naming each checkpoint and why if the root has no `latest` and none
+// of its committed checkpoints verifies.
 ResolvedCheckpoint find_checkpoint(const std::filesystem::path& path);
 
 // find_checkpoint(path).dir.

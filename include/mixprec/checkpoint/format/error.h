@@ -1,7 +1,8 @@
 // The one exception type of the checkpoint format layer.
 //
 // Every failure of this layer — a malformed header or manifest, a checksum mismatch, a failed
-// system call — throws FormatError (or its subclasses ChecksumError, UnsupportedVersionError). The
+// system call — throws FormatError (or its subclasses ChecksumError, NoIntactCheckpointError,
+// UnsupportedVersionError). The
 // message always starts with "[mixprec::checkpoint]" and names what is at fault: the file path (or
 // the in-memory source name the caller passed), the key or tensor, the JSON field or byte offset,
 // and for system calls the call that failed with strerror(errno).
@@ -25,6 +26,14 @@ class FormatError : public std::runtime_error {
 // is corrupt (bit rot, torn write, wrong file). Distinct so callers can report corruption
 // differently from I/O errors or format bugs.
 class ChecksumError : public FormatError {
+ public:
+  using FormatError::FormatError;
+};
+
+// A checkpoint root holds committed checkpoints, but none a load can take: no `latest` names
+// one, and every one fails verification (the message names each and why). Distinct so that a
+// tool reports damaged checkpoints as damage, not as a path that holds no checkpoint.
+class NoIntactCheckpointError : public FormatError {
  public:
   using FormatError::FormatError;
 };
