@@ -1,6 +1,7 @@
 // mixprec-ckpt: inspect, verify, compare and export mixprec checkpoints (SPEC §4, "A
 // command-line tool"). This file only parses the command line and maps every failure to the tool's
-// contract (ckpt/cli.h): one line "mixprec-ckpt: …" on stderr and exit status 1 or 2. No
+// contract (ckpt/cli.h): one line "mixprec-ckpt: …" on stderr and exit status 1 or 2, and
+// nothing else; a command's notes and report are printed only once it has succeeded. No
 // exception escapes main, whatever the input.
 #include "ckpt/cli.h"
 #include "ckpt/diff.h"
@@ -16,11 +17,13 @@
 #include <cstring>
 #include <iostream>
 #include <new>
+#include <sstream>
 #include <string>
 #include <vector>
 
 namespace {
 
+namespace fs = std::filesystem;
 using namespace mixprec::tools;
 
 constexpr const char* kUsage = R"(usage: mixprec-ckpt <command> [arguments]
@@ -57,7 +60,8 @@ stderr says so).
 
 exit status:
   0  success; diff: the checkpoints are identical
-  1  verify: the checkpoint is corrupt or malformed; diff: the checkpoints differ
+  1  verify: the checkpoint is corrupt or malformed (for a root without 'latest': every
+     committed checkpoint is); diff: the checkpoints differ
   2  bad arguments, a path that is not a checkpoint, a file that cannot be read, a
      checkpoint of a newer format version than this tool reads, an export that failed, or
      a report that could not be written to standard output
@@ -78,10 +82,11 @@ constexpr Command kCommands[] = {{"inspect", 1, "inspect DIR"},
 
 bool is_help(const std::string& arg) { return arg == "-h" || arg == "--help" || arg == "help"; }
 
-int run(const std::vector<std::string>& args) {
+// Runs the command, its report written to `report` and its notes added to `notes`.
+int run(const std::vector<std::string>& args, std::ostream& report, Notes& notes) {
   if (args.empty()) throw ToolError(kExitUsage, "no command given (try 'mixprec-ckpt --help')");
   if (is_help(args[0])) {
-    std::cout << kUsage;
+    report << kUsage;
     return kExitOk;
   }
   const Command* command = nullptr;
@@ -95,7 +100,7 @@ int run(const std::vector<std::string>& args) {
   for (std::size_t i = 1; i < args.size(); ++i) {
     // "help" alone may be a checkpoint's name: only the flags ask for help after a command.
     if (args[i] == "-h" || args[i] == "--help") {
-      std::cout << "usage: mixprec-ckpt " << command->synopsis << "\n\n" << kUsage;
+      report << "usage: mixprec-ckpt " << command->synopsis << "\n\n" << kUsage;
       return kExitOk;
     }
     if (!command->options && args[i].size() > 1 && args[i][0] == '-') {
@@ -105,7 +110,7 @@ int run(const std::vector<std::string>& args) {
   }
   const std::string name = command->name;
   if (name == "export") {
-    return run_export(parse_export_args({args.begin() + 1, args.end()}), std::cout);
+    return run_export(parse_export_args({args.begin() + 1, args.end()}), report, notes);
   }
   if (args.size() - 1 != command->arguments) {
     throw ToolError(kExitUsage, std::string(command->name) + ": expected " +
@@ -115,11 +120,13 @@ int run(const std::vector<std::string>& args) {
                                     command->synopsis + ")");
   }
   if (name == "diff") {
-    return run_diff(checkpoint_dir_from_arg(args[1]), checkpoint_dir_from_arg(args[2]), std::cout);
+    const fs::path a = checkpoint_from_arg(args[1], notes).dir;
+    return run_diff(a, checkpoint_from_arg(args[2], notes).dir, report);
   }
-  const auto dir = checkpoint_dir_from_arg(args[1]);
-  if (name == "verify") return run_verify(dir, std::cout);
-  return run_inspect(dir, args[1], std::cout);
+  // A root whose checkpoints all fail verification is, to verify, what a damaged checkpoint is.
+  if (name == "verify")
+    return run_verify(checkpoint_from_arg(args[1], notes, kExitFailed).dir, report);
+  return run_inspect(checkpoint_from_arg(args[1], notes), args[1], report);
 }
 
 int fail(int code, std::string_view message) {
@@ -144,7 +151,13 @@ int checked_output(int code) {
 
 int main(int argc, char** argv) {
   try {
-    return checked_output(run(std::vector<std::string>(argv + 1, argv + argc)));
+    std::ostringstream report;
+    Notes notes;
+    const int code = run(std::vector<std::string>(argv + 1, argv + argc), report, notes);
+    for (const std::string& note : notes)
+      std::cerr << "mixprec-ckpt: note: " << one_line(note) << "\n";
+    std::cout << report.str();
+    return checked_output(code);
   } catch (const ToolError& e) {
     return fail(e.code(), e.what());
   } catch (const mixprec::checkpoint::FormatError& e) {

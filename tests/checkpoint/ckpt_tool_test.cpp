@@ -315,6 +315,83 @@ TEST_F(CkptTool, PathsNameTheCheckpointALoadWould) {
   EXPECT_NE(missing.err.find("there is no 'latest'"), std::string::npos) << missing.err;
 }
 
+// A root without `latest` whose only checkpoint is damaged holds a checkpoint: verify says it is
+// damaged (status 1, as for the checkpoint itself), naming it and why; inspect and export say
+// the same with the usage status. Not "no committed checkpoints", status 2.
+TEST_F(CkptTool, ARootWhoseCheckpointsAllFailVerificationIsReportedAsDamage) {
+  const fs::path ckpt = save("step-2");
+  const fs::path root = ckpt.parent_path();
+  fs::remove(root / "latest");  // as if the save died between its commit and `latest`
+  flip_last_byte(ckpt / "data-00000.safetensors");
+  const std::string why =
+      root.string() + ": no 'latest', and none of its committed checkpoints verifies: step-2: ";
+  const ToolRun verify = tool({"verify", root.string()});
+  expect_one_line_error(verify, 1, why);
+  EXPECT_NE(verify.err.find("checksum mismatch"), std::string::npos) << verify.err;
+  expect_one_line_error(tool({"inspect", root.string()}), 2, why);
+  expect_one_line_error(tool({"export", root.string(), (dir_.path() / "out").string()}), 2, why);
+  EXPECT_FALSE(fs::exists(dir_.path() / "out"));
+}
+
+// A failure is one line even when the root's resolution has a note to give (it is given only
+// on success), and export checks OUT before resolving CKPT (which may verify checkpoints).
+TEST_F(CkptTool, ANoteNeverPrecedesAFailure) {
+  save("step-2");
+  step();
+  const fs::path root = save("step-3").parent_path();
+  testing::write_file(root / "latest", "step-2\n");  // as if the save died before the update
+  const std::string note = "mixprec-ckpt: note: 'latest' names 'step-2', but 'step-3' is newer";
+  const ToolRun good = tool({"verify", root.string()});
+  EXPECT_EQ(good.status, 0) << good.err;
+  EXPECT_EQ(good.err.rfind(note, 0), 0u) << good.err;
+  EXPECT_EQ(good.out.rfind("OK " + (root / "step-3").string(), 0), 0u) << good.out;
+
+  const std::string missing = (dir_.path() / "no-such-dir").string();
+  expect_one_line_error(tool({"diff", root.string(), missing}), 2, missing);
+  const fs::path out = dir_.path() / "out";
+  fs::create_directories(out);
+  expect_one_line_error(tool({"export", root.string(), out.string()}), 2,
+                        out.string() + ": already exists");
+  const ToolRun exported = tool({"export", root.string(), (dir_.path() / "new").string()});
+  EXPECT_EQ(exported.status, 0) << exported.err;
+  EXPECT_EQ(exported.err.rfind(note, 0), 0u) << exported.err;
+
+  // OUT first: with a root whose checkpoints are all damaged, a bad OUT is what is reported.
+  fs::remove(root / "latest");
+  for (const std::string name : {"step-2", "step-3"}) {
+    flip_last_byte(root / name / "data-00000.safetensors");
+  }
+  expect_one_line_error(tool({"export", root.string(), out.string()}), 2,
+                        out.string() + ": already exists");
+  expect_one_line_error(tool({"export", root.string(), (dir_.path() / "nowhere" / "x").string()}),
+                        2, "nowhere: no such directory");
+}
+
+// inspect names the root a checkpoint was taken from, and says "newest" only when it is: a
+// newer checkpoint passed over because it does not verify is named.
+TEST_F(CkptTool, InspectSaysWhichCheckpointOfTheRootItShows) {
+  save("step-2");
+  const fs::path root = dir_.path() / "root";
+  EXPECT_TRUE(
+      tool({"inspect", root.string()})
+          .has_line("^checkpoint +" +
+                    std::regex_replace((root / "step-2").string(), std::regex("[.]"), "[.]") +
+                    " +\\(newest of the root .*root\\)$"));
+  step();
+  const fs::path newer = save("step-3");
+  testing::write_file(root / "latest", "step-2\n");
+  flip_last_byte(newer / "data-00000.safetensors");
+  const ToolRun run = tool({"inspect", root.string()});
+  ASSERT_EQ(run.status, 0) << run.err;
+  EXPECT_TRUE(
+      run.has_line("^checkpoint +.*step-2 +\\(newest of the root .*root except step-3, "
+                   "which does not verify\\)$"))
+      << run.out;
+  EXPECT_FALSE(run.has_line("\\(newest of the root [^ ]*\\)$")) << run.out;
+  // Named directly, a checkpoint is just itself.
+  EXPECT_FALSE(tool({"inspect", (root / "step-2").string()}).has_line("of the root")) << run.out;
+}
+
 TEST_F(CkptTool, BadArgumentsAndPathsAreOneLineErrors) {
   const fs::path ckpt = save("step-2");
   expect_one_line_error(tool({}), 2, "no command");

@@ -3,14 +3,13 @@
 #include "mixprec/checkpoint/format/error.h"
 #include "mixprec/checkpoint/load.h"
 
-#include <iostream>
 #include <system_error>
 
 namespace mixprec::tools {
 
 namespace fs = std::filesystem;
 
-fs::path checkpoint_dir_from_arg(const std::string& arg) {
+CheckpointArg checkpoint_from_arg(const std::string& arg, Notes& notes, int damaged_status) {
   if (arg.empty()) throw ToolError(kExitUsage, "empty checkpoint path");
   // "ckpt/", "ckpt/." and "ckpt" name one checkpoint, and must report it alike (export writes
   // the directory's name into its metadata): no trailing separator.
@@ -37,12 +36,14 @@ fs::path checkpoint_dir_from_arg(const std::string& arg) {
   }
   // A root: the checkpoint loading it would take (the newest complete one, which `latest`
   // names unless a save ended between its commit and the `latest` update). Those problems are
-  // the caller's path, not corruption of a checkpoint: the usage status.
+  // the caller's path, not corruption of a checkpoint: the usage status; except a root whose
+  // checkpoints are all damaged, which the caller may report as damage.
   try {
     checkpoint::ResolvedCheckpoint resolved = checkpoint::find_checkpoint(path);
-    if (!resolved.note.empty())
-      std::cerr << "mixprec-ckpt: note: " << one_line(resolved.note) << "\n";
-    return resolved.dir;
+    if (!resolved.note.empty()) notes.push_back(resolved.note);
+    return {resolved.dir, resolved.dir != path, std::move(resolved.skipped)};
+  } catch (const checkpoint::NoIntactCheckpointError& e) {
+    throw ToolError(damaged_status, one_line(e.what()));
   } catch (const checkpoint::FormatError& e) {
     throw ToolError(kExitUsage, one_line(e.what()));
   }

@@ -410,9 +410,9 @@ ExportOptions parse_export_args(const std::vector<std::string>& args) {
   return options;
 }
 
-int run_export(const ExportOptions& options, std::ostream& out) {
-  const fs::path dir = checkpoint_dir_from_arg(options.checkpoint);
+int run_export(const ExportOptions& options, std::ostream& out, Notes& notes) {
   Target target = check_target(options);
+  const fs::path dir = checkpoint_from_arg(options.checkpoint, notes).dir;
   std::vector<Shard> shards;
   std::map<std::string, std::string> metadata;
   std::string note;

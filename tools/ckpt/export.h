@@ -37,6 +37,8 @@
 // and streamed into the files: about the largest batch plus its converted copy.
 #pragma once
 
+#include "ckpt/cli.h"
+
 #include "mixprec/checkpoint/format/dtype.h"
 
 #include <cstdint>
@@ -73,11 +75,13 @@ ExportOptions parse_export_args(const std::vector<std::string>& args);
 // naming `text` unless it is a positive size below 2^63.
 std::uint64_t parse_byte_size(std::string_view text);
 
-// Writes the export and a short report (files, sizes, what was converted) to `out`. Checks
-// everything it can before writing anything (CKPT resolves to a checkpoint with model
-// tensors; OUT's parent is a directory; OUT does not exist, or with --force is an export).
+// Writes the export and a short report (files, sizes, what was converted) to `out`, and adds
+// the note of CKPT's resolution, if any, to `notes` (cli.h). Checks everything it can before
+// writing anything: OUT first (its parent is a directory; OUT does not exist, or with --force
+// is an export), so that a mistake there is not reported only after CKPT's resolution, which
+// may verify checkpoints; then that CKPT resolves to a checkpoint with model tensors.
 // Throws ToolError(kExitUsage) naming the path or key on any failure; OUT is then as before
 // and nothing is printed.
-int run_export(const ExportOptions& options, std::ostream& out);
+int run_export(const ExportOptions& options, std::ostream& out, Notes& notes);
 
 }  // namespace mixprec::tools

@@ -33,14 +33,22 @@ std::string key_value_list(const nlohmann::json& object) {
   return out.empty() ? "{}" : out;
 }
 
-void print_header(const fs::path& dir, const std::string& shown_as, const Manifest& manifest,
-                  const nlohmann::json& common, const std::optional<SavedOptimizer>& opt,
-                  std::ostream& out) {
+void print_header(const CheckpointArg& checkpoint, const std::string& shown_as,
+                  const Manifest& manifest, const nlohmann::json& common,
+                  const std::optional<SavedOptimizer>& opt, std::ostream& out) {
+  const fs::path& dir = checkpoint.dir;
   out << "checkpoint   " << dir.string();
-  // Named through its root: say which root (a link or a trailing slash names the checkpoint).
-  std::error_code ec;
-  if (!fs::exists(fs::path(shown_as) / checkpoint::kManifestFileName, ec)) {
-    out << "   (newest of the root " << shown_as << ")";
+  // Named through its root: say which root, and which of its checkpoints this is. Not simply
+  // "newest" when newer ones were passed over for not verifying.
+  if (checkpoint.from_root) {
+    out << "   (newest of the root " << shown_as;
+    const std::vector<std::string>& skipped = checkpoint.skipped;
+    for (std::size_t i = 0; i < skipped.size(); ++i) {
+      out << (i == 0 ? " except " : i + 1 == skipped.size() ? " and " : ", ") << skipped[i];
+    }
+    if (!skipped.empty())
+      out << (skipped.size() == 1 ? ", which does" : ", which do") << " not verify";
+    out << ")";
   }
   out << "\nformat       " << checkpoint::kManifestFormat << ", version "
       << checkpoint::manifest_version(manifest) << "\nsequence     " << manifest.sequence
@@ -203,7 +211,8 @@ void print_precision(const Manifest& manifest, const std::map<std::string, std::
 
 }  // namespace
 
-int run_inspect(const fs::path& dir, const std::string& shown_as, std::ostream& out) {
+int run_inspect(const CheckpointArg& checkpoint, const std::string& shown_as, std::ostream& out) {
+  const fs::path& dir = checkpoint.dir;
   const Manifest manifest = checkpoint::read_manifest(dir);
   const nlohmann::json common = checkpoint::read_common(dir, manifest);
   const std::string common_source =
@@ -215,7 +224,7 @@ int run_inspect(const fs::path& dir, const std::string& shown_as, std::ostream& 
 
   // Everything is parsed before anything is printed: a failure leaves stdout empty.
   std::ostringstream text;
-  print_header(dir, shown_as, manifest, common, opt, text);
+  print_header(checkpoint, shown_as, manifest, common, opt, text);
   print_tensors(manifest, text);
   if (opt) print_parameters(manifest, *opt, text);
   if (!kept.empty()) print_precision(manifest, kept, text);

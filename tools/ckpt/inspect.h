@@ -3,8 +3,10 @@
 // masters, which are native FP32, which are frozen?").
 //
 // Output, in order (plain text, see text_table.h):
-//   header     checkpoint path, format and version, sequence, files with sizes, optimizer
-//              algorithm and step, loss-scaler state, per-group hyper-parameters, user keys;
+//   header     checkpoint path (and, when a root was named, which of its checkpoints this is:
+//              the newest, or the newest but those that do not verify), format and version,
+//              sequence, files with sizes, optimizer algorithm and step, loss-scaler state,
+//              per-group hyper-parameters, user keys;
 //   tensors    one row per key: dtype, global shape, bytes, number of chunks;
 //   parameters one row per parameter of the optimizer's param groups: role (saved_optimizer.h),
 //              model dtype, shape, group, step, the optimizer state it has; then totals per
@@ -17,16 +19,17 @@
 // does not verify checksums (that is `verify`).
 #pragma once
 
-#include <filesystem>
+#include "ckpt/cli.h"
+
 #include <ostream>
 #include <string>
 
 namespace mixprec::tools {
 
-// Writes the report for the checkpoint in `dir` (already resolved: it holds manifest.json).
+// Writes the report for the checkpoint `checkpoint` resolved (its dir holds manifest.json).
 // `shown_as` is how the user named it (the root, when `latest` was followed).
 // Throws FormatError (unreadable or malformed manifest/common file) or ToolError naming the
 // file and field; writes nothing to `out` then.
-int run_inspect(const std::filesystem::path& dir, const std::string& shown_as, std::ostream& out);
+int run_inspect(const CheckpointArg& checkpoint, const std::string& shown_as, std::ostream& out);
 
 }  // namespace mixprec::tools
