@@ -65,7 +65,9 @@ exit status:
   2  bad arguments, a path that is not a checkpoint, a file that cannot be read, a
      checkpoint of a newer format version than this tool reads, an export that failed, or
      a report that could not be written to standard output
-  130, 143  export interrupted by SIGINT or SIGTERM (OUT left as it was, nothing beside it)
+  129, 130, 131, 143
+     export interrupted by SIGHUP, SIGINT, SIGQUIT or SIGTERM (OUT left as it was, nothing
+     beside it)
 )";
 
 struct Command {

@@ -6,7 +6,8 @@
 //   - sharded exports have HuggingFace's index, whose weight_map covers every tensor;
 //   - mixprec-train --init-from starts from exactly the exported weights;
 //   - bad arguments are one line on stderr, and a failed export leaves OUT as it was;
-//   - a checkpoint written by 2 ranks (chunks) exports whole tensors.
+//   - a checkpoint written by 2 ranks (chunks) exports whole tensors;
+//   - a signal that would end an export (SIGHUP, SIGINT, SIGQUIT, SIGTERM) leaves nothing behind.
 #include "mixprec/checkpoint/format/safetensors_reader.h"
 #include "mixprec/checkpoint/save.h"
 
@@ -459,6 +460,71 @@ TEST(ExportZeroSize, AZeroSizeTensorIsExportedWithItsShape) {
   ASSERT_NE(reader.header().find("empty"), nullptr) << run.out;
   EXPECT_EQ(reader.header().find("empty")->shape, (std::vector<int64_t>{0, 8}));
   ASSERT_NE(reader.header().find("w"), nullptr);
+}
+
+// Starts `mixprec-ckpt export <args>`, stdout and stderr to files in `scratch` (wait_program
+// reads them); its pid.
+pid_t start_export(const fs::path& scratch, const std::vector<std::string>& args,
+                   const std::string& tag) {
+  // Everything resolved before fork(): the child only execs.
+  std::string bin = mixprec::test::required_env("MIXPREC_CKPT_BIN"), command = "export";
+  std::vector<std::string> copy = args;
+  std::vector<char*> argv = {bin.data(), command.data()};
+  for (std::string& a : copy) argv.push_back(a.data());
+  argv.push_back(nullptr);
+  const std::string out = (scratch / (tag + ".out")).string();
+  const std::string err = (scratch / (tag + ".err")).string();
+  const pid_t pid = ::fork();
+  if (pid == 0) {
+    ::dup2(::open(out.c_str(), O_WRONLY | O_CREAT | O_TRUNC, 0644), 1);
+    ::dup2(::open(err.c_str(), O_WRONLY | O_CREAT | O_TRUNC, 0644), 2);
+    ::dup2(::open("/dev/null", O_RDONLY), 0);
+    ::execv(bin.c_str(), argv.data());
+    ::_exit(127);
+  }
+  return pid;
+}
+
+// A signal that would end the process (a scheduler's SIGTERM, Ctrl-C, a dropped ssh session's
+// SIGHUP, Ctrl-\) while an export writes: it stops, removes its staging directory and exits
+// with 128 + the signal; OUT does not appear and nothing is left beside it.
+TEST(ExportInterrupted, EverySignalThatWouldEndItLeavesNothingBehind) {
+  Scratch dir;
+  // 64 MiB in 32 tensors: the export takes long enough to be caught writing.
+  mixprec::ShardedStateDict state;
+  at::manual_seed(3);
+  for (int i = 0; i < 32; ++i) {
+    state.tensors.emplace("layer." + std::to_string(i) + ".weight",
+                          mixprec::ShardedTensor::whole(at::rand({512, 1024})));
+  }
+  const fs::path ckpt = mixprec::checkpoint::save_checkpoint(dir / "root", "big", state).dir;
+  const std::pair<int, std::string> signals[] = {
+      {SIGHUP, "SIGHUP"}, {SIGINT, "SIGINT"}, {SIGQUIT, "SIGQUIT"}, {SIGTERM, "SIGTERM"}};
+  for (const auto& [signal, name] : signals) {
+    SCOPED_TRACE(name);
+    const fs::path parent = dir / ("out-" + name);
+    fs::create_directories(parent);
+    const pid_t pid = start_export(
+        dir.path(), {ckpt.string(), (parent / "out").string(), "--dtype", "fp16"}, name);
+    // Its staging directory is the first entry of the empty parent: once it is there, the
+    // export is writing.
+    int raw = 0;
+    bool finished = false;
+    while (fs::is_empty(parent) && !finished) {
+      finished = ::waitpid(pid, &raw, WNOHANG) == pid;
+      std::this_thread::sleep_for(std::chrono::microseconds(200));
+    }
+    ASSERT_FALSE(finished) << "the export ended before it wrote: "
+                           << read_text(dir / (name + ".err"));
+    ASSERT_EQ(::kill(pid, signal), 0);
+    const ProgramRun run = wait_program(dir.path(), pid, name);
+    ASSERT_NE(run.status, 0) << "the export finished before the signal came; make it larger";
+    EXPECT_EQ(run.status, 128 + signal) << "(-1: killed by the signal) " << run.err;
+    EXPECT_EQ(run.err, "mixprec-ckpt: interrupted by " + name + "; " + (parent / "out").string() +
+                           " left as it was\n");
+    EXPECT_TRUE(fs::is_empty(parent))
+        << "left beside OUT: " << fs::directory_iterator(parent)->path();
+  }
 }
 
 }  // namespace MIXPREC_UNITY_ID

@@ -26,6 +26,7 @@
 #include <cerrno>
 #include <cmath>
 #include <cstring>
+#include <iterator>
 #include <regex>
 #include <sstream>
 
@@ -126,45 +127,62 @@ std::string errno_message(const std::string& what, int err) {
   return what + ": " + std::strerror(err);
 }
 
-// SIGINT or SIGTERM while an export writes: it stops at the next tensor and unwinds, so the
-// staging directory is removed and OUT stays as it was (instead of dying with OUT.tmp-<pid>
-// half written beside it).
+// A signal that ends a process by default, while an export writes: it stops at the next
+// tensor and unwinds, so the staging directory is removed and OUT stays as it was (instead of
+// dying with a half-written staging directory beside it). SIGTERM (a scheduler), SIGINT
+// (Ctrl-C), SIGHUP (the terminal or ssh session went away) and SIGQUIT (Ctrl-\).
 volatile std::sig_atomic_t g_interrupted = 0;
 extern "C" void on_interrupt(int signal_number) { g_interrupted = signal_number; }
+
+struct HandledSignal {
+  int number;
+  const char* name;
+  // Reset to the default action once caught: a second one (a person insisting) ends the
+  // process at once. SIGTERM and SIGHUP stay handled: a scheduler often sends two SIGTERMs
+  // milliseconds apart, and a hangup may come with others.
+  bool second_ends_process;
+};
+constexpr HandledSignal kHandledSignals[] = {{SIGTERM, "SIGTERM", false},
+                                             {SIGHUP, "SIGHUP", false},
+                                             {SIGINT, "SIGINT", true},
+                                             {SIGQUIT, "SIGQUIT", true}};
+constexpr std::size_t kSignalCount = std::size(kHandledSignals);
 
 class InterruptGuard {
  public:
   InterruptGuard() {
     g_interrupted = 0;
-    struct sigaction action {};
-    action.sa_handler = on_interrupt;
-    sigemptyset(&action.sa_mask);
-    // SIGTERM stays handled: a scheduler often sends two, milliseconds apart. A second SIGINT
-    // (a person insisting) ends the process at once.
-    sigaction(SIGTERM, &action, &previous_term_);
-    action.sa_flags = SA_RESETHAND;
-    sigaction(SIGINT, &action, &previous_int_);
+    for (std::size_t i = 0; i < kSignalCount; ++i) {
+      struct sigaction action {};
+      action.sa_handler = on_interrupt;
+      sigemptyset(&action.sa_mask);
+      action.sa_flags = kHandledSignals[i].second_ends_process ? SA_RESETHAND : 0;
+      sigaction(kHandledSignals[i].number, &action, &previous_[i]);
+    }
   }
   ~InterruptGuard() {
-    sigaction(SIGINT, &previous_int_, nullptr);
-    sigaction(SIGTERM, &previous_term_, nullptr);
+    for (std::size_t i = 0; i < kSignalCount; ++i) {
+      sigaction(kHandledSignals[i].number, &previous_[i], nullptr);
+    }
   }
   InterruptGuard(const InterruptGuard&) = delete;
   InterruptGuard& operator=(const InterruptGuard&) = delete;
 
  private:
-  struct sigaction previous_int_ {
-  }, previous_term_{};
+  struct sigaction previous_[kSignalCount] = {};
 };
 
 void stop_if_interrupted() {
-  if (g_interrupted != 0) {
-    throw ToolError(128 + g_interrupted, std::string("interrupted by ") +
-                                             (g_interrupted == SIGINT ? "SIGINT" : "SIGTERM"));
+  const int caught = g_interrupted;
+  if (caught == 0) return;
+  std::string name = "signal " + std::to_string(caught);
+  for (const HandledSignal& s : kHandledSignals) {
+    if (s.number == caught) name = s.name;
   }
+  throw ToolError(128 + caught, "interrupted by " + name);
 }
 
-// The temporary sibling OUT.tmp-<pid>: removed unless it was renamed to OUT.
+// The temporary sibling: removed unless it was renamed to OUT.
 class StagingDir {
  public:
   StagingDir(const checkpoint::Directory& parent, std::string name)

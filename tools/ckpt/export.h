@@ -30,7 +30,8 @@
 // Never half-written: everything goes into a sibling directory OUT.tmp-<pid>, every file and
 // that directory are fsynced, and only then is it renamed to OUT (renameat2 RENAME_NOREPLACE;
 // with --force over an existing export, RENAME_EXCHANGE, then the old one is removed). Any
-// failure before the rename removes the temporary directory and leaves OUT as it was.
+// failure before the rename, or SIGHUP, SIGINT, SIGQUIT or SIGTERM (exit status 128 + the
+// signal), removes the temporary directory and leaves OUT as it was.
 // --force replaces only a directory that holds nothing but export files (the names above).
 //
 // Memory: tensors are read in batches of at most 256 MiB (one tensor at a time if larger)
