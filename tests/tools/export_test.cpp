@@ -69,7 +69,9 @@ void expect_one_line_error(const ProgramRun& run, const std::string& program,
   EXPECT_NE(run.err.find(fragment), std::string::npos) << "stderr lacks '" << fragment << "'";
 }
 
-// Nothing an export leaves behind when it is done: no OUT.tmp-<pid>, no OUT.old-<pid>.
+// Nothing an export leaves behind when it is done: no mixprec-export.tmp-<pid> (its staging
+// directory), no mixprec-export.old-<pid> (an export --force replaced); nor the OUT.tmp-<pid>
+// and OUT.old-<pid> of earlier versions.
 std::vector<std::string> leftovers(const fs::path& dir) {
   std::vector<std::string> names;
   for (const auto& entry : fs::directory_iterator(dir)) {
@@ -443,6 +445,24 @@ TEST_F(Export, TwoRankCheckpointExportsWholeTensors) {
   EXPECT_EQ(python_check(scratch(), {{ckpt, out, "keep"}}),
             std::vector<std::string>{"OK " + std::to_string(kModelTensors) + " 1 " +
                                      std::to_string(kKeptFp32)});
+}
+
+// OUT's name may be as long as a name can be (255 bytes): the export's temporary names do not
+// grow with it.
+TEST_F(Export, AnOutNameOfTheLongestLengthIsExportedAndReplaced) {
+  const fs::path parent = scratch() / "long";
+  fs::create_directories(parent);
+  const fs::path out = parent / std::string(255, 'o');
+  const ProgramRun first = export_tool(scratch(), {root().string(), out.string()});
+  ASSERT_EQ(first.status, 0) << first.err;
+  EXPECT_TRUE(fs::exists(out / "model.safetensors"));
+  const ProgramRun forced =
+      export_tool(scratch(), {root().string(), out.string(), "--force", "--dtype", "bf16"});
+  ASSERT_EQ(forced.status, 0) << forced.err;
+  EXPECT_EQ(SafetensorsReader(out / "model.safetensors").header().metadata.at("mixprec.dtype"),
+            "bf16");
+  EXPECT_EQ(leftovers(parent), std::vector<std::string>{});
+  EXPECT_EQ(std::distance(fs::directory_iterator(parent), fs::directory_iterator()), 1);
 }
 
 // A zero-size tensor (an empty expert, a [0, d] parameter) is exported like any other, with

@@ -182,13 +182,22 @@ void stop_if_interrupted() {
   throw ToolError(128 + caught, "interrupted by " + name);
 }
 
-// The temporary sibling: removed unless it was renamed to OUT.
+// The name of a temporary sibling of OUT ("tmp": the staging directory; "old": an export that
+// --force replaces, moved aside): a fixed prefix and this process's id. Not derived from OUT's
+// name, which may already be as long as a name can be (NAME_MAX).
+std::string sibling_name(const char* role) {
+  return std::string("mixprec-export.") + role + "-" + std::to_string(::getpid());
+}
+
+// The temporary sibling mixprec-export.tmp-<pid>: removed unless it was renamed to OUT.
 class StagingDir {
  public:
   StagingDir(const checkpoint::Directory& parent, std::string name)
       : parent_(parent.duplicate()), name_(std::move(name)) {
     if (::mkdirat(parent_.fd(), name_.c_str(), 0755) != 0) {
-      throw ToolError(kExitUsage, errno_message("mkdir " + (parent_ / name_).string(), errno));
+      throw ToolError(
+          kExitUsage,
+          errno_message("create the staging directory " + (parent_ / name_).string(), errno));
     }
     created_ = true;
     dir_.emplace(checkpoint::Directory::open(parent_ / name_));
@@ -341,7 +350,7 @@ std::string publish(Target& target, StagingDir& staging) {
     // The staging name now holds the old export; its destructor removes it.
   } else {
     // No RENAME_EXCHANGE here: the old export is moved aside first.
-    const std::string aside = target.name + ".old-" + std::to_string(::getpid());
+    const std::string aside = sibling_name("old");
     if (::renameat(fd, to, fd, aside.c_str()) != 0) {
       throw ToolError(kExitUsage, errno_message("rename " + out.string() + " aside", errno));
     }
@@ -443,7 +452,7 @@ int run_export(const ExportOptions& options, std::ostream& out, Notes& notes) {
     metadata = file_metadata(dir, checkpoint::read_common(dir, manifest), options);
 
     const InterruptGuard interrupts;
-    StagingDir staging(target.parent, target.name + ".tmp-" + std::to_string(::getpid()));
+    StagingDir staging(target.parent, sibling_name("tmp"));
     for (const Shard& shard : shards) write_shard(dir, shard, metadata, staging.directory());
     stop_if_interrupted();  // the last moment OUT can still be left as it was
     if (shards.size() > 1) write_text_file(staging.directory(), kIndexFile, index_json(shards));
