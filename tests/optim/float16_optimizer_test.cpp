@@ -354,5 +354,33 @@ TEST(Float16Optimizer, SgdMomentumMatchesTorch) {
   EXPECT_TRUE(at::allclose(ours->w, theirs, 0, 1e-6));
 }
 
+// the clip coefficient is torch's clip_grad_norm_ one, max_norm / (norm + 1e-6),
+// checked where the 1e-6 matters (a norm of ~6e-4: 1.6e-3 relative), with an lr that makes
+// the update large against the ulps of the parameter.
+TEST(Float16Optimizer, ClipCoefficientIsMaxNormOverNormPlusEpsilon) {
+  Interleaved a;
+  torch::NoGradGuard no_grad;
+  auto opt = mixprec::testing::make_optimizer(a, torch::optim::SGDOptions(1000.0),
+                                              Float16OptimizerOptions().clip_grad(1e-4));
+  set_grads(*a, 0);
+  for (auto& p : a->parameters()) {
+    if (p.grad().defined())
+      p.mutable_grad() = (p.grad().to(at::kFloat) * 0.001).to(p.scalar_type());
+  }
+  double sumsq = 0;
+  for (auto* p : {&a->pre->weight, &a->gate, &a->post->weight}) {
+    sumsq += p->grad().to(at::kDouble).pow(2).sum().item<double>();
+  }
+  const double norm = std::sqrt(sumsq);
+  const at::Tensor gate_before = a->gate.clone();
+  const StepResult r = opt->update();
+  EXPECT_NEAR(r.grad_norm, norm, 1e-9 * norm);
+  const at::Tensor delta = gate_before - a->gate;
+  const double coef = 1000.0 * 1e-4 / (norm + 1e-6);
+  const double ulp = 1.2e-7 * gate_before.abs().max().item<double>();
+  EXPECT_TRUE(at::allclose(delta, a->gate.grad() * coef, 1e-4, 2 * ulp))
+      << (delta / (a->gate.grad() * coef)).max().item<double>();
+}
+
 }  // namespace MIXPREC_UNITY_ID
 }  // namespace mixprec::optim

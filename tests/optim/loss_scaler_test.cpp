@@ -100,5 +100,21 @@ TEST(LossScaler, BadOptionsNameTheField) {
             std::string::npos);
 }
 
+// an overflow restarts the count of clean steps (Megatron's DynamicGradScaler).
+TEST(LossScaler, OverflowRestartsTheGrowthCount) {
+  LossScalerOptions o = LossScalerOptions::fp16_dynamic();
+  o.growth_interval(3);
+  o.hysteresis(5);  // the overflow below does not back off: only the count is under test
+  LossScaler s(o);
+  s.update(false);
+  s.update(false);
+  s.update(true);  // two clean steps are forgotten here
+  s.update(false);
+  s.update(false);
+  EXPECT_EQ(s.scale(), 65536.0) << "only 2 clean steps since the overflow";
+  s.update(false);
+  EXPECT_EQ(s.scale(), 131072.0);
+}
+
 }  // namespace MIXPREC_UNITY_ID
 }  // namespace mixprec::optim

@@ -405,6 +405,15 @@ TEST(OptimizerStateDictErrors, ShapeMismatchNamesTheParameter) {
   expect_load_fails_and_changes_nothing(bad, "'gate' exp_avg: shape [25], the parameter has [24]");
 }
 
+TEST(OptimizerStateDictErrors, ATransposedStateOfTheSameSizeIsRefused) {
+  Trained t;
+  ShardedStateDict bad = t.saved;
+  // [24] as [4, 6] and [6, 4]: same element count, other shapes. Only the shape tells them apart.
+  bad.tensors["optimizer.state.exp_avg.gate"] = ShardedTensor::whole(torch::zeros({4, 6}));
+  expect_load_fails_and_changes_nothing(bad,
+                                        "'gate' exp_avg: shape [4, 6], the parameter has [24]");
+}
+
 TEST(OptimizerStateDictErrors, LowerPrecisionMasterIsRejected) {
   Trained t;
   ShardedStateDict bad = t.saved;

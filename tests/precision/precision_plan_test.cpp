@@ -147,5 +147,16 @@ TEST(PrecisionPlan, EmptyNameOrPatternRejected) {
   EXPECT_THROW(PrecisionPlan().keep_fp32_pattern(""), c10::Error);
 }
 
+// a name covers its own submodule's tensors, not a sibling whose name it prefixes.
+TEST(PrecisionPlan, NameDoesNotCoverASiblingItPrefixes) {
+  torch::nn::Sequential net;
+  net->push_back("fc", torch::nn::Linear(4, 4));
+  net->push_back("fc2", torch::nn::Linear(4, 4));
+  auto r = PrecisionPlan().keep_fp32_name("fc").resolve(*net);
+  EXPECT_EQ(find(r, "fc.weight").reason, KeepReason::kName);
+  EXPECT_EQ(find(r, "fc2.weight").reason, KeepReason::kNone);
+  EXPECT_EQ(find(r, "fc2.bias").reason, KeepReason::kNone);
+}
+
 }  // namespace MIXPREC_UNITY_ID
 }  // namespace mixprec

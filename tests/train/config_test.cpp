@@ -193,5 +193,24 @@ TEST(TrainConfig, ResumeCarriesTheRunsSettingsAndReportsWhatIsGivenAnew) {
   }
 }
 
+// every setting of the run's course, set to a non-default value, comes back on
+// `--resume` alone (the existing test covers steps, warmup, lr, weight decay, cadences, prompt).
+TEST(TrainConfig, ResumeAloneCarriesEveryCourseSetting) {
+  const TrainConfig saved =
+      parse({"--clip-grad", "0.25", "--min-lr-ratio", "0.3", "--aux-loss-coef", "0.02",
+             "--bias-update-rate", "0.004", "--keep-last", "5", "--eval-batches", "3",
+             "--ckpt-timeout", "600"})
+          .config;
+  TrainConfig resumed = parse({"--resume"}).config;
+  EXPECT_TRUE(adopt_run_shape(resumed, run_shape(saved), "checkpoint X").empty());
+  EXPECT_EQ(resumed.clip_grad, 0.25);
+  EXPECT_EQ(resumed.min_lr_ratio, 0.3);
+  EXPECT_EQ(resumed.aux_loss_coef, 0.02);
+  EXPECT_EQ(resumed.bias_update_rate, 0.004);
+  EXPECT_EQ(resumed.keep_last, 5);
+  EXPECT_EQ(resumed.eval_batches, 3);
+  EXPECT_EQ(resumed.ckpt_timeout, 600);
+}
+
 }  // namespace MIXPREC_UNITY_ID
 }  // namespace train

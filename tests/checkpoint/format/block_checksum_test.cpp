@@ -336,5 +336,20 @@ TEST(ManifestV2, VerifyChecksEveryBlockChecksum) {
   }
 }
 
+// the last block of a tensor is shorter than the others (1000 = 15 * 64 + 40); its
+// checksum is checked too.
+TEST(ReadVerified, CorruptByteInTheShortLastBlockIsCaught) {
+  Corrupted file(990);  // block 15: bytes [960, 1000)
+  SafetensorsReader reader(file.path);
+  std::vector<std::byte> out(4);
+  try {
+    reader.read_verified("t", std::vector<ByteRun>{{996, out}}, file.by_block());
+    FAIL() << "expected ChecksumError";
+  } catch (const ChecksumError& e) {
+    EXPECT_NE(std::string(e.what()).find("block 15 (bytes [960, 1000) of 1000)"), std::string::npos)
+        << e.what();
+  }
+}
+
 }  // namespace MIXPREC_UNITY_ID
 }  // namespace mixprec::checkpoint

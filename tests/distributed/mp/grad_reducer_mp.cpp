@@ -255,5 +255,29 @@ TEST(GradReducer, DescribePrintsEveryRanksRanges) {
   EXPECT_NE(table.find("param frozen.weight"), std::string::npos);
 }
 
+// by default (grad_reduce_in_fp32) FP16 buckets are summed in FP32: a gradient of
+// 40000 on every rank sums past FP16's 65504 but averages back to 40000, not Inf.
+struct OneHalfImpl : torch::nn::Module {
+  OneHalfImpl() { w = register_parameter("w", at::zeros({37}, at::kHalf)); }
+  at::Tensor w;
+};
+TORCH_MODULE(OneHalf);
+
+TEST(GradReducer, DefaultSumsHalfBucketsInFp32PastFp16Range) {
+  for (ReduceMode mode : {ReduceMode::kAllReduce, ReduceMode::kReduceScatter}) {
+    OneHalf model;
+    GradReducer reducer(world_ptr(), *model, GradReducerOptions().mode(mode));
+    reducer.zero_grad();
+    (model->w.to(at::kFloat) * 40000).sum().backward();
+    reducer.finish();
+    const at::Tensor grad = model->w.grad().view({-1});
+    for (const auto& piece : reducer.layout().param_shards(world().rank())) {
+      EXPECT_TRUE(at::equal(grad.narrow(0, piece.begin, piece.numel()),
+                            at::full({piece.numel()}, 40000, at::kHalf)))
+          << grad.narrow(0, piece.begin, piece.numel());
+    }
+  }
+}
+
 }  // namespace MIXPREC_UNITY_ID
 }  // namespace mixprec::testing
