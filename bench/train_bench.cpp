@@ -34,10 +34,12 @@
 // The model is mixprec-train's default
 // (2 layers, d_model 128, 4 experts top-2, batch 16 x 128 bytes of Python's pydoc topics).
 //
-// The peers run twice: as their users run them (glibc's malloc defaults) and with the malloc
-// thresholds mixprec-train sets by default (--malloc keep, host_memory.h, given to them through
-// GLIBC_TUNABLES), so that what the allocator alone gives shows as such; mixprec's rows run
-// with --malloc keep.
+// The peers run twice: as their users run them (glibc's malloc defaults, ideep's GEMM
+// descriptor cache at its default) and with the host settings mixprec-train makes by default —
+// the malloc thresholds of --malloc keep (host_memory.h, given to them through GLIBC_TUNABLES)
+// and a one-entry descriptor cache (gemm_cache.h, LRU_CACHE_CAPACITY=1): the rows named
+// "mixprec's env" — so that what those settings alone give shows as such; mixprec's rows run
+// with them.
 //
 // Every child runs with the same OMP_WAIT_POLICY: --omp-wait, default active — what
 // mixprec-train's --omp-wait auto picks on a machine with a core per thread, and close to what
@@ -47,6 +49,7 @@
 #include "config.h"
 #include "data.h"
 #include "data_parallel.h"
+#include "gemm_cache.h"
 #include "gpt.h"
 #include "host_memory.h"
 #include "loop.h"
@@ -348,9 +351,11 @@ int parent(const Options& o, const char* self) {
   std::string policy = o.omp_wait;
   for (char& c : policy) c = static_cast<char>(std::toupper(static_cast<unsigned char>(c)));
   const std::string env = "OMP_WAIT_POLICY=" + policy + " ";
-  // The peers once as their users run them and once with the malloc thresholds mixprec-train
-  // sets (--malloc keep), so that what the allocator gives is not counted as mixprec's.
-  const std::string kept = env + "GLIBC_TUNABLES=" + train::keep_malloc_tunables() + " ";
+  // The peers once as their users run them and once with the host settings mixprec-train
+  // makes (--malloc keep, the descriptor cache), so that what they give is not counted as
+  // mixprec's.
+  const std::string kept = env + "GLIBC_TUNABLES=" + train::keep_malloc_tunables() + " " +
+                           train::kGemmDescriptorCacheEnv + " ";
   const std::string peer_script =
       shell_quote(std::string(mixprec::bench::kSourceDir) + "/bench/train_bench.py");
   const std::string peer = std::string(mixprec::bench::kPython).empty()
@@ -360,21 +365,22 @@ int parent(const Options& o, const char* self) {
       {"mixprec bf16 + fp8 hybrid", env + shell_quote(self) + " --child mixprec-fp8" + common},
       {"mixprec bf16", env + shell_quote(self) + " --child mixprec" + common},
       {"libtorch fp32 + AdamW", env + shell_quote(self) + " --child fp32" + common},
-      {"libtorch fp32 + AdamW, malloc kept", kept + shell_quote(self) + " --child fp32" + common},
+      {"libtorch fp32 + AdamW, mixprec's env", kept + shell_quote(self) + " --child fp32" + common},
   };
   if (!peer.empty()) {
     children.emplace_back("pytorch autocast bf16 + AdamW(fused)", env + peer + common);
-    children.emplace_back("pytorch autocast bf16 + AdamW(fused), malloc kept",
+    children.emplace_back("pytorch autocast bf16 + AdamW(fused), mixprec's env",
                           kept + peer + common);
   }
   const TrainConfig& defaults = o.config;
   std::printf(
       "training step of mixprec-train's model: %s, batch %lld x %lld tokens; "
       "median of %lld steps after %lld warm-up, fastest of %lld runs; each run in its own "
-      "process, OMP_WAIT_POLICY=%s\n\n",
+      "process, OMP_WAIT_POLICY=%s; mixprec's env: GLIBC_TUNABLES=%s %s\n\n",
       train::describe(defaults).c_str(), static_cast<long long>(defaults.batch),
       static_cast<long long>(defaults.seq_len), static_cast<long long>(o.steps),
-      static_cast<long long>(o.warmup), static_cast<long long>(o.repeats), policy.c_str());
+      static_cast<long long>(o.warmup), static_cast<long long>(o.repeats), policy.c_str(),
+      train::keep_malloc_tunables().c_str(), train::kGemmDescriptorCacheEnv);
   compare(o, children, 2);
 
   if (o.ranks < 2) return 0;
@@ -404,7 +410,7 @@ int parent(const Options& o, const char* self) {
           {{"mixprec ZeRO-1",
             launch + "--no-python " + shell_quote(self) + " --child mixprec-dp" + dp_common},
            {"pytorch DDP + ZeroRedundancyOptimizer", launch + peer_script + " --ddp" + dp_common},
-           {"pytorch DDP + ZeroRedundancyOptimizer, malloc kept",
+           {"pytorch DDP + ZeroRedundancyOptimizer, mixprec's env",
             launch_kept + peer_script + " --ddp" + dp_common}},
           1);
   return 0;
@@ -457,7 +463,10 @@ int main(int argc, char** argv) {
   }
   if (o.threads > 0) at::set_num_threads(static_cast<int>(o.threads));
   // mixprec's rows run as mixprec-train does by default.
-  if (o.child.starts_with("mixprec")) train::set_malloc_policy("keep");
+  if (o.child.starts_with("mixprec")) {
+    train::set_malloc_policy("keep");
+    train::limit_gemm_descriptor_cache();
+  }
   if (o.child.empty()) return parent(o, std::filesystem::read_symlink("/proc/self/exe").c_str());
   if (o.child == "mixprec-fp8")
     run_mixprec(o, "hybrid");

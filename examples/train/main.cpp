@@ -15,6 +15,7 @@
 #include "data.h"
 #include "data_parallel.h"
 #include "flops.h"
+#include "gemm_cache.h"
 #include "gpt.h"
 #include "host_memory.h"
 #include "init_from.h"
@@ -140,8 +141,9 @@ void check_same_text(const Corpus& corpus, const RunPaths& paths) {
 // The first line of an error message: the one line the user gets.
 std::string first_line(const std::string& message) { return message.substr(0, message.find('\n')); }
 
-// `malloc_policy`: what set_malloc_policy put in force, for the start-up lines.
-int run(int argc, char** argv, const std::string& malloc_policy) {
+// `malloc_policy`, `gemm_cache`: what set_malloc_policy and limit_gemm_descriptor_cache put in
+// force, for the start-up lines.
+int run(int argc, char** argv, const std::string& malloc_policy, const std::string& gemm_cache) {
   // Every tensor allocated from here on is counted, for the summary's memory line (memory.h).
   LiveBytesAllocator::install();
   // 1. Configuration: flags, the launcher's rank, and where the run lives. With --resume the
@@ -257,6 +259,7 @@ int run(int argc, char** argv, const std::string& malloc_policy) {
                 at::get_num_threads(), wait_policy != nullptr ? wait_policy : "(libgomp default)",
                 config.omp_wait.c_str());
     std::printf("malloc       %s\n", malloc_policy.c_str());
+    std::printf("gemm cache   %s\n", gemm_cache.c_str());
     if (initial)
       std::printf("weights      %zu tensors from %s\n", initial->tensors, initial->source.c_str());
     if (paths.resume_from) {
@@ -406,8 +409,9 @@ void set_openmp_wait_policy(int argc, char** argv) {
 int main(int argc, char** argv) {
   set_openmp_wait_policy(argc, argv);
   const std::string malloc_policy = set_malloc_policy(flag_value(argc, argv, "--malloc"));
+  const std::string gemm_cache = limit_gemm_descriptor_cache();
   try {
-    return run(argc, argv, malloc_policy);
+    return run(argc, argv, malloc_policy, gemm_cache);
   } catch (const UsageError& e) {
     std::fprintf(stderr, "mixprec-train: %s\n", first_line(e.what()).c_str());
     return 2;

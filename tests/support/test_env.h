@@ -8,6 +8,7 @@
 #pragma once
 
 #include <cstdlib>
+#include <optional>
 #include <stdexcept>
 #include <string>
 
@@ -43,5 +44,28 @@ inline std::string torchrun() { return env_or_empty("MIXPREC_TORCHRUN"); }
 // Whether this is the sanitized pass (ASan + UBSan; tests/CMakeLists.txt sets the variable for
 // its entries), where instrumented code runs several times slower.
 inline bool sanitized_pass() { return env_or_empty("MIXPREC_SANITIZED_PASS") == "1"; }
+
+// Sets environment variable `name` to `value` for its own lifetime, then restores what was
+// there (or unsets it).
+class ScopedEnvironmentVariable {
+ public:
+  ScopedEnvironmentVariable(const char* name, const char* value) : name_(name) {
+    if (const char* old = std::getenv(name)) old_ = old;
+    ::setenv(name, value, 1);
+  }
+  ~ScopedEnvironmentVariable() {
+    if (old_) {
+      ::setenv(name_, old_->c_str(), 1);
+    } else {
+      ::unsetenv(name_);
+    }
+  }
+  ScopedEnvironmentVariable(const ScopedEnvironmentVariable&) = delete;
+  ScopedEnvironmentVariable& operator=(const ScopedEnvironmentVariable&) = delete;
+
+ private:
+  const char* name_;
+  std::optional<std::string> old_;
+};
 
 }  // namespace mixprec::test

@@ -2,11 +2,12 @@
 // (the flag, else a GLIBC_TUNABLES threshold, else keep).
 #include "host_memory.h"
 
+#include "support/test_env.h"
+
 #include <gtest/gtest.h>
 
 #include <cstdlib>
 #include <cstring>
-#include <optional>
 #include <string>
 
 namespace train {
@@ -38,24 +39,7 @@ TEST(HostMemory, KeepServesAFreedBlockAgainWithoutPageFaults) {
   EXPECT_LT(faults_to_fill(kBytes), 64);
 }
 
-class EnvironmentVariable {  // sets one for a test's duration
- public:
-  EnvironmentVariable(const char* name, const char* value) : name_(name) {
-    if (const char* old = std::getenv(name)) old_ = old;
-    ::setenv(name, value, 1);
-  }
-  ~EnvironmentVariable() {
-    if (old_) {
-      ::setenv(name_, old_->c_str(), 1);
-    } else {
-      ::unsetenv(name_);
-    }
-  }
-
- private:
-  const char* name_;
-  std::optional<std::string> old_;
-};
+using EnvironmentVariable = mixprec::test::ScopedEnvironmentVariable;
 
 TEST(HostMemory, AnEnvironmentThresholdWinsUnlessTheFlagIsGiven) {
   EXPECT_EQ(set_malloc_policy("system"), "glibc's defaults (--malloc system)");
