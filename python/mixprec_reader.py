@@ -557,12 +557,51 @@ class Checkpoint:
             out[fqn] = value.float() if value.is_floating_point() else value
         return out
 
-    def param_group_names(self):
-        """The saved optimizer's param groups as lists of FQNs, frozen parameters left out: the
-        groups a torch optimizer built from them takes this checkpoint's state into."""
+    def _checked_optimizer(self):
+        """common["optimizer"], its fields' presence and types checked: a malformed one is a
+        CheckpointError naming the field, not a KeyError or TypeError from deep inside."""
         opt = self.optimizer()
         if opt is None:
             raise CheckpointError(f"{self.dir}: the common state has no '{COMMON_OPTIMIZER}'")
+        where = f"{self.dir}: common state '{COMMON_OPTIMIZER}'"
+
+        def names(value, field):
+            if not isinstance(value, list) or not all(isinstance(n, str) for n in value):
+                raise CheckpointError(f"{where}: field '{field}' must be a list of names")
+
+        def integer(value, field):
+            if not isinstance(value, int) or isinstance(value, bool):
+                raise CheckpointError(f"{where}: field '{field}' must be an integer")
+
+        if not isinstance(opt, dict):
+            raise CheckpointError(f"{where} must be an object")
+        for field in (ALGORITHM, STEP, PARAM_GROUPS):
+            if field not in opt:
+                raise CheckpointError(f"{where}: no field '{field}'")
+        if not isinstance(opt[ALGORITHM], str):
+            raise CheckpointError(f"{where}: field '{ALGORITHM}' must be a string")
+        integer(opt[STEP], STEP)
+        if not isinstance(opt[PARAM_GROUPS], list):
+            raise CheckpointError(f"{where}: field '{PARAM_GROUPS}' must be a list")
+        for g, group in enumerate(opt[PARAM_GROUPS]):
+            if not isinstance(group, dict) or PARAMS not in group:
+                raise CheckpointError(f"{where}: {PARAM_GROUPS}[{g}] must be an object with "
+                                      f"'{PARAMS}'")
+            names(group[PARAMS], f"{PARAM_GROUPS}[{g}].{PARAMS}")
+        for field in (FROZEN, WITHOUT_STATE):
+            if field in opt:
+                names(opt[field], field)
+        if STEPS in opt:
+            if not isinstance(opt[STEPS], dict):
+                raise CheckpointError(f"{where}: field '{STEPS}' must be an object")
+            for fqn, step in opt[STEPS].items():
+                integer(step, f"{STEPS}.{fqn}")
+        return opt
+
+    def param_group_names(self):
+        """The saved optimizer's param groups as lists of FQNs, frozen parameters left out: the
+        groups a torch optimizer built from them takes this checkpoint's state into."""
+        opt = self._checked_optimizer()
         frozen = set(opt.get(FROZEN, []))
         return [[f for f in group[PARAMS] if f not in frozen] for group in opt[PARAM_GROUPS]]
 
@@ -576,9 +615,7 @@ class Checkpoint:
         flags: fused, foreach, capturable...) come from the same group of `like`, the torch
         optimizer it is meant for, if given. "step" is a 0-dim float32 tensor, moments FP32.
         Frozen parameters and those never stepped get no state entry."""
-        opt = self.optimizer()
-        if opt is None:
-            raise CheckpointError(f"{self.dir}: the common state has no '{COMMON_OPTIMIZER}'")
+        opt = self._checked_optimizer()
         algorithm = opt[ALGORITHM]
         if algorithm not in ALGORITHM_STATE:
             raise CheckpointError(f"{self.dir}: unknown optimizer algorithm '{algorithm}'")

@@ -175,6 +175,41 @@ def latest_cases(name):
             for what, content, fragment in cases]
 
 
+def edit_common_optimizer(edit):
+    """A change applying edit(optimizer) to common.json's "optimizer" object, the manifest's
+    record of the file's size kept in step."""
+    def change(ckpt_dir):
+        path = os.path.join(ckpt_dir, "common.json")
+        with open(path) as f:
+            common = json.load(f)
+        edit(common[mr.COMMON_OPTIMIZER])
+        with open(path, "w") as f:
+            json.dump(common, f)
+        # The manifest records the common file's size (and checksum, which this reader does not
+        # verify): the edited state is one a writer could have produced.
+        size = os.path.getsize(path)
+        edit_manifest(ckpt_dir, lambda manifest: manifest["common_file"].__setitem__("bytes", size))
+    return change
+
+
+def optimizer_cases():
+    """Malformed optimizer fields of the common state: torch_optimizer_state_dict names them."""
+    def set_field(field, value):
+        return lambda opt: opt.__setitem__(field, value)
+    return [
+        ("optimizer without param groups", ("common state 'optimizer'", "no field 'param_groups'"),
+         edit_common_optimizer(lambda opt: opt.pop(mr.PARAM_GROUPS))),
+        ("optimizer step a string", ("field 'step' must be an integer",),
+         edit_common_optimizer(set_field(mr.STEP, "3"))),
+        ("optimizer group without params", ("param_groups[0] must be an object with 'params'",),
+         edit_common_optimizer(lambda opt: opt[mr.PARAM_GROUPS][0].pop(mr.PARAMS))),
+        ("optimizer frozen not a list", ("field 'frozen' must be a list of names",),
+         edit_common_optimizer(set_field(mr.FROZEN, 5))),
+        ("optimizer steps of strings", ("field 'steps.gate' must be an integer",),
+         edit_common_optimizer(set_field(mr.STEPS, {"gate": "2"}))),
+    ]
+
+
 def main():
     good, scratch = sys.argv[1], sys.argv[2]
     root, name = os.path.split(os.path.normpath(good))
@@ -203,6 +238,8 @@ def main():
         cases.append(("common state is a FIFO", "common.json",
                       lambda d: to_fifo(os.path.join(d, "common.json"))))
     cases += manifest_cases(exp_avg_gate)
+    if os.path.exists(common):
+        cases += optimizer_cases()
     cases = [(what, (named,) if isinstance(named, str) else named, change, False)
              for what, named, change in cases]
     cases += [(what, named, change, True) for what, named, change in latest_cases(name)]
@@ -211,6 +248,7 @@ def main():
         try:
             ckpt = mr.Checkpoint(copy)
             ckpt.tensors()
+            ckpt.torch_optimizer_state_dict()  # the common state's optimizer, read as torch's
         except mr.CheckpointError as e:
             message = str(e)
             missing = [n for n in named if n not in message]
