@@ -17,6 +17,7 @@
 
 #include <sys/wait.h>
 
+#include <csignal>
 #include <cstdlib>
 #include <fstream>
 #include <set>
@@ -484,8 +485,9 @@ TEST(ExportZeroSize, AZeroSizeTensorIsExportedWithItsShape) {
 
 // Starts `mixprec-ckpt export <args>`, stdout and stderr to files in `scratch` (wait_program
 // reads them); its pid.
+// `ignored`: a signal the export starts with ignored (as under nohup), 0 for none.
 pid_t start_export(const fs::path& scratch, const std::vector<std::string>& args,
-                   const std::string& tag) {
+                   const std::string& tag, int ignored = 0) {
   // Everything resolved before fork(): the child only execs.
   std::string bin = mixprec::test::required_env("MIXPREC_CKPT_BIN"), command = "export";
   std::vector<std::string> copy = args;
@@ -499,6 +501,7 @@ pid_t start_export(const fs::path& scratch, const std::vector<std::string>& args
     ::dup2(::open(out.c_str(), O_WRONLY | O_CREAT | O_TRUNC, 0644), 1);
     ::dup2(::open(err.c_str(), O_WRONLY | O_CREAT | O_TRUNC, 0644), 2);
     ::dup2(::open("/dev/null", O_RDONLY), 0);
+    if (ignored != 0) ::signal(ignored, SIG_IGN);  // kept across exec, as nohup relies on
     ::execv(bin.c_str(), argv.data());
     ::_exit(127);
   }
@@ -508,16 +511,30 @@ pid_t start_export(const fs::path& scratch, const std::vector<std::string>& args
 // A signal that would end the process (a scheduler's SIGTERM, Ctrl-C, a dropped ssh session's
 // SIGHUP, Ctrl-\) while an export writes: it stops, removes its staging directory and exits
 // with 128 + the signal; OUT does not appear and nothing is left beside it.
-TEST(ExportInterrupted, EverySignalThatWouldEndItLeavesNothingBehind) {
-  Scratch dir;
-  // 64 MiB in 32 tensors: the export takes long enough to be caught writing.
+// 64 MiB in 32 tensors: an export of it takes long enough to be caught writing.
+fs::path big_checkpoint(const Scratch& dir) {
   mixprec::ShardedStateDict state;
   at::manual_seed(3);
   for (int i = 0; i < 32; ++i) {
     state.tensors.emplace("layer." + std::to_string(i) + ".weight",
                           mixprec::ShardedTensor::whole(at::rand({512, 1024})));
   }
-  const fs::path ckpt = mixprec::checkpoint::save_checkpoint(dir / "root", "big", state).dir;
+  return mixprec::checkpoint::save_checkpoint(dir / "root", "big", state).dir;
+}
+
+// Returns once the export started as `pid` has created its staging directory in the empty
+// `parent` (it is writing); false if it ended first.
+bool wait_until_writing(pid_t pid, const fs::path& parent, int& raw) {
+  while (fs::is_empty(parent)) {
+    if (::waitpid(pid, &raw, WNOHANG) == pid) return false;
+    std::this_thread::sleep_for(std::chrono::microseconds(200));
+  }
+  return true;
+}
+
+TEST(ExportInterrupted, EverySignalThatWouldEndItLeavesNothingBehind) {
+  Scratch dir;
+  const fs::path ckpt = big_checkpoint(dir);
   const std::pair<int, std::string> signals[] = {
       {SIGHUP, "SIGHUP"}, {SIGINT, "SIGINT"}, {SIGQUIT, "SIGQUIT"}, {SIGTERM, "SIGTERM"}};
   for (const auto& [signal, name] : signals) {
@@ -529,13 +546,8 @@ TEST(ExportInterrupted, EverySignalThatWouldEndItLeavesNothingBehind) {
     // Its staging directory is the first entry of the empty parent: once it is there, the
     // export is writing.
     int raw = 0;
-    bool finished = false;
-    while (fs::is_empty(parent) && !finished) {
-      finished = ::waitpid(pid, &raw, WNOHANG) == pid;
-      std::this_thread::sleep_for(std::chrono::microseconds(200));
-    }
-    ASSERT_FALSE(finished) << "the export ended before it wrote: "
-                           << read_text(dir / (name + ".err"));
+    ASSERT_TRUE(wait_until_writing(pid, parent, raw))
+        << "the export ended before it wrote: " << read_text(dir / (name + ".err"));
     ASSERT_EQ(::kill(pid, signal), 0);
     const ProgramRun run = wait_program(dir.path(), pid, name);
     ASSERT_NE(run.status, 0) << "the export finished before the signal came; make it larger";
@@ -545,6 +557,24 @@ TEST(ExportInterrupted, EverySignalThatWouldEndItLeavesNothingBehind) {
     EXPECT_TRUE(fs::is_empty(parent))
         << "left beside OUT: " << fs::directory_iterator(parent)->path();
   }
+}
+
+// Under nohup SIGHUP is ignored from the start, so that the export outlives the session: it
+// must stay ignored, and the export finish.
+TEST(ExportInterrupted, ASignalIgnoredAtStartStaysIgnored) {
+  Scratch dir;
+  const fs::path ckpt = big_checkpoint(dir);
+  const fs::path parent = dir / "out-nohup";
+  fs::create_directories(parent);
+  const pid_t pid =
+      start_export(dir.path(), {ckpt.string(), (parent / "out").string()}, "nohup", SIGHUP);
+  int raw = 0;
+  ASSERT_TRUE(wait_until_writing(pid, parent, raw))
+      << "the export ended before it wrote: " << read_text(dir / "nohup.err");
+  ASSERT_EQ(::kill(pid, SIGHUP), 0);
+  const ProgramRun run = wait_program(dir.path(), pid, "nohup");
+  EXPECT_EQ(run.status, 0) << "(-1: killed by the signal) " << run.err;
+  EXPECT_TRUE(fs::exists(parent / "out" / "model.safetensors"));
 }
 
 }  // namespace MIXPREC_UNITY_ID

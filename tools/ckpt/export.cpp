@@ -148,21 +148,27 @@ constexpr HandledSignal kHandledSignals[] = {{SIGTERM, "SIGTERM", false},
                                              {SIGQUIT, "SIGQUIT", true}};
 constexpr std::size_t kSignalCount = std::size(kHandledSignals);
 
+// A signal the process was started with ignored stays ignored: `nohup` ignores SIGHUP (and a
+// background job of a non-interactive shell SIGINT and SIGQUIT) precisely so that the export
+// outlives the session; catching it would end the export where it would have finished.
 class InterruptGuard {
  public:
   InterruptGuard() {
     g_interrupted = 0;
     for (std::size_t i = 0; i < kSignalCount; ++i) {
+      sigaction(kHandledSignals[i].number, nullptr, &previous_[i]);
+      if (previous_[i].sa_handler == SIG_IGN) continue;
       struct sigaction action {};
       action.sa_handler = on_interrupt;
       sigemptyset(&action.sa_mask);
       action.sa_flags = kHandledSignals[i].second_ends_process ? SA_RESETHAND : 0;
-      sigaction(kHandledSignals[i].number, &action, &previous_[i]);
+      sigaction(kHandledSignals[i].number, &action, nullptr);
+      installed_[i] = true;
     }
   }
   ~InterruptGuard() {
     for (std::size_t i = 0; i < kSignalCount; ++i) {
-      sigaction(kHandledSignals[i].number, &previous_[i], nullptr);
+      if (installed_[i]) sigaction(kHandledSignals[i].number, &previous_[i], nullptr);
     }
   }
   InterruptGuard(const InterruptGuard&) = delete;
@@ -170,6 +176,7 @@ class InterruptGuard {
 
  private:
   struct sigaction previous_[kSignalCount] = {};
+  bool installed_[kSignalCount] = {};
 };
 
 void stop_if_interrupted() {
