@@ -2,6 +2,7 @@
 
 #include "mixprec/checkpoint/format/state_keys.h"
 #include "mixprec/precision/convert.h"
+#include "mixprec/precision/float16_module.h"
 
 #include "detail/name_match.h"
 
@@ -99,8 +100,20 @@ std::string LoadReport::to_string() const {
 
 namespace {
 
-// The model's own tensors by FQN, tied tensors once (under their first name).
-std::map<std::string, at::Tensor> own_tensors(const torch::nn::Module& model) {
+// The model's own tensors by FQN, tied tensors once (under their first name). A Float16Module
+// in it (or the model itself) must still hold every tensor of the module it wraps: one
+// registered there after wrapping would be left out of the state silently (`op` names the
+// caller in that error).
+std::map<std::string, at::Tensor> own_tensors(const torch::nn::Module& model, const char* op) {
+  if (const auto* wrapper = dynamic_cast<const Float16ModuleImpl*>(&model)) {
+    wrapper->check_adopted(op);
+  }
+  // Descendants only: modules(true) would need the model owned by a shared_ptr.
+  for (const auto& module : model.modules(/*include_self=*/false)) {
+    if (const auto* wrapper = dynamic_cast<const Float16ModuleImpl*>(module.get())) {
+      wrapper->check_adopted(op);
+    }
+  }
   std::map<std::string, at::Tensor> out;
   std::unordered_set<const c10::TensorImpl*> seen;
   auto add = [&](const auto& named) {
@@ -140,7 +153,7 @@ std::string precision_reason(const KeptFp32& kept) {
 ShardedStateDict model_sharded_state_dict(const torch::nn::Module& model) {
   ShardedStateDict out;
   nlohmann::json precision = nlohmann::json::object();
-  for (const auto& [key, t] : own_tensors(model)) {
+  for (const auto& [key, t] : own_tensors(model, "model_sharded_state_dict")) {
     out.tensors.emplace(key, ShardedTensor::whole(t.detach()));
     // A tensor cast back to half after its conversion (Module::to) is no longer kept.
     const KeptFp32 kept = kept_fp32_reason(t);
@@ -155,7 +168,8 @@ ShardedStateDict model_sharded_state_dict(const torch::nn::Module& model) {
 CheckedModelState check_model_sharded_state_dict(const torch::nn::Module& model,
                                                  const ShardedStateDict& state,
                                                  const LoadOptions& options) {
-  const std::map<std::string, at::Tensor> own = own_tensors(model);
+  const std::map<std::string, at::Tensor> own =
+      own_tensors(model, "check_model_sharded_state_dict");
   CheckedModelState checked;
   LoadReport& report = checked.report_;
   std::vector<std::string> problems;

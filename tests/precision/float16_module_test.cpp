@@ -1,4 +1,5 @@
 #include "mixprec/precision/float16_module.h"
+#include "mixprec/sharded_state_dict.h"
 
 #include "support/error_message.h"
 #include "support/toy_net.h"
@@ -150,6 +151,40 @@ TEST(Float16Module, ARegistrationOnTheWrappedModuleAfterWrappingIsNamed) {
   third->replace_module("fc", torch::nn::Linear(8, 8));
   msg = error_of([&] { wrapped_third->forward(torch::randn({3, 8})); });
   EXPECT_NE(msg.find("submodule 'fc' was replaced after wrapping"), std::string::npos) << msg;
+}
+
+// A module that registers a buffer in its first forward: the wrapper would never hold it.
+struct LazyBufferImpl : torch::nn::Module {
+  LazyBufferImpl() { fc = register_module("fc", torch::nn::Linear(8, 8)); }
+  at::Tensor forward(const at::Tensor& x) {
+    if (named_buffers(/*recurse=*/false).is_empty()) register_buffer("cache", x.detach().clone());
+    return fc->forward(x);
+  }
+  torch::nn::Linear fc{nullptr};
+};
+TORCH_MODULE(LazyBuffer);
+
+// The checks run where the state is taken too: mixprec's model state dict of the wrapper (or of
+// a model holding it), and the first forward that registers a tensor lazily.
+TEST(Float16Module, ARegistrationAfterWrappingIsNamedByTheStateDictAndTheSameForward) {
+  using mixprec::testing::error_of;
+  ToyNet net;
+  Float16Module wrapped(net);
+  net->register_buffer("late_buffer", torch::randn({2}));
+  std::string msg = error_of([&] { model_sharded_state_dict(*wrapped); });
+  EXPECT_NE(msg.find("[mixprec::Float16Module::model_sharded_state_dict]"), std::string::npos)
+      << msg;
+  EXPECT_NE(msg.find("buffer 'late_buffer' was registered"), std::string::npos) << msg;
+  torch::nn::Module outer;  // a model holding the wrapper, not owned by a shared_ptr
+  outer.register_module("wrapped", wrapped);
+  msg = error_of([&] { model_sharded_state_dict(outer); });
+  EXPECT_NE(msg.find("buffer 'late_buffer' was registered"), std::string::npos) << msg;
+  msg = error_of([&] { check_model_sharded_state_dict(*wrapped, ShardedStateDict(), {}); });
+  EXPECT_NE(msg.find("buffer 'late_buffer' was registered"), std::string::npos) << msg;
+
+  Float16Module lazy(LazyBuffer{});
+  msg = error_of([&] { lazy->forward(torch::randn({3, 8})); });
+  EXPECT_NE(msg.find("buffer 'cache' was registered after wrapping"), std::string::npos) << msg;
 }
 
 // Registered deeper, on a submodule the wrapper holds too, a tensor is seen by the wrapper.

@@ -15,9 +15,11 @@
 // It adopts them once, at construction: a parameter, buffer or submodule registered on the
 // wrapped module itself afterwards (or one removed or replaced there) would run in forward but
 // be missing from the wrapper's parameters and state, so an optimizer or checkpoint of the
-// wrapper would silently leave it out. forward, save and load throw c10::Error naming it
-// instead; register everything before wrapping. (Tensors registered deeper, on a submodule,
-// are seen: the wrapper holds the same submodule. Neither kind is converted.)
+// wrapper would silently leave it out. forward (before and after the wrapped module's own, so
+// that one registering a tensor lazily in its first forward is caught there), save, load and
+// mixprec's model state dicts (sharded_state_dict.h) throw c10::Error naming it instead;
+// register everything before wrapping. (Tensors registered deeper, on a submodule, are seen:
+// the wrapper holds the same submodule. Neither kind is converted.)
 #pragma once
 
 #include "mixprec/detail/nested_cast.h"
@@ -71,6 +73,7 @@ class Float16ModuleImpl : public torch::nn::Module {
     };
     Return out = inner_.forward<Return>(
         detail::map_tensors(std::decay_t<Args>(std::forward<Args>(args)), to_half)...);
+    check_adopted("forward");  // a tensor the wrapped forward registered lazily
     if (!options_.is_last_stage() || !options_.fp32_output()) return out;
     return detail::map_tensors(std::move(out), [](const at::Tensor& t) {
       const bool half_out =
@@ -91,12 +94,13 @@ class Float16ModuleImpl : public torch::nn::Module {
   const ConversionReport& conversion_report() const { return report_; }
   const std::shared_ptr<torch::nn::Module>& module() const { return inner_ptr_; }
 
- private:
   // Throws c10::Error, naming `op` and every difference, unless the wrapper's own parameters,
   // buffers and children are still exactly the wrapped module's (same names, same tensors and
-  // modules).
+  // modules). forward, save, load and the model state dicts call it; call it before building an
+  // optimizer from parameters() if the wrapped module may have changed since wrapping.
   void check_adopted(const char* op) const;
 
+ private:
   Float16ModuleOptions options_;
   torch::nn::AnyModule inner_;
   std::shared_ptr<torch::nn::Module> inner_ptr_;
