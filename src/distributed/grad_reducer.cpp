@@ -109,6 +109,24 @@ void GradReducer::State::accumulate_fp32(size_t i, bool restart) {
   grad_views[i].zero_();
 }
 
+bool GradReducer::State::unchanged_since_finish() const {
+  for (size_t i = 0; i < params.size(); ++i) {
+    const bool adopted = grad_is_adopted(i);
+    const bool none = !params[i].grad().defined();
+    if (adopted_at_finish[i] ? !adopted : !none) return false;
+  }
+  return true;
+}
+
+void GradReducer::State::restart_after_finish() {
+  if (options.accumulate_in_fp32() && options.mode() == ReduceMode::kReduceScatter) {
+    for (at::Tensor& buffer : fp32_buffers) {
+      if (buffer.defined()) buffer.zero_();
+    }
+  }
+  finished = false;
+}
+
 // What one process's optimizer would see: no .grad (cleared from outside, e.g. by an
 // optimizer's zero_grad() setting it to none) is no gradient, and its range sends zeros; a
 // .grad set from outside is a gradient; the buffer's own .grad keeps what it had.
@@ -186,15 +204,9 @@ void GradReducer::State::on_grad_ready(size_t i) {
                 "the step's first backward, or reduce with ReduceMode::kAllReduce");
     stale[i] = 0;  // cleared or replaced since: this gradient starts afresh
   }
-  if (finished && options.accumulate_in_fp32() && options.mode() == ReduceMode::kReduceScatter) {
-    // A backward after finish() without zero_grad() (gradients cleared some other way, e.g.
-    // torch's Optimizer::zero_grad()): the FP32 buffers hold the last step's reduced shards
-    // and, elsewhere, partial sums — nothing to carry on from. Start again, as zero_grad() does.
-    for (at::Tensor& buffer : fp32_buffers) {
-      if (buffer.defined()) buffer.zero_();
-    }
-    finished = false;
-  }
+  // A backward after finish() without zero_grad() (gradients cleared some other way, e.g.
+  // torch's Optimizer::zero_grad()).
+  if (finished) restart_after_finish();
   // Whether autograd accumulated in place or made a new .grad (create_graph does), the .grad
   // holds what its buffer range held (zeros, or the rounded average: `rounded`) plus this
   // backward's gradient: added to the FP32 range as it is.
@@ -400,6 +412,7 @@ GradReducer::GradReducer(std::shared_ptr<Communicator> comm, torch::nn::Module& 
   s.any_rank_got = at::zeros({static_cast<int64_t>(n)}, at::kFloat);
   s.ready.assign(n, 0);
   s.stale.assign(n, 0);
+  s.adopted_at_finish.assign(n, 0);
   s.arrival.assign(n, -1);
   s.waiting.assign(s.buckets.size(), 0);
   s.flights.resize(s.buckets.size());
@@ -448,7 +461,15 @@ void GradReducer::finish() {
   std::lock_guard<std::mutex> lock(s.mutex);
   s.comm->check_usable("mixprec::distributed::GradReducer::finish");
   TORCH_CHECK(s.sync, "[mixprec::distributed::GradReducer::finish] called inside a NoSyncGuard");
-  if (s.finished) return;  // already reduced: averaging again would change the gradients
+  if (s.finished) {
+    // Already reduced, nothing changed since: averaging again would change the gradients.
+    if (s.unchanged_since_finish()) return;
+    // A .grad was cleared or replaced since (torch's Optimizer::zero_grad(), say) and no
+    // backward ran on this rank — an empty micro-batch: a new step, whose collectives the ranks
+    // that had a backward start too. Returning here would leave them paired with this rank's
+    // next step's.
+    s.restart_after_finish();
+  }
   // A parameter no backward reached since the last finish() whose .grad is still in its
   // buffer would be reduced again from what that finish() left there.
   for (size_t i = 0; i < s.params.size(); ++i) {
@@ -492,6 +513,7 @@ void GradReducer::finish() {
   s.reset_step();
   s.finished = true;
   std::fill(s.stale.begin(), s.stale.end(), s.options.mode() == ReduceMode::kReduceScatter);
+  for (size_t i = 0; i < s.params.size(); ++i) s.adopted_at_finish[i] = s.grad_is_adopted(i);
   s.timing.finish_seconds =
       std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();
 }

@@ -64,6 +64,10 @@ struct GradReducer::State {
   // then holds the average only in this rank's shard (elsewhere, local or partial sums): it
   // cannot carry into the next step's sum.
   std::vector<char> stale;
+  // Per parameter, as the last finish() left it: 1 if its .grad was its buffer range, 0 if none.
+  // A .grad found otherwise at the next finish() (cleared to none, or replaced) starts a new step
+  // on this rank even without a backward: finish() then reduces, as the ranks that had one do.
+  std::vector<char> adopted_at_finish;
   // Per parameter: it has a gradient, as it would in one process: one arrived (or .grad was
   // set) since zero_grad(), and .grad was not cleared since.
   std::vector<char> got;
@@ -94,6 +98,12 @@ struct GradReducer::State {
 
   void count_waiting();
   void reset_step();
+  // After finish(): true while every .grad is as finish() left it (see adopted_at_finish).
+  bool unchanged_since_finish() const;
+  // A new step after finish() without zero_grad(): with accumulate_in_fp32 in kReduceScatter
+  // mode the FP32 buffers hold the last step's reduced shards and, elsewhere, partial sums —
+  // nothing to carry on from; they start again, as zero_grad() would make them.
+  void restart_after_finish();
   // True if params[i].grad is its buffer range.
   bool grad_is_adopted(size_t i) const;
   void adopt_grad(size_t i);

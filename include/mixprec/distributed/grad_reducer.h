@@ -168,7 +168,10 @@ class GradReducer {
   // the buffer's range any more (set to none, or replaced) is copied into its range first, or
   // its range zeroed when none (see "Which parameters have a gradient"). In kAllReduce mode a
   // parameter with a gradient on no rank gets .grad none. Idempotent: a second call with no
-  // backward and no zero_grad() in between returns at once (every rank must then skip it alike).
+  // backward, no zero_grad() and no .grad cleared or replaced in between returns at once (every
+  // rank must then skip it alike). So a rank with no backward in a step (an empty micro-batch)
+  // still reduces — zeros — when its gradients were cleared by zero_grad() or set to none (torch's
+  // Optimizer::zero_grad()); a .grad zeroed in place instead is not a new step to finish().
   // Throws c10::Error inside a NoSyncGuard, and if the group failed.
   void finish();
 

@@ -202,6 +202,47 @@ TEST(GradReducer, AGradientOnOneRankIsAGradientOnEvery) {
   EXPECT_TRUE(at::equal(c.grad(), sum.to(c.scalar_type())));
 }
 
+// Gradients cleared torch's way (set to none) and, on the last rank, no backward at all this
+// step (an empty micro-batch): its finish() still reduces — with zeros — instead of taking the
+// call for a repeat of the last step's and leaving the others' collectives to pair with its
+// next step's. Then a normal step follows on every rank, unshifted.
+TEST(GradReducer, ARankWithoutABackwardAfterGradsWereClearedStillReduces) {
+  const int rank = world().rank(), n = world().size();
+  if (n < 2) GTEST_SKIP() << "needs a rank with a backward beside the one without";
+  const bool empty = rank == n - 1;
+  for (const ReduceMode mode : {ReduceMode::kAllReduce, ReduceMode::kReduceScatter}) {
+    for (const bool fp32 : {false, true}) {
+      SCOPED_TRACE(std::string(mode == ReduceMode::kAllReduce ? "all-reduce" : "reduce-scatter") +
+                   (fp32 ? ", accumulate_in_fp32" : ""));
+      ThreeDtypes model;
+      GradReducer reducer(
+          world_ptr(), *model,
+          GradReducerOptions().bucket_numel(64).mode(mode).accumulate_in_fp32(fp32));
+      reducer.zero_grad();
+      backward_weighted(model, rank);
+      reducer.finish();
+      for (int step = 0; step < 2; ++step) {
+        for (auto& p : model->parameters()) p.mutable_grad().reset();  // torch's zero_grad()
+        if (!(empty && step == 0)) backward_weighted(model, rank);
+        reducer.finish();
+        // Salt 2 is 'b' (FP32): the ranks that ran a backward, averaged over all n.
+        const at::Tensor& b = model->b;
+        at::Tensor sum = at::zeros(b.sizes(), at::kFloat);
+        const int contributing = step == 0 ? n - 1 : n;
+        for (int r = 0; r < contributing; ++r) sum += weight_for(b, r, /*salt=*/2);
+        if (n > 1) sum.div_(n);
+        ASSERT_TRUE(b.grad().defined()) << "step " << step;
+        for (const auto& piece : reducer.layout().param_shards(rank)) {
+          if (piece.fqn != "b") continue;
+          EXPECT_TRUE(at::equal(b.grad().view({-1}).narrow(0, piece.begin, piece.numel()),
+                                sum.view({-1}).narrow(0, piece.begin, piece.numel())))
+              << "step " << step;
+        }
+      }
+    }
+  }
+}
+
 // Without overlap no bucket is in flight before finish(): the second backward's error leaves
 // nothing half-reduced (with buckets in flight the group fails: reducer_misuse_mp.cpp).
 TEST(GradReducer, SecondBackwardBeforeFinishIsAnErrorNamingTheParameter) {
