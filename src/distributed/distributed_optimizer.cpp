@@ -32,6 +32,18 @@ std::vector<torch::optim::OptimizerParamGroup> all_parameters(const torch::nn::M
   return groups;
 }
 
+// Every floating parameter of `model` must be one the reducer serves: one it does not has no
+// piece on any rank, so it would never be stepped, without a word.
+void check_reducer_serves(const GradReducer& reducer, const torch::nn::Module& model) {
+  for (const auto& item : model.named_parameters(/*recurse=*/true)) {
+    const at::Tensor& p = item.value();
+    if (!p.defined() || !at::isFloatingType(p.scalar_type())) continue;
+    TORCH_CHECK(reducer.index_of(p) != GradReducer::kNoParam, "[", kWho, "] '", item.key(),
+                "' is not a parameter of the GradReducer's model: build the optimizer and the "
+                "reducer from the same model");
+  }
+}
+
 }  // namespace
 
 // The pieces a rank steps: its part of each parameter in the reducer's layout.
@@ -56,6 +68,7 @@ DistributedOptimizer::DistributedOptimizer(GradReducer& reducer, const torch::nn
     : optim::Float16Optimizer(
           model, std::move(groups), std::move(defaults),
           [&] {
+            check_reducer_serves(reducer, model);
             TORCH_CHECK(!options.master_remainders(), "[", kWho,
                         "] master_remainders is not supported by the "
                         "distributed optimizer; its masters are FP32");

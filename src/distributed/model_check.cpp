@@ -18,10 +18,20 @@ constexpr const char* kWho =
     "[mixprec::distributed::check_same_model] the ranks hold different "
     "models: ";
 
+// What a rank's own checks (GradReducer: dense and contiguous, one device type) depend on is
+// described too: a rank that differs there would otherwise fail alone, after this collective,
+// while the others wait for it in the next one. The device's index is not: each rank has its
+// own GPU.
 void describe_tensor(std::ostringstream& os, const at::Tensor& t) {
   os << c10::toString(t.scalar_type()) << " [";
   for (int64_t d = 0; d < t.dim(); ++d) os << (d ? ", " : "") << t.size(d);
   os << "]";
+  if (t.layout() != at::kStrided) {
+    os << ' ' << t.layout();
+  } else if (!t.is_contiguous()) {
+    os << " non-contiguous";
+  }
+  if (!t.is_cpu()) os << " on " << c10::DeviceTypeName(t.device().type(), /*lower_case=*/true);
 }
 
 // A description line's entry name: "<fqn>" for a parameter, "buffer <fqn>" for a buffer.

@@ -1,10 +1,10 @@
 // Every rank must hold the same model before anything is reduced or sharded.
 //
-// A rank whose parameters differ in name, order, shape, dtype, trainability or tying (which
-// tensors are one), or whose buffers differ, would reduce gradients into the wrong places,
-// broadcast into tensors of other sizes, or call collectives of other sizes and hang. The
-// check runs first, as the first collective a GradReducer issues: every rank all-gathers every
-// rank's description (lengths, then bytes), so every rank reaches the same verdict and raises
+// A rank whose parameters differ in name, order, shape, dtype, trainability, tying (which
+// tensors are one), contiguity or device type, or whose buffers differ, would reduce gradients into
+// the wrong places, broadcast into tensors of other sizes, or call collectives of other sizes and
+// hang. The check runs first, as the first collective a GradReducer issues: every rank all-gathers
+// every rank's description (lengths, then bytes), so every rank reaches the same verdict and raises
 // the same error.
 #pragma once
 
@@ -20,7 +20,8 @@ namespace mixprec::distributed {
 
 // One line per parameter, in named_parameters() order: "<fqn> <dtype> [d0, d1, ...] trainable"
 // (or "frozen"), followed by " tied to '<first fqn>'" for a second name of one tensor; then one
-// line per buffer: "buffer <fqn> <dtype> [d0, ...]".
+// line per buffer: "buffer <fqn> <dtype> [d0, ...]". After the shape, where they apply: the
+// layout if not strided, " non-contiguous", and " on <device type>" off the CPU.
 std::string model_description(const torch::nn::Module& model);
 
 // Collective. Throws c10::Error on every rank when any rank's description differs from rank

@@ -359,5 +359,16 @@ TEST(DistributedOptimizer, RefusesAnAllReduceReducer) {
   EXPECT_NE(message.find("ReduceMode::kReduceScatter"), std::string::npos) << message;
 }
 
+// The reducer must serve the optimizer's model: another model's parameters would have no piece
+// on any rank and never be stepped.
+TEST(DistributedOptimizer, RefusesAModelItsReducerDoesNotServe) {
+  MixedNet model, other;
+  GradReducer reducer(world_ptr(), *model, GradReducerOptions().mode(ReduceMode::kReduceScatter));
+  const std::string message = error_of(
+      [&] { DistributedOptimizer opt(reducer, *other, torch::optim::AdamWOptions(1e-3)); });
+  EXPECT_NE(message.find("is not a parameter of the GradReducer's model"), std::string::npos)
+      << message;
+}
+
 }  // namespace MIXPREC_UNITY_ID
 }  // namespace mixprec::testing

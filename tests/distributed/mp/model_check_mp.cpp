@@ -24,6 +24,8 @@ struct SmallImpl : torch::nn::Module {
     // Tying: the last rank registers `c` a second time, the others a tensor of its own.
     register_parameter("c_again", deviant && what == "tying" ? c : at::zeros({2}, at::kBFloat16));
     register_buffer("stat", at::zeros({deviant && what == "buffer" ? 3 : 2}));
+    // The same shape and values, laid out transposed: GradReducer refuses it on that rank alone.
+    if (deviant && what == "contiguity") a.set_data(at::zeros({4, 3}, at::kBFloat16).t());
   }
   at::Tensor a, b, c;
 };
@@ -45,6 +47,9 @@ TEST(ModelCheck, DifferingRankIsAnErrorOnEveryRankNamingTheParameter) {
       {"tying", "'c_again' differs: rank 0 has 'c_again BFloat16 [2] trainable', rank " + last +
                     " has 'c_again BFloat16 [2] trainable tied to 'c''"},
       {"buffer", "'buffer stat' differs"},
+      {"contiguity",
+       "'pre_weight' differs: rank 0 has 'pre_weight BFloat16 [3, 4] trainable', rank " + last +
+           " has 'pre_weight BFloat16 [3, 4] non-contiguous trainable'"},
   };
   for (const auto& [what, expected] : cases) {
     Small model(what, deviant);
