@@ -128,7 +128,10 @@ struct GradReducerOptions {
   // kReduceScatter: start_param_gather() returns without waiting; each bucket's gather is
   // waited for by wait_for_params() before the forward that uses it (Megatron's
   // overlap_param_gather), and everything at the next finish(). Off: the gather completes
-  // inside start_param_gather(), and forward needs no call.
+  // inside start_param_gather(), and forward needs no call. On, a write into the parameters
+  // from outside after an update (copy_, set_data, torch::load) must come after
+  // wait_param_gather(): the gathers in flight would overwrite part of it. mixprec's own
+  // checkpoint loads and saves wait for them.
   TORCH_ARG(bool, overlap_param_gather) = false;
   TORCH_ARG(int64_t, bucket_numel) = int64_t{1} << 22;
   TORCH_ARG(int64_t, shard_alignment) = 16;
