@@ -9,21 +9,32 @@
 #include <algorithm>
 #include <cmath>
 #include <csignal>
+#include <cstdarg>
+#include <cstdio>
 #include <map>
 #include <sstream>
 
 namespace train {
 namespace {
 
+// printf into a string of whatever length the text needs: a summary line holds paths and
+// module names, which no fixed buffer bounds.
+__attribute__((format(printf, 1, 2))) std::string printed(const char* format, ...) {
+  va_list args, again;
+  va_start(args, format);
+  va_copy(again, args);
+  const int n = std::vsnprintf(nullptr, 0, format, args);
+  va_end(args);
+  std::string out(n > 0 ? static_cast<size_t>(n) : 0, '\0');
+  if (n > 0) std::vsnprintf(out.data(), out.size() + 1, format, again);
+  va_end(again);
+  return out;
+}
+
 std::string bytes_text(double b) {
-  char buf[32];
-  if (b >= 1 << 20)
-    std::snprintf(buf, sizeof buf, "%.2f MiB", b / (1 << 20));
-  else if (b >= 1 << 10)
-    std::snprintf(buf, sizeof buf, "%.1f KiB", b / (1 << 10));
-  else
-    std::snprintf(buf, sizeof buf, "%.0f B", b);
-  return buf;
+  if (b >= 1 << 20) return printed("%.2f MiB", b / (1 << 20));
+  if (b >= 1 << 10) return printed("%.1f KiB", b / (1 << 10));
+  return printed("%.0f B", b);
 }
 
 // 1234567 → "1,234,567".
@@ -70,10 +81,7 @@ const char* signal_name(int s) {
 std::string step_breakdown(const StepPhases& sum, double total_s, int64_t steps, int64_t from,
                            int64_t to) {
   const double n = static_cast<double>(steps);
-  std::string out;
-  char part[160];
-  std::snprintf(part, sizeof part, "step        %.1f ms:", 1e3 * total_s / n);
-  out += part;
+  std::string out = printed("step        %.1f ms:", 1e3 * total_s / n);
   const std::pair<const char*, double> phases[] = {{"forward", sum.forward_s},
                                                    {"backward", sum.backward_s},
                                                    {"reduction exposed", sum.reduce_s},
@@ -82,35 +90,31 @@ std::string step_breakdown(const StepPhases& sum, double total_s, int64_t steps,
                                                    {"other", sum.other_s}};
   bool first = true;
   for (const auto& [name, seconds] : phases) {
-    std::snprintf(part, sizeof part, "%s %s %.1f (%.0f%%)", first ? "" : " ·", name,
-                  1e3 * seconds / n, 100 * seconds / total_s);
-    out += part;
+    out += printed("%s %s %.1f (%.0f%%)", first ? "" : " ·", name, 1e3 * seconds / n,
+                   100 * seconds / total_s);
     first = false;
   }
-  std::snprintf(part, sizeof part,
-                "\n            (mean over steps %lld–%lld; backward includes "
-                "the reduction it overlaps)\n",
-                static_cast<long long>(from), static_cast<long long>(to));
-  return out + part;
+  return out + printed(
+                   "\n            (mean over steps %lld–%lld; backward includes the reduction it "
+                   "overlaps)\n",
+                   static_cast<long long>(from), static_cast<long long>(to));
 }
 
 // "compute     4.52 MFLOP per token …": model FLOPs utilisation (flops.h).
 std::string compute_line(const RunReport& r, double tokens_per_s) {
   const double per_token = training_flops_per_token(r.config);
   const double achieved = per_token * tokens_per_s;
-  char line[320];
-  int n = std::snprintf(line, sizeof line,
-                        "compute     %.2f MFLOP per token (6 x %.2fM active matmul parameters + "
-                        "attention): %.1f GFLOP/s",
-                        per_token / 1e6, active_matmul_params(r.config) / 1e6, achieved / 1e9);
+  std::string line = printed(
+      "compute     %.2f MFLOP per token (6 x %.2fM active matmul parameters + attention): "
+      "%.1f GFLOP/s",
+      per_token / 1e6, active_matmul_params(r.config) / 1e6, achieved / 1e9);
   if (r.gemm_peak_flops > 0) {
     const double peak = r.gemm_peak_flops * static_cast<double>(r.config.world_size);
-    std::snprintf(line + n, sizeof line - n,
-                  ", MFU %.1f%% of the BF16 GEMM peak measured at start (%.1f GFLOP/s%s)",
-                  100 * achieved / peak, peak / 1e9,
-                  r.config.world_size > 1 ? " over all ranks" : "");
+    line += printed(", MFU %.1f%% of the BF16 GEMM peak measured at start (%.1f GFLOP/s%s)",
+                    100 * achieved / peak, peak / 1e9,
+                    r.config.world_size > 1 ? " over all ranks" : "");
   }
-  return std::string(line) + "\n";
+  return line + "\n";
 }
 
 }  // namespace
@@ -139,7 +143,6 @@ std::string sparkline(const std::vector<double>& values, size_t width) {
 
 std::string summary(const RunReport& r) {
   std::ostringstream s;
-  char line[512];
   auto& module = *r.model.module;
   s << "\n== summary ==\n";
   if (r.stopped_early) {
@@ -166,14 +169,12 @@ std::string summary(const RunReport& r) {
   s << "            corpus " << (r.corpus.empty() ? "?" : r.corpus) << "\n";
   s << "precision   dtype        parameters          bytes   buffers\n";
   for (const auto& [name, t] : by_dtype) {
-    std::snprintf(
-        line, sizeof line, "            %-10s %12s %14s   %s\n", name.c_str(),
-        count_text(t.params).c_str(), bytes_text(static_cast<double>(t.param_bytes)).c_str(),
-        t.buffers
-            ? (count_text(t.buffers) + " (" + bytes_text(static_cast<double>(t.buffer_bytes)) + ")")
-                  .c_str()
-            : "-");
-    s << line;
+    s << printed("            %-10s %12s %14s   %s\n", name.c_str(), count_text(t.params).c_str(),
+                 bytes_text(static_cast<double>(t.param_bytes)).c_str(),
+                 t.buffers ? (count_text(t.buffers) + " (" +
+                              bytes_text(static_cast<double>(t.buffer_bytes)) + ")")
+                                 .c_str()
+                           : "-");
   }
 
   // FP8: a compute format here — what the GEMMs of the last forward actually ran with.
@@ -207,9 +208,8 @@ std::string summary(const RunReport& r) {
     using mixprec::ConversionAction;
     if (e.action != ConversionAction::kKeptFp32 && e.action != ConversionAction::kUpcastFp32)
       continue;
-    std::snprintf(line, sizeof line, "            %-34s %-9s %s\n", e.name.c_str(),
-                  mixprec::to_string(e.kind), e.why.c_str());
-    s << line;
+    s << printed("            %-34s %-9s %s\n", e.name.c_str(), mixprec::to_string(e.kind),
+                 e.why.c_str());
   }
 
   // Optimizer memory.
@@ -220,13 +220,12 @@ std::string summary(const RunReport& r) {
         r.config.world_size > 1
             ? " on rank 0 of " + std::to_string(r.config.world_size) + " (ZeRO-1 shards)"
             : "";
-    std::snprintf(line, sizeof line,
-                  "optimizer   AdamW: %s of state%s, %.2f bytes per parameter (FP32 master + 2 "
-                  "moments for %s half params, moments only for %s FP32 params)\n",
-                  bytes_text(static_cast<double>(m.state_bytes)).c_str(), where.c_str(),
-                  static_cast<double>(m.state_bytes) / static_cast<double>(m.trainable_params),
-                  count_text(m.master_params).c_str(), count_text(m.native_fp32_params).c_str());
-    s << line;
+    s << printed(
+        "optimizer   AdamW: %s of state%s, %.2f bytes per parameter (FP32 master + 2 "
+        "moments for %s half params, moments only for %s FP32 params)\n",
+        bytes_text(static_cast<double>(m.state_bytes)).c_str(), where.c_str(),
+        static_cast<double>(m.state_bytes) / static_cast<double>(m.trainable_params),
+        count_text(m.master_params).c_str(), count_text(m.native_fp32_params).c_str());
   }
 
   // Loss.
@@ -242,20 +241,16 @@ std::string summary(const RunReport& r) {
     }
   }
   if (r.history.size() == 1) {
-    std::snprintf(line, sizeof line, "loss        %.4f at step %lld\n", r.history.front().loss,
-                  static_cast<long long>(r.history.front().step));
-    s << line;
+    s << printed("loss        %.4f at step %lld\n", r.history.front().loss,
+                 static_cast<long long>(r.history.front().step));
   } else if (!r.history.empty()) {
-    std::snprintf(line, sizeof line, "loss        %.4f → %.4f over steps %lld–%lld  %s\n",
-                  r.history.front().loss, r.history.back().loss,
-                  static_cast<long long>(r.history.front().step),
-                  static_cast<long long>(r.history.back().step), sparkline(losses).c_str());
-    s << line;
+    s << printed("loss        %.4f → %.4f over steps %lld–%lld  %s\n", r.history.front().loss,
+                 r.history.back().loss, static_cast<long long>(r.history.front().step),
+                 static_cast<long long>(r.history.back().step), sparkline(losses).c_str());
   }
   if (last_val) {
-    std::snprintf(line, sizeof line, "val loss    %.4f at step %lld (first measured %.4f)\n",
-                  *last_val, static_cast<long long>(last_val_step), *first_val);
-    s << line;
+    s << printed("val loss    %.4f at step %lld (first measured %.4f)\n", *last_val,
+                 static_cast<long long>(last_val_step), *first_val);
   }
   if (r.steps_this_process > 0 && r.train_s > 0) {
     const double tokens = static_cast<double>(r.steps_this_process * r.config.tokens_per_step());
@@ -286,20 +281,17 @@ std::string summary(const RunReport& r) {
     }
     if ((warm_up > 0 || !left_out.empty()) && steady_steps > 0 && steady_s > 0) {
       const double steady_tokens = static_cast<double>(steady_steps * r.config.tokens_per_step());
-      std::snprintf(line, sizeof line,
-                    "speed       %s tokens/s over steps %lld–%lld (after %lld warm-up steps%s; "
-                    "%s tokens in %s of training steps in all)\n",
-                    human(steady_tokens / steady_s).c_str(),
-                    static_cast<long long>(first + warm_up), static_cast<long long>(last),
-                    static_cast<long long>(warm_up), left_out.c_str(), human(tokens).c_str(),
-                    human_seconds(r.train_s).c_str());
+      s << printed(
+          "speed       %s tokens/s over steps %lld–%lld (after %lld warm-up steps%s; "
+          "%s tokens in %s of training steps in all)\n",
+          human(steady_tokens / steady_s).c_str(), static_cast<long long>(first + warm_up),
+          static_cast<long long>(last), static_cast<long long>(warm_up), left_out.c_str(),
+          human(tokens).c_str(), human_seconds(r.train_s).c_str());
     } else {
-      std::snprintf(line, sizeof line,
-                    "speed       %s tokens/s (%s tokens in %s of training steps)\n",
-                    human(tokens / r.train_s).c_str(), human(tokens).c_str(),
-                    human_seconds(r.train_s).c_str());
+      s << printed("speed       %s tokens/s (%s tokens in %s of training steps)\n",
+                   human(tokens / r.train_s).c_str(), human(tokens).c_str(),
+                   human_seconds(r.train_s).c_str());
     }
-    s << line;
     if (steady_steps > 0 && steady_s > 0) {
       s << step_breakdown(phases, steady_s, steady_steps, first + warm_up, last);
       s << compute_line(r,
@@ -325,34 +317,28 @@ std::string summary(const RunReport& r) {
         << " steps, which create the optimizer's state, are left out)\n";
     }
     if (m.page_faults_median >= 0) {
-      std::snprintf(line, sizeof line,
-                    "            page faults per step %.0f (median), %.1f (mean, with the steps in "
-                    "which the heap grew): pages the allocator got from the system (--malloc)\n",
-                    m.page_faults_median, m.page_faults_mean);
-      s << line;
+      s << printed(
+          "            page faults per step %.0f (median), %.1f (mean, with the steps in "
+          "which the heap grew): pages the allocator got from the system (--malloc)\n",
+          m.page_faults_median, m.page_faults_mean);
     }
   }
   if (r.saves.saves > 0) {
     std::string async_text;
     if (r.config.async_save) {
-      char waits[160] = "";
+      async_text = " (async: written in the background";
       if (r.saves.waited_for_previous > 0) {
-        std::snprintf(waits, sizeof waits, "; %lld waited %.3f s in all for the one before",
-                      static_cast<long long>(r.saves.waited_for_previous),
-                      r.saves.waited_for_previous_s);
+        async_text += printed("; %lld waited %.3f s in all for the one before",
+                              static_cast<long long>(r.saves.waited_for_previous),
+                              r.saves.waited_for_previous_s);
       }
-      char end[96];
-      std::snprintf(end, sizeof end, "; the run's end waited %.3f s for the last",
-                    r.saves.end_wait_s);
-      async_text = std::string(" (async: written in the background") + waits + end + ")";
+      async_text += printed("; the run's end waited %.3f s for the last)", r.saves.end_wait_s);
     }
-    std::snprintf(line, sizeof line,
-                  "checkpoint  %s: %s on disk; %lld saves, training blocked %.3f s per save%s\n",
-                  r.saves.last_dir.string().c_str(),
-                  bytes_text(static_cast<double>(directory_bytes(r.saves.last_dir))).c_str(),
-                  static_cast<long long>(r.saves.saves),
-                  r.saves.blocked_s / static_cast<double>(r.saves.saves), async_text.c_str());
-    s << line;
+    s << printed("checkpoint  %s: %s on disk; %lld saves, training blocked %.3f s per save%s\n",
+                 r.saves.last_dir.string().c_str(),
+                 bytes_text(static_cast<double>(directory_bytes(r.saves.last_dir))).c_str(),
+                 static_cast<long long>(r.saves.saves),
+                 r.saves.blocked_s / static_cast<double>(r.saves.saves), async_text.c_str());
   }
   if (!r.metrics_path.empty()) {
     // The plotting script needs matplotlib, which set-up installs into the build's Python.

@@ -228,13 +228,22 @@ TEST(TrainRun, GradientAccumulationAndAsyncSaveTrainTheSameSteps) {
                                               "--ckpt-every", "3",
                                               "--fp8",        "off"};
   ASSERT_EQ(run_program(dir.path(), common + std::vector<std::string>{"--out", "one"}).status, 0);
-  const ProgramRun accum = run_program(
-      dir.path(),
-      common + std::vector<std::string>{"--out", "acc", "--grad-accum", "4", "--async-save"});
+  // Checkpoints under a path of 350 characters: the summary's line names it whole.
+  const fs::path ckpt_dir = dir / (std::string(120, 'a') + "/" + std::string(120, 'b') + "/" +
+                                   std::string(100, 'c') + "/ck");
+  const ProgramRun accum =
+      run_program(dir.path(), common + std::vector<std::string>{"--out", "acc", "--grad-accum", "4",
+                                                                "--async-save", "--ckpt-dir",
+                                                                ckpt_dir.string()});
   ASSERT_EQ(accum.status, 0) << accum.err;
   EXPECT_NE(accum.out.find("async: written in the background"), std::string::npos);
   EXPECT_NE(accum.out.find("the run's end waited"), std::string::npos)
       << "the end-of-run wait for the last background save is reported apart from training's";
+  const std::regex checkpoint_line(
+      R"re(\ncheckpoint  ([^\n]*?): [^\n]* for the last\)\nmetrics )re");
+  std::smatch line;
+  ASSERT_TRUE(std::regex_search(accum.out, line, checkpoint_line)) << accum.out;
+  EXPECT_EQ(line[1].str(), (ckpt_dir / "step-000006").string());
   // Whether a save found the one before still writing depends on the machine; the note on
   // stderr and the summary's count must agree either way.
   EXPECT_EQ(accum.err.find("checkpoint waited") != std::string::npos,
@@ -246,8 +255,8 @@ TEST(TrainRun, GradientAccumulationAndAsyncSaveTrainTheSameSteps) {
   ASSERT_EQ(acc.size(), 6u);
   EXPECT_NEAR(one[0].loss, acc[0].loss, 1e-3) << "same weights, same rows: only rounding differs";
   for (size_t i = 0; i < 6; ++i) EXPECT_NEAR(one[i].loss, acc[i].loss, 0.05) << "step " << i + 1;
-  EXPECT_TRUE(fs::exists(dir / "acc/checkpoints/step-000003/manifest.json"));
-  EXPECT_TRUE(fs::exists(dir / "acc/checkpoints/step-000006/manifest.json"));
+  EXPECT_TRUE(fs::exists(ckpt_dir / "step-000003/manifest.json"));
+  EXPECT_TRUE(fs::exists(ckpt_dir / "step-000006/manifest.json"));
 }
 
 // --recompute runs each block again in backward: the same steps bit for bit (losses, gradient
