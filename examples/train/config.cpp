@@ -67,7 +67,8 @@ const std::vector<Flag>& flags() {
        kFixed},
       {"training", "steps", &C::steps, "N", "optimizer steps in total", kCarried},
       {"training", "batch", &C::batch, "N",
-       "sequences per optimizer step, split evenly over the ranks (their number must divide it)",
+       "sequences per optimizer step, split evenly over the ranks and their --grad-accum "
+       "micro-batches (ranks x --grad-accum must divide it)",
        kFixed},
       {"training", "grad-accum", &C::grad_accum, "N",
        "micro-batches per step (each batch/N sequences)", kFixed},
@@ -367,16 +368,15 @@ void validate_combinations(const TrainConfig& c) {
     check(p.last <= c.steps,
           "--profile-steps " + c.profile_steps + " ends after --steps " + std::to_string(c.steps));
   }
-  // A resumed run keeps its --batch (kFixed): the number of ranks it continues on must divide
-  // it, which the message says, since "any number of ranks" is what a checkpoint allows.
-  check(c.batch % c.world_size == 0 && (c.batch / c.world_size) % c.grad_accum == 0,
+  // A resumed run keeps its --batch and --grad-accum (kFixed): the number of ranks it continues
+  // on, times --grad-accum, must divide --batch, which the message says, since "any number of
+  // ranks" is what a checkpoint allows.
+  check(c.batch % (c.world_size * c.grad_accum) == 0,
         "--batch " + std::to_string(c.batch) + " does not split into " +
             std::to_string(c.world_size) + " ranks x --grad-accum " + std::to_string(c.grad_accum) +
-            " micro-batches" +
-            (c.batch % c.world_size != 0
-                 ? " (every rank takes the same number of sequences; --batch is fixed on resume, "
-                   "so a run continues on a number of ranks that divides it)"
-                 : ""));
+            " micro-batches (every rank takes the same number of sequences in each micro-batch; "
+            "--batch and --grad-accum are fixed on resume, so a run continues on a number of "
+            "ranks that, times --grad-accum, divides --batch)");
 }
 
 ProfileSteps parse_profile_steps(const std::string& text) {

@@ -63,7 +63,7 @@ TEST(TrainConfig, BadValuesNameTheFlag) {
             std::string::npos);
 }
 
-TEST(TrainConfig, ABatchTheRanksDoNotDivideSaysTheRankCountMustDivideIt) {
+TEST(TrainConfig, ABatchTheRanksDoNotSplitSaysRanksTimesGradAccumMustDivideIt) {
   TrainConfig config = parse({"--batch", "16"}).config;
   config.world_size = 3;  // a 2-rank run's checkpoint resumed on 3 ranks: --batch is fixed
   std::string message;
@@ -73,9 +73,25 @@ TEST(TrainConfig, ABatchTheRanksDoNotDivideSaysTheRankCountMustDivideIt) {
     message = e.what();
   }
   EXPECT_NE(message.find("--batch 16 does not split into 3 ranks"), std::string::npos) << message;
-  EXPECT_NE(message.find("a number of ranks that divides it"), std::string::npos) << message;
+  EXPECT_NE(message.find("ranks that, times --grad-accum, divides --batch"), std::string::npos)
+      << message;
   config.world_size = 4;
   EXPECT_NO_THROW(validate_combinations(config));
+
+  // The ranks divide --batch, but not into --grad-accum micro-batches each: the same hint.
+  config = parse({"--batch", "4", "--grad-accum", "4"}).config;
+  config.world_size = 2;
+  message.clear();
+  try {
+    validate_combinations(config);
+  } catch (const UsageError& e) {
+    message = e.what();
+  }
+  EXPECT_NE(message.find("--batch 4 does not split into 2 ranks x --grad-accum 4"),
+            std::string::npos)
+      << message;
+  EXPECT_NE(message.find("ranks that, times --grad-accum, divides --batch"), std::string::npos)
+      << message;
 }
 
 TEST(TrainConfig, HelpListsEveryFlagWithItsDefault) {
