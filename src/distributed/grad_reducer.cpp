@@ -110,10 +110,12 @@ void GradReducer::State::accumulate_fp32(size_t i, bool restart) {
 }
 
 bool GradReducer::State::unchanged_since_finish() const {
+  if (finished_without_gradients) return false;
   for (size_t i = 0; i < params.size(); ++i) {
     const bool adopted = grad_is_adopted(i);
     const bool none = !params[i].grad().defined();
     if (adopted_at_finish[i] ? !adopted : !none) return false;
+    if (params[i]._version() != versions_at_finish[i]) return false;
   }
   return true;
 }
@@ -413,6 +415,7 @@ GradReducer::GradReducer(std::shared_ptr<Communicator> comm, torch::nn::Module& 
   s.ready.assign(n, 0);
   s.stale.assign(n, 0);
   s.adopted_at_finish.assign(n, 0);
+  s.versions_at_finish.assign(n, 0);
   s.arrival.assign(n, -1);
   s.waiting.assign(s.buckets.size(), 0);
   s.flights.resize(s.buckets.size());
@@ -461,17 +464,11 @@ void GradReducer::finish() {
   std::lock_guard<std::mutex> lock(s.mutex);
   s.comm->check_usable("mixprec::distributed::GradReducer::finish");
   TORCH_CHECK(s.sync, "[mixprec::distributed::GradReducer::finish] called inside a NoSyncGuard");
-  if (s.finished) {
-    // Already reduced, nothing changed since: averaging again would change the gradients.
-    if (s.unchanged_since_finish()) return;
-    // A .grad was cleared or replaced since (torch's Optimizer::zero_grad(), say) and no
-    // backward ran on this rank — an empty micro-batch: a new step, whose collectives the ranks
-    // that had a backward start too. Returning here would leave them paired with this rank's
-    // next step's.
-    s.restart_after_finish();
-  }
+  // Already reduced, nothing changed since: averaging again would change the gradients.
+  if (s.finished && s.unchanged_since_finish()) return;
   // A parameter no backward reached since the last finish() whose .grad is still in its
-  // buffer would be reduced again from what that finish() left there.
+  // buffer would be reduced again from what that finish() left there. Checked before anything
+  // changes, so that the error leaves the reducer as it found it.
   for (size_t i = 0; i < s.params.size(); ++i) {
     TORCH_CHECK(!s.stale[i] || !s.params[i].requires_grad() || !s.grad_is_adopted(i),
                 "[mixprec::distributed::GradReducer::finish] the gradient of '",
@@ -479,6 +476,11 @@ void GradReducer::finish() {
                 "' is the last step's: in reduce-scatter mode it cannot be reduced again. "
                 "Call zero_grad() (or clear the .grad tensors) before the step's first backward");
   }
+  // Finished, and a .grad was cleared or replaced since (torch's Optimizer::zero_grad(), say),
+  // or a parameter written (an optimizer step), and no backward ran on this rank — an empty
+  // micro-batch: a new step, whose collectives the ranks that had a backward start too.
+  // Returning would leave them paired with this rank's next step's.
+  if (s.finished) s.restart_after_finish();
   RECORD_USER_SCOPE("mixprec::bucket_finish");
   const auto t0 = std::chrono::steady_clock::now();
   s.wait_all_gathers();
@@ -513,7 +515,12 @@ void GradReducer::finish() {
   s.reset_step();
   s.finished = true;
   std::fill(s.stale.begin(), s.stale.end(), s.options.mode() == ReduceMode::kReduceScatter);
-  for (size_t i = 0; i < s.params.size(); ++i) s.adopted_at_finish[i] = s.grad_is_adopted(i);
+  s.finished_without_gradients = true;
+  for (size_t i = 0; i < s.params.size(); ++i) {
+    s.adopted_at_finish[i] = s.grad_is_adopted(i);
+    s.versions_at_finish[i] = static_cast<int64_t>(s.params[i]._version());
+    if (s.params[i].grad().defined()) s.finished_without_gradients = false;
+  }
   s.timing.finish_seconds =
       std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();
 }

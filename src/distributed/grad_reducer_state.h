@@ -68,6 +68,14 @@ struct GradReducer::State {
   // A .grad found otherwise at the next finish() (cleared to none, or replaced) starts a new step
   // on this rank even without a backward: finish() then reduces, as the ranks that had one do.
   std::vector<char> adopted_at_finish;
+  // Per parameter, its version counter as the last finish() left it: an in-place write since
+  // (an optimizer step) makes the next finish() a new step's, even with every .grad unchanged
+  // (zeroed in place, or none since that finish()).
+  std::vector<int64_t> versions_at_finish;
+  // The last finish() left no parameter a gradient (kAllReduce, no rank had a backward): a
+  // repeat of it changes nothing, so finish() runs again rather than guess whether a new step
+  // began (every rank sees the same, after the flags' all-reduce).
+  bool finished_without_gradients = false;
   // Per parameter: it has a gradient, as it would in one process: one arrived (or .grad was
   // set) since zero_grad(), and .grad was not cleared since.
   std::vector<char> got;
@@ -98,7 +106,8 @@ struct GradReducer::State {
 
   void count_waiting();
   void reset_step();
-  // After finish(): true while every .grad is as finish() left it (see adopted_at_finish).
+  // After finish(): true while nothing marks a new step since — every .grad and parameter is as
+  // finish() left it (adopted_at_finish, versions_at_finish), and it left some gradient.
   bool unchanged_since_finish() const;
   // A new step after finish() without zero_grad(): with accumulate_in_fp32 in kReduceScatter
   // mode the FP32 buffers hold the last step's reduced shards and, elsewhere, partial sums —

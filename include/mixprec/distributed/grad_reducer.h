@@ -171,11 +171,14 @@ class GradReducer {
   // the buffer's range any more (set to none, or replaced) is copied into its range first, or
   // its range zeroed when none (see "Which parameters have a gradient"). In kAllReduce mode a
   // parameter with a gradient on no rank gets .grad none. Idempotent: a second call with no
-  // backward, no zero_grad() and no .grad cleared or replaced in between returns at once (every
-  // rank must then skip it alike). So a rank with no backward in a step (an empty micro-batch)
-  // still reduces — zeros — when its gradients were cleared by zero_grad() or set to none (torch's
-  // Optimizer::zero_grad()); a .grad zeroed in place instead is not a new step to finish().
-  // Throws c10::Error inside a NoSyncGuard, and if the group failed.
+  // backward, no zero_grad(), no .grad cleared or replaced and no parameter written in place (an
+  // optimizer step) in between returns at once (every rank must then skip it alike) — unless the
+  // last call left no parameter a gradient, when running again changes nothing. So a rank with
+  // no backward in a step (an empty micro-batch) still reduces — zeros — when its gradients were
+  // cleared by zero_grad() or set to none (torch's Optimizer::zero_grad()), or zeroed in place
+  // after an optimizer step; a .grad zeroed in place with no step in between is not a new step.
+  // Throws c10::Error inside a NoSyncGuard, and if the group failed; a throw before any
+  // collective (the last step's gradient in reduce-scatter mode) changes nothing.
   void finish();
 
   // While alive, backward only accumulates into the buffers (gradient accumulation over

@@ -243,6 +243,56 @@ TEST(GradReducer, ARankWithoutABackwardAfterGradsWereClearedStillReduces) {
   }
 }
 
+// Two more ways a step can begin with nothing a rank without a backward can see in its .grad
+// tensors (kAllReduce, where .grad carries over): a step before in which no rank had a backward
+// (finish() left every .grad none, and torch's zero_grad() has nothing to clear), and an
+// optimizer step followed by gradients zeroed in place. The rank without a backward still
+// reduces, and a repeated finish() still changes nothing.
+TEST(GradReducer, ARankWithoutABackwardReducesAfterAnEmptyStepOrAnUpdate) {
+  const int rank = world().rank(), n = world().size();
+  if (n < 2) GTEST_SKIP() << "needs a rank with a backward beside the one without";
+  const bool empty = rank == n - 1;
+  // b's (salt 2) gradient averaged over n, from the first `contributing` ranks.
+  const auto average_of = [n](const at::Tensor& b, int contributing) {
+    at::Tensor sum = at::zeros(b.sizes(), at::kFloat);
+    for (int r = 0; r < contributing; ++r) sum += weight_for(b, r, /*salt=*/2);
+    return sum.div_(n);
+  };
+  for (const bool overlap : {false, true}) {
+    SCOPED_TRACE(overlap ? "overlap" : "no overlap");
+    ThreeDtypes model;
+    GradReducer reducer(
+        world_ptr(), *model,
+        GradReducerOptions().bucket_numel(64).mode(ReduceMode::kAllReduce).overlap(overlap));
+    reducer.zero_grad();
+    reducer.finish();  // no rank had a backward: every .grad is none
+    ASSERT_FALSE(model->b.grad().defined());
+    for (auto& p : model->parameters()) p.mutable_grad().reset();  // torch's zero_grad(): no-op
+    if (!empty) backward_weighted(model, rank);
+    reducer.finish();
+    ASSERT_TRUE(model->b.grad().defined());
+    EXPECT_TRUE(at::equal(model->b.grad(), average_of(model->b, n - 1)));
+
+    // An optimizer step, then .grad zeroed in place (torch's zero_grad(set_to_none=false)).
+    {
+      at::NoGradGuard no_grad;
+      for (auto& p : model->parameters()) p.sub_(p.grad());
+      for (auto& p : model->parameters()) p.mutable_grad().zero_();
+    }
+    if (!empty) backward_weighted(model, rank);
+    reducer.finish();
+    EXPECT_TRUE(at::equal(model->b.grad(), average_of(model->b, n - 1)));
+    reducer.finish();  // a repeat: nothing changed since
+    EXPECT_TRUE(at::equal(model->b.grad(), average_of(model->b, n - 1)));
+
+    // Every rank in step again.
+    reducer.zero_grad();
+    backward_weighted(model, rank);
+    reducer.finish();
+    EXPECT_TRUE(at::equal(model->b.grad(), average_of(model->b, n)));
+  }
+}
+
 // Without overlap no bucket is in flight before finish(): the second backward's error leaves
 // nothing half-reduced (with buckets in flight the group fails: reducer_misuse_mp.cpp).
 TEST(GradReducer, SecondBackwardBeforeFinishIsAnErrorNamingTheParameter) {
