@@ -212,7 +212,8 @@ void AsyncCheckpointSaver::start(ShardedStateDict state, Writer write, bool defe
   staged_ = ShardedStateDict();
   try {
     std::vector<std::string> problems;
-    detail::plan_rank(state, 0, problems);
+    // No rank in the messages: this process's may not be 0 (a collective writer names it).
+    detail::plan_rank(state, 0, problems, /*name_rank=*/false);
     mixprec::detail::check_no_problems(problems, "[mixprec::checkpoint::save] cannot save");
     detail::check_unchanged({&state}, "since the state dict was built");
     reserve(staging_bytes_for(state));

@@ -37,9 +37,11 @@ struct RankPlan {
   std::map<std::string, Key> keys;  // every key of the rank's state, replicas included
 };
 // Checks rank `rank`'s shards (dtype storable, offsets or flat range consistent with the
-// global shape) and plans its chunks in its data file. Appends each problem, naming key and
-// rank, to `problems`. No I/O.
-RankPlan plan_rank(const ShardedStateDict& state, size_t rank, std::vector<std::string>& problems);
+// global shape) and plans its chunks in its data file. Appends each problem, naming the key
+// (and the rank, with `name_rank`: a caller that does not know its rank, such as an async
+// save's, whose collective writer says which rank failed, leaves it out), to `problems`. No I/O.
+RankPlan plan_rank(const ShardedStateDict& state, size_t rank, std::vector<std::string>& problems,
+                   bool name_rank = true);
 // The manifest's keys from every rank's plan (index = rank): a key's dtype and global shape
 // must agree across ranks, and its replica-0 chunks must tile it exactly. Throws c10::Error
 // "[mixprec::checkpoint::save] cannot save" listing every problem (`problems` first).

@@ -64,14 +64,16 @@ std::string shape_problem(const ShardedTensor& shard) {
 
 }  // namespace
 
-RankPlan plan_rank(const ShardedStateDict& state, size_t rank, std::vector<std::string>& problems) {
+RankPlan plan_rank(const ShardedStateDict& state, size_t rank, std::vector<std::string>& problems,
+                   bool name_rank) {
+  const std::string of_rank = name_rank ? " (rank " + std::to_string(rank) + ")" : "";
   RankPlan plan;
   // A flat slice of key 'a' is stored as tensors 'a/0', 'a/1', … of the rank's data file: a key
   // spelled like one of them would name the same tensor. Refused here, naming both keys, before
   // the file's header is written (which would refuse it as a tensor "declared twice").
   std::map<std::string, std::string> stored_by;  // tensor name in this rank's file → its key
   for (const auto& [key, shard] : state.tensors) {
-    const std::string where = "key '" + key + "' (rank " + std::to_string(rank) + ")";
+    const std::string where = "key '" + key + "'" + of_rank;
     if (!shard.local.defined()) {
       problems.push_back(where + ": undefined tensor");
       continue;
@@ -87,10 +89,9 @@ RankPlan plan_rank(const ShardedStateDict& state, size_t rank, std::vector<std::
     if (shard.replica_id != 0) continue;  // a replica: written once, by its replica 0
     for (StoredTensor& stored : stored_tensors(key, shard)) {
       if (const auto [it, fresh] = stored_by.try_emplace(stored.name, key); !fresh) {
-        problems.push_back("keys '" + it->second + "' and '" + key + "' (rank " +
-                           std::to_string(rank) + ") would both be stored as tensor '" +
-                           stored.name + "' (a flat slice of '" +
-                           (it->second == stored.name ? key : it->second) +
+        problems.push_back("keys '" + it->second + "' and '" + key + "'" + of_rank +
+                           " would both be stored as tensor '" + stored.name +
+                           "' (a flat slice of '" + (it->second == stored.name ? key : it->second) +
                            "' is stored in pieces named '<key>/<i>'); rename one of them");
         continue;
       }

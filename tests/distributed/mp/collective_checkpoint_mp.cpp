@@ -472,6 +472,17 @@ TEST(CollectiveCheckpoint, AnAsyncSaveFailingOnOneRankFailsOnEveryRankAndTheNext
   expect_failed_everywhere("b", "since the state dict was built");
   EXPECT_FALSE(fs::exists(root.path() / "latest"));
 
+  // A state this rank alone cannot save: a key spelled like a piece of a flat slice. The
+  // message names the keys; the rank is the one the agreement names, not 0.
+  ShardedStateDict colliding = mine();
+  const at::Tensor grid = at::arange(16, at::kFloat);
+  if (failing) {
+    colliding.tensors.emplace("w", ShardedTensor::flat(grid.narrow(0, 2, 8), {4, 4}, 2));
+    colliding.tensors.emplace("w/1", ShardedTensor::whole(at::ones({2})));
+  }
+  distributed::save_checkpoint_async(saver, group, root.path(), "b2", std::move(colliding));
+  expect_failed_everywhere("b2", "keys 'w' and 'w/1' would both be stored as tensor 'w/1'");
+
   distributed::save_checkpoint_async(saver, group, root.path(), "c", mine());
   saver.wait_until_staged();
   const std::optional<checkpoint::SaveResult> saved = saver.wait();
