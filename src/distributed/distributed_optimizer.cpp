@@ -32,12 +32,13 @@ std::vector<torch::optim::OptimizerParamGroup> all_parameters(const torch::nn::M
   return groups;
 }
 
-// Every floating parameter of `model` must be one the reducer serves: one it does not has no
-// piece on any rank, so it would never be stepped, without a word.
+// Every parameter of `model` of a dtype the reducer reduces must be one it serves: one it does
+// not has no piece on any rank, so it would never be stepped, without a word. (Other dtypes are
+// frozen: the reducer only broadcasts them, and the optimizer leaves them alone.)
 void check_reducer_serves(const GradReducer& reducer, const torch::nn::Module& model) {
   for (const auto& item : model.named_parameters(/*recurse=*/true)) {
     const at::Tensor& p = item.value();
-    if (!p.defined() || !at::isFloatingType(p.scalar_type())) continue;
+    if (!p.defined() || !GradReducer::reduces(p.scalar_type())) continue;
     TORCH_CHECK(reducer.index_of(p) != GradReducer::kNoParam, "[", kWho, "] '", item.key(),
                 "' is not a parameter of the GradReducer's model: build the optimizer and the "
                 "reducer from the same model");

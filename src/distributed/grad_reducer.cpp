@@ -33,11 +33,6 @@ struct ReadyHook : torch::autograd::PostAccumulateGradHook {
   size_t index;
 };
 
-bool is_floating(const at::Tensor& t) {
-  const auto dtype = t.scalar_type();
-  return dtype == at::kFloat || dtype == at::kBFloat16 || dtype == at::kHalf;
-}
-
 // Sends rank 0's value of `t` (any dtype, any layout) to every rank, in place.
 void broadcast_in_place(Communicator& comm, const at::Tensor& t) {
   if (t.numel() == 0) return;
@@ -274,6 +269,10 @@ void GradReducer::State::agree_on_order() {
   }
 }
 
+bool GradReducer::reduces(c10::ScalarType dtype) {
+  return dtype == at::kFloat || dtype == at::kBFloat16 || dtype == at::kHalf;
+}
+
 GradReducer::GradReducer(std::shared_ptr<Communicator> comm, torch::nn::Module& model,
                          GradReducerOptions options)
     : state_(std::make_shared<State>()) {
@@ -295,7 +294,7 @@ GradReducer::GradReducer(std::shared_ptr<Communicator> comm, torch::nn::Module& 
   for (const auto& item : model.named_parameters(/*recurse=*/true)) {
     const at::Tensor& p = item.value();
     if (!p.defined() || !seen.insert(p.unsafeGetTensorImpl()).second) continue;
-    if (!is_floating(p)) {
+    if (!reduces(p.scalar_type())) {
       TORCH_CHECK(!p.requires_grad(), "[", kReducer, "] '", item.key(), "' is a trainable ",
                   p.scalar_type(),
                   " parameter; gradients are reduced for Float, BFloat16 and Half");

@@ -151,6 +151,9 @@ struct ReductionTiming {
 class GradReducer {
  public:
   static constexpr size_t kNoParam = std::numeric_limits<size_t>::max();
+  // Whether gradients of `dtype` are reduced: Float, BFloat16 and Half. A parameter of another
+  // dtype (FP8, FP64, integer) must be frozen; it is only broadcast from rank 0.
+  static bool reduces(c10::ScalarType dtype);
 
   // Collective (see the header comment). Throws c10::Error, on every rank where it applies:
   // naming the parameter for ranks holding different models, for a floating parameter that is

@@ -370,5 +370,26 @@ TEST(DistributedOptimizer, RefusesAModelItsReducerDoesNotServe) {
       << message;
 }
 
+// Frozen parameters of a dtype the reducer does not reduce (an FP8 primary weight, an FP64
+// table) are only broadcast: they belong to the model it serves, as they do to a
+// Float16Optimizer, which leaves them alone; so does the distributed one.
+TEST(DistributedOptimizer, TakesFrozenParametersOfDtypesTheReducerOnlyBroadcasts) {
+  MixedNet model;
+  const at::Tensor fp64 =
+      model->register_parameter("table", at::linspace(0, 1, 3, at::kDouble), false);
+  const at::Tensor fp8 = model->register_parameter(
+      "fp8_weight", at::linspace(-1, 1, 4, at::kFloat).to(at::kFloat8_e4m3fn), false);
+  const at::Tensor fp64_before = fp64.clone(), fp8_before = fp8.to(at::kFloat);
+  GradReducer reducer(world_ptr(), *model, GradReducerOptions().mode(ReduceMode::kReduceScatter));
+  DistributedOptimizer opt(reducer, *model, torch::optim::AdamWOptions(1e-2).weight_decay(0.1));
+  const at::Tensor fc1_before = model->fc1->weight.clone();
+  opt.zero_grad();
+  model->loss(batch(0)).backward();
+  opt.step();
+  EXPECT_FALSE(at::equal(model->fc1->weight, fc1_before)) << "the trainable ones are stepped";
+  EXPECT_TRUE(at::equal(fp64, fp64_before));
+  EXPECT_TRUE(at::equal(fp8.to(at::kFloat), fp8_before));
+}
+
 }  // namespace MIXPREC_UNITY_ID
 }  // namespace mixprec::testing
