@@ -22,10 +22,12 @@ past `latest` for a newer complete checkpoint (a save that ended between its com
 inspect ROOT` says which checkpoint mixprec would load. It does refuse what mixprec refuses: the
 manifest is checked by the rules of mixprec's own parser (include/mixprec/checkpoint/format/
 manifest.h: fields, types, file names, sizes, no stored tensor used by two chunks, chunks inside
-their key's shape and adding up to it) and `latest` by mixprec's (a name and one newline). Every
-file it opens is a regular file (not a link, FIFO or device: no read can hang), chunks neither
-overlap nor leave gaps, and every error is a CheckpointError naming the file, the key and the
-field. Unlike mixprec it takes BOOL bytes other than 0 and 1 as True.
+their key's shape and adding up to it; its JSON, and the common state's, parsed as nlohmann
+parses it) and `latest` by mixprec's (a name and one newline); the saved param groups'
+hyper-parameters are checked as mixprec checks them before it loads them. Every file it opens
+is a regular file (not a link, FIFO or device: no read can hang), chunks neither overlap nor
+leave gaps, and every error is a CheckpointError naming the file, the key and the field. Unlike
+mixprec it takes BOOL bytes other than 0 and 1 as True.
 """
 import contextlib
 import json
@@ -90,6 +92,19 @@ ALGORITHM_STATE = {
 }
 
 
+# Hyper-parameters each algorithm's saved param groups hold, in torch.optim's names, with the
+# JSON each must be (algorithm_traits.cpp: read_json).
+_NUMBER, _TWO_NUMBERS, _BOOLEAN = "a number", "two numbers", "a boolean"
+_ADAM_HYPER_PARAMETERS = (("lr", _NUMBER), ("betas", _TWO_NUMBERS), ("eps", _NUMBER),
+                          ("weight_decay", _NUMBER), ("amsgrad", _BOOLEAN))
+_HYPER_PARAMETERS = {
+    "adam": _ADAM_HYPER_PARAMETERS,
+    "adamw": _ADAM_HYPER_PARAMETERS,
+    "sgd": (("lr", _NUMBER), ("momentum", _NUMBER), ("dampening", _NUMBER),
+            ("weight_decay", _NUMBER), ("nesterov", _BOOLEAN)),
+}
+
+
 class CheckpointError(Exception):
     """A checkpoint that does not follow the format; the message names the file and key."""
 
@@ -116,6 +131,7 @@ _MAX_LATEST_BYTES = 4096
 _MAX_JSON_DEPTH = 256
 _HEX16 = re.compile(r"[0-9a-f]{16}")
 _FILE_NAME = re.compile(r"[A-Za-z0-9._-]{1,200}")
+_SURROGATE = re.compile("[\ud800-\udfff]")  # in a parsed string: a lone one (_depth)
 
 
 def _is_valid_file_name(name):
@@ -154,6 +170,23 @@ def _finite(text):
     return value
 
 
+class _NegativeZero(int):
+    """The JSON integer -0: 0 to Python, but a negative integer to mixprec's parser (nlohmann
+    holds an integer written with a minus sign as signed), so not an unsigned integer."""
+
+
+def _integer(text):
+    """A JSON integer as mixprec's parser holds it (nlohmann's lexer): an int if it fits int64
+    (written with a minus sign) or uint64 (without), -0 kept apart from 0; else, as nlohmann
+    falls back to, the nearest float, refused if it overflows (10**400). So 2**64 reads as a
+    float, which no field that wants an integer takes, and json's exact big ints never appear."""
+    if len(text.lstrip("-")) <= 20:  # JSON has no leading zeros: more digits are ≥ 10^20
+        value = int(text)
+        if -(1 << 63) <= value < 1 << 64:
+            return _NegativeZero() if text == "-0" else value
+    return _finite(text)
+
+
 def _no_duplicates(pairs):
     """An object's members, refusing a name given twice (json keeps the last one silently; two
     readers could then read one file differently)."""
@@ -166,10 +199,19 @@ def _no_duplicates(pairs):
 
 
 def _depth(value):
-    """How deeply `value`'s arrays and objects nest (0 for a scalar)."""
+    """How deeply `value`'s arrays and objects nest (0 for a scalar); ValueError if a string or
+    member name in it holds a lone surrogate ("\\ud800": json takes the escape, nlohmann refuses
+    it; the input being UTF-8, an escape is the only way one gets in, and json joins an escaped
+    pair into one character)."""
     deepest, todo = 0, [(value, 1)]
     while todo:
         item, depth = todo.pop()
+        strings = item if isinstance(item, dict) else (item,) if isinstance(item, str) else ()
+        for text in strings:
+            lone = _SURROGATE.search(text)
+            if lone:
+                raise ValueError(f"invalid string: lone surrogate U+{ord(lone.group()):04X} in "
+                                 f"{text[:60]!r}")
         children = item.values() if isinstance(item, dict) else \
             item if isinstance(item, list) else None
         if children is not None:
@@ -180,17 +222,23 @@ def _depth(value):
 
 def _read_json(path, raw=None):
     """The JSON value of file `path` (or of its bytes `raw`, already read), parsed as strictly
-    as mixprec parses it (strict_json.h): UTF-8, no NaN or Infinity, no duplicate member names,
-    nesting bounded; CheckpointError naming the file otherwise."""
+    as mixprec parses it (strict_json.h): UTF-8 (after one leading BOM, which nlohmann skips), no
+    lone surrogate escapes, no NaN or Infinity, integers and floats as nlohmann holds them
+    (_integer, _finite), no duplicate member names, nesting bounded; CheckpointError naming the
+    file otherwise."""
     try:
         if raw is None:
             with open(_regular_file(path), "rb") as f:
                 raw = f.read()
+        if raw.startswith(b"\xef\xbb\xbf"):
+            raw = raw[3:]
         value = json.loads(raw.decode("utf-8"), parse_constant=_refuse_constant,
-                           parse_float=_finite, object_pairs_hook=_no_duplicates)
+                           parse_float=_finite, parse_int=_integer,
+                           object_pairs_hook=_no_duplicates)
+        depth = _depth(value)
     except (ValueError, UnicodeDecodeError, RecursionError) as e:
         raise CheckpointError(f"{path}: not valid JSON: {e}") from e
-    if _depth(value) > _MAX_JSON_DEPTH:
+    if depth > _MAX_JSON_DEPTH:
         raise CheckpointError(f"{path}: JSON nested deeper than {_MAX_JSON_DEPTH} levels")
     return value
 
@@ -207,14 +255,15 @@ def _describe(value):
         return "an array"
     if isinstance(value, str):
         return "a string"
-    if isinstance(value, int):
-        return "a negative integer" if value < 0 else "an integer ≥ 2^64" if value >= 1 << 64 \
+    if isinstance(value, int):  # within [-2^63, 2^64) (_integer)
+        return "a negative integer" if value < 0 or isinstance(value, _NegativeZero) \
             else "an unsigned integer"
     return "a non-integer number"
 
 
 def _is_uint(value, limit):
-    return isinstance(value, int) and not isinstance(value, bool) and 0 <= value < limit
+    return isinstance(value, int) and not isinstance(value, (bool, _NegativeZero)) and \
+        0 <= value < limit
 
 
 # Each reads one field of a manifest object, checked as mixprec checks it (strict_json.h);
@@ -305,8 +354,14 @@ def _check_key(key, entry, where, block_bytes, used):
     if not isinstance(chunks, list):
         raise CheckpointError(f"{where}: field 'chunks': expected an array")
     size = DTYPES[dtype].itemsize
-    if math.prod(shape) * size >= 1 << 63:
-        raise CheckpointError(f"{where}: global shape {shape} has more than 2^63 bytes")
+    # mixprec's count: the element size times each dimension in turn, refused once past
+    # 2^63 - 1, so a later 0 does not undo it ([2^61, 0] of F32 is refused, [0, 2^61] is not).
+    total = size
+    for d in shape:
+        total *= d
+        if total >= 1 << 63:
+            raise CheckpointError(f"{where}: global shape {shape} has more than 2^63 bytes "
+                                  "(counted dimension by dimension, as mixprec counts)")
     stored = 0
     for i, chunk in enumerate(chunks):
         at = f"{where}: chunk {i}"
@@ -394,6 +449,44 @@ def _check_manifest(manifest, path):
     used = set()
     for key in sorted(keys):  # mixprec's order, so the first error is the same
         _check_key(key, keys[key], path, block_bytes, used)
+
+
+def _is_number(value):
+    return isinstance(value, (int, float)) and not isinstance(value, bool)
+
+
+def _check_hyper_parameters(algorithm, group, where):
+    """Raises CheckpointError at `where` unless saved param group `group` holds the
+    hyper-parameters mixprec loads into its optimizer, checked as it checks them: each of the
+    algorithm's present with its JSON type, "maximize" absent or false (algorithm_traits.cpp:
+    JsonReader, read_json), values in the ranges its step accepts (step_args.cpp:
+    check_adam_hyper_params, check_sgd_hyper_params)."""
+    if "maximize" in group and group["maximize"] is not False:
+        raise CheckpointError(f"{where}: maximize must be false (LibTorch's option types have no "
+                              "maximize)")
+    fields = _HYPER_PARAMETERS[algorithm]
+    for name, kind in fields:
+        value = group.get(name)
+        if kind == _BOOLEAN:
+            ok = isinstance(value, bool)
+        elif kind == _NUMBER:
+            ok = _is_number(value)
+        else:
+            ok = isinstance(value, list) and len(value) == 2 and all(map(_is_number, value))
+        if not ok:
+            raise CheckpointError(f"{where}: hyper-parameter '{name}' missing or not {kind}")
+    names = {name for name, _ in fields}
+    ranges = [(name, group[name], 0, None) for name in ("lr", "eps", "momentum", "weight_decay")
+              if name in names]
+    if "betas" in names:
+        ranges += [(f"betas[{i}]", beta, 0, 1) for i, beta in enumerate(group["betas"])]
+    for name, value, low, high in ranges:
+        if value < low or (high is not None and value >= high):
+            raise CheckpointError(f"{where}: hyper-parameter '{name}' is {value}, outside "
+                                  f"[{low}, {'∞' if high is None else high})")
+    if group.get("nesterov") and not (group["momentum"] > 0 and group["dampening"] == 0):
+        raise CheckpointError(f"{where}: hyper-parameter 'nesterov' requires 'momentum' > 0 and "
+                              "'dampening' == 0")
 
 
 def resolve(path):
@@ -614,11 +707,15 @@ class Checkpoint:
         holding its parameters; settings the checkpoint does not hold (torch's implementation
         flags: fused, foreach, capturable...) come from the same group of `like`, the torch
         optimizer it is meant for, if given. "step" is a 0-dim float32 tensor, moments FP32.
-        Frozen parameters and those never stepped get no state entry."""
+        Frozen parameters and those never stepped get no state entry. Every saved group's
+        hyper-parameters are checked first, as mixprec checks them before it loads them."""
         opt = self._checked_optimizer()
         algorithm = opt[ALGORITHM]
         if algorithm not in ALGORITHM_STATE:
             raise CheckpointError(f"{self.dir}: unknown optimizer algorithm '{algorithm}'")
+        for g, group in enumerate(opt[PARAM_GROUPS]):
+            _check_hyper_parameters(algorithm, group, f"{self.dir}: common state "
+                                    f"'{COMMON_OPTIMIZER}': {PARAM_GROUPS}[{g}]")
         frozen = set(opt.get(FROZEN, []))
         without_state = set(opt.get(WITHOUT_STATE, []))
         saved_group_of = {fqn: g for g, group in enumerate(opt[PARAM_GROUPS])

@@ -173,7 +173,8 @@ TEST_P(PythonClient, PyTorchAdamWContinuesFromOurCheckpoint) {
 // Damaged copies of a good checkpoint (a FIFO or a link for a data file, the manifest or the
 // common state; truncated files; a manifest claiming a huge shape) end in the reader's
 // CheckpointError naming the file: no hang (the timeout would fail the test), no foreign
-// exception, no allocation of the claimed size.
+// exception, no allocation of the claimed size. Copies changed in ways mixprec's own reader
+// accepts (a leading UTF-8 BOM, ...) are read without one.
 TEST(PythonReader, DamagedFilesAreErrorsNamingTheFile) {
   const std::string python = mixprec::test::python();
   if (python.empty()) GTEST_SKIP() << "no Python with torch and safetensors (MIXPREC_PYTHON)";

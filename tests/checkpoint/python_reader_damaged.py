@@ -1,7 +1,8 @@
 """Damaged copies of a good checkpoint, read with python/mixprec_reader.py: each one must end in
 a CheckpointError that names the file at fault (and for a manifest, the key and field) — never
 a hang, a foreign exception, an allocation of what a manifest merely claims, or a read of what
-mixprec's own reader refuses (a manifest or a `latest` it does not accept).
+mixprec's own reader refuses (a manifest or a `latest` it does not accept). And copies changed
+in ways mixprec's reader accepts must read without one.
 
     python_reader_damaged.py CHECKPOINT SCRATCH    (prints "ok <cases>" and exits 0, or fails)
 
@@ -65,6 +66,18 @@ def edit_raw_manifest(ckpt_dir, old, new):
         f.write(text.replace(old, new, 1))
 
 
+# A value an edit places where edit_raw_manifest or edit_common then writes JSON that json.dump
+# does not write (-0).
+LITERAL = "@literal@"
+
+
+def prefix_bom(path):
+    with open(path, "rb") as f:
+        raw = f.read()
+    with open(path, "wb") as f:
+        f.write(b"\xef\xbb\xbf" + raw)
+
+
 def rename_data_files(ckpt_dir, name):
     """Every chunk in one data file called `name` (the checkpoint has one data file)."""
     os.rename(first_data_file(ckpt_dir), os.path.join(ckpt_dir, name))
@@ -124,6 +137,17 @@ def manifest_cases(exp_avg_gate):
     def edited(edit):
         return lambda d: edit_manifest(d, edit)
 
+    def offset_text(text):  # gate's first offset written as `text`
+        def change(ckpt_dir):
+            edit_manifest(ckpt_dir, edit_chunk(
+                "gate", lambda c: c["offset"].__setitem__(0, LITERAL)))
+            edit_raw_manifest(ckpt_dir, f'"{LITERAL}"', text)
+        return change
+
+    def add_key(name, shape):  # an empty F32 key: nothing to read, only the manifest to check
+        return edited(lambda m: m["keys"].__setitem__(name, {"dtype": "F32", "shape": shape,
+                                                              "chunks": []}))
+
     gate = ("manifest.json", "key 'gate'", "chunk 0")
     return [
         ("no common state", ("manifest.json", "exactly one of 'common' and 'common_file'"),
@@ -158,6 +182,15 @@ def manifest_cases(exp_avg_gate):
          lambda d: edit_raw_manifest(d, '"format":', '"format": 1, "format":')),
         ("number beyond double", ("manifest.json", "1e400"),
          lambda d: edit_raw_manifest(d, '"sequence": 1', '"sequence": 1e400')),
+        # nlohmann holds -0 as a signed integer: not an offset, though Python's 0 would be.
+        ("offset -0", gate + ("field 'offset'[0]", "found a negative integer"), offset_text("-0")),
+        # mixprec multiplies the element size by each dimension in turn, refusing the count once
+        # past 2^63 - 1: 4 * 2^61 is, though the trailing 0 makes the whole product 0.
+        ("shape past 2^63 bytes before a 0", ("manifest.json", "key 'empty'", "global shape"),
+         add_key("empty", [1 << 61, 0])),
+        # json.dump writes the lone surrogate as the escape "\ud800", which nlohmann refuses.
+        ("lone surrogate in a key name", ("manifest.json", "lone surrogate U+D800"),
+         add_key("empty\ud800", [0])),
     ]
 
 
@@ -175,21 +208,46 @@ def latest_cases(name):
             for what, content, fragment in cases]
 
 
-def edit_common_optimizer(edit):
-    """A change applying edit(optimizer) to common.json's "optimizer" object, the manifest's
-    record of the file's size kept in step."""
+def edit_common(edit, literal=None):
+    """A change applying edit(common) to common.json (with `literal`, the LITERAL it placed is
+    then written as that JSON text), the manifest's record of the file's size kept in step."""
     def change(ckpt_dir):
         path = os.path.join(ckpt_dir, "common.json")
         with open(path) as f:
             common = json.load(f)
-        edit(common[mr.COMMON_OPTIMIZER])
+        edit(common)
+        text = json.dumps(common)
+        if literal is not None:
+            assert f'"{LITERAL}"' in text
+            text = text.replace(f'"{LITERAL}"', literal, 1)
         with open(path, "w") as f:
-            json.dump(common, f)
+            f.write(text)
         # The manifest records the common file's size (and checksum, which this reader does not
         # verify): the edited state is one a writer could have produced.
         size = os.path.getsize(path)
         edit_manifest(ckpt_dir, lambda manifest: manifest["common_file"].__setitem__("bytes", size))
     return change
+
+
+def edit_common_optimizer(edit):
+    """A change applying edit(optimizer) to common.json's "optimizer" object."""
+    return edit_common(lambda common: edit(common[mr.COMMON_OPTIMIZER]))
+
+
+def set_user(value):
+    """A change setting common.json's user data "x" to `value`."""
+    return lambda common: common.setdefault(mr.COMMON_USER, {}).__setitem__("x", value)
+
+
+def common_cases():
+    """Common states mixprec's parser refuses (strict_json.h), each with what the error names."""
+    return [
+        ("lone surrogate in user data", ("common.json", "lone surrogate U+DC00"),
+         edit_common(set_user("\udc00"))),
+        # An integer beyond int64 or uint64 nlohmann takes as a double: this one overflows it.
+        ("integer beyond double in user data", ("common.json", "out of range"),
+         edit_common(set_user(10 ** 400))),
+    ]
 
 
 def optimizer_cases():
@@ -207,7 +265,45 @@ def optimizer_cases():
          edit_common_optimizer(set_field(mr.FROZEN, 5))),
         ("optimizer steps of strings", ("field 'steps.gate' must be an integer",),
          edit_common_optimizer(set_field(mr.STEPS, {"gate": "2"}))),
+    ] + [  # hyper-parameters mixprec refuses to load (algorithm_traits.cpp, step_args.cpp)
+        (f"optimizer group {field} {value!r}", ("param_groups[0]", fragment),
+         edit_common_optimizer(lambda opt, f=field, v=value: (
+             opt[mr.PARAM_GROUPS][0].pop(f) if v is None else
+             opt[mr.PARAM_GROUPS][0].__setitem__(f, v))))
+        for field, value, fragment in [
+            ("betas", 0.9, "hyper-parameter 'betas' missing or not two numbers"),
+            ("lr", "0.01", "hyper-parameter 'lr' missing or not a number"),
+            ("amsgrad", None, "hyper-parameter 'amsgrad' missing or not a boolean"),
+            ("eps", True, "hyper-parameter 'eps' missing or not a number"),
+            ("maximize", True, "maximize must be false"),
+            ("betas", [0.9, 1], "hyper-parameter 'betas[1]' is 1"),
+            ("weight_decay", -0.5, "hyper-parameter 'weight_decay' is -0.5"),
+        ]
     ]
+
+
+def accepted_cases(common):
+    """Changes mixprec's parser accepts (nlohmann): the reader must read the copy as well."""
+    def bom_common(ckpt_dir):
+        prefix_bom(os.path.join(ckpt_dir, "common.json"))
+        size = os.path.getsize(os.path.join(ckpt_dir, "common.json"))
+        edit_manifest(ckpt_dir, lambda manifest: manifest["common_file"].__setitem__("bytes", size))
+
+    cases = [
+        ("manifest after a UTF-8 BOM", lambda d: prefix_bom(os.path.join(d, "manifest.json"))),
+        # Near the refusals above, on the side mixprec accepts.
+        ("shape with a 0 before 2^61", lambda d: edit_manifest(
+            d, lambda m: m["keys"].__setitem__("empty", {"dtype": "F32", "shape": [0, 1 << 61],
+                                                         "chunks": []}))),
+    ]
+    if common:
+        cases += [
+            ("common state after a UTF-8 BOM", bom_common),
+            ("-0 in user data", edit_common(set_user(LITERAL), "-0")),
+            ("2^64 in user data (a double to nlohmann)", edit_common(set_user(1 << 64))),
+            ("escaped surrogate pair in user data", edit_common(set_user("\U0001f600"))),
+        ]
+    return cases
 
 
 def main():
@@ -239,10 +335,13 @@ def main():
                       lambda d: to_fifo(os.path.join(d, "common.json"))))
     cases += manifest_cases(exp_avg_gate)
     if os.path.exists(common):
-        cases += optimizer_cases()
+        cases += common_cases() + optimizer_cases()
     cases = [(what, (named,) if isinstance(named, str) else named, change, False)
              for what, named, change in cases]
     cases += [(what, named, change, True) for what, named, change in latest_cases(name)]
+    # None: the copy must be read without an error.
+    cases += [(what, None, change, False)
+              for what, change in accepted_cases(os.path.exists(common))]
     for i, (what, named, change, of_root) in enumerate(cases):
         copy = damaged(scratch, root if of_root else good, f"case{i}", change)
         try:
@@ -251,13 +350,16 @@ def main():
             ckpt.torch_optimizer_state_dict()  # the common state's optimizer, read as torch's
         except mr.CheckpointError as e:
             message = str(e)
+            if named is None:
+                sys.exit(f"{what}: refused, though mixprec reads it: {message}")
             missing = [n for n in named if n not in message]
             if copy not in message or missing:
                 sys.exit(f"{what}: the error does not name {missing} in {copy}: {message}")
         except Exception as e:  # noqa: BLE001 - the point is that none other escapes
             sys.exit(f"{what}: {type(e).__name__} instead of CheckpointError: {e}")
         else:
-            sys.exit(f"{what}: read without an error")
+            if named is not None:
+                sys.exit(f"{what}: read without an error")
     print(f"ok {len(cases)}")
 
 
