@@ -662,9 +662,10 @@ class Checkpoint:
             if not isinstance(value, list) or not all(isinstance(n, str) for n in value):
                 raise CheckpointError(f"{where}: field '{field}' must be a list of names")
 
-        def integer(value, field):
-            if not isinstance(value, int) or isinstance(value, bool):
-                raise CheckpointError(f"{where}: field '{field}' must be an integer")
+        def count(value, field):  # a step count, checked as the loader does (step_problem)
+            if not isinstance(value, int) or isinstance(value, bool) or not 0 <= value < 2 ** 63:
+                raise CheckpointError(f"{where}: field '{field}' must be an integer in [0, 2^63), "
+                                      f"found {value!r}")
 
         if not isinstance(opt, dict):
             raise CheckpointError(f"{where} must be an object")
@@ -673,7 +674,7 @@ class Checkpoint:
                 raise CheckpointError(f"{where}: no field '{field}'")
         if not isinstance(opt[ALGORITHM], str):
             raise CheckpointError(f"{where}: field '{ALGORITHM}' must be a string")
-        integer(opt[STEP], STEP)
+        count(opt[STEP], STEP)
         if not isinstance(opt[PARAM_GROUPS], list):
             raise CheckpointError(f"{where}: field '{PARAM_GROUPS}' must be a list")
         for g, group in enumerate(opt[PARAM_GROUPS]):
@@ -688,7 +689,7 @@ class Checkpoint:
             if not isinstance(opt[STEPS], dict):
                 raise CheckpointError(f"{where}: field '{STEPS}' must be an object")
             for fqn, step in opt[STEPS].items():
-                integer(step, f"{STEPS}.{fqn}")
+                count(step, f"{STEPS}.{fqn}")
         return opt
 
     def param_group_names(self):
