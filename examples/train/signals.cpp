@@ -10,6 +10,18 @@ struct sigaction g_previous_int;
 
 extern "C" void on_stop_signal(int signal_number) { g_stop_signal = signal_number; }
 
+// Installs `action` for `signal` unless the process started with it ignored: a shell starts a
+// background job with SIGINT ignored, so that a Ctrl-C meant for the foreground job does not
+// reach it, and a launcher may ignore SIGTERM on purpose. `previous` gets the old action.
+void install_unless_ignored(int signal, const struct sigaction& action,
+                            struct sigaction* previous) {
+  struct sigaction current {};
+  sigaction(signal, nullptr, &current);
+  if (previous != nullptr) *previous = current;
+  if (current.sa_handler == SIG_IGN) return;
+  sigaction(signal, &action, nullptr);
+}
+
 }  // namespace
 
 StopRequest::StopRequest() {
@@ -20,10 +32,10 @@ StopRequest::StopRequest() {
   // SIGTERM stays handled: under SLURM the step daemon and the launcher both send one,
   // milliseconds apart, and the second must not kill the save the first one asked for.
   action.sa_flags = SA_RESTART;
-  sigaction(SIGTERM, &action, nullptr);
+  install_unless_ignored(SIGTERM, action, nullptr);
   // A second Ctrl-C is a person insisting: it gets the default action (the process ends).
   action.sa_flags = SA_RESETHAND | SA_RESTART;
-  sigaction(SIGINT, &action, &g_previous_int);
+  install_unless_ignored(SIGINT, action, &g_previous_int);
 }
 
 StopRequest::~StopRequest() { sigaction(SIGINT, &g_previous_int, nullptr); }

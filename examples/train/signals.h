@@ -3,7 +3,8 @@
 // launcher and its step daemon often both send one), to the end of the process: one that
 // comes while the program winds down must not turn a clean exit into a kill. A second SIGINT —
 // a person pressing Ctrl-C again — ends the process at once (SA_RESETHAND restores the
-// default action).
+// default action). A signal the process started with ignored stays ignored (a background job
+// of a shell, which ignores SIGINT for it): it is no request.
 #pragma once
 
 namespace train {

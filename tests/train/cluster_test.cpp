@@ -174,6 +174,33 @@ TEST_F(Cluster, ASecondSigtermStillEndsInACheckpoint) {
   }
 }
 
+// A shell starts a background job with SIGINT ignored, so that a Ctrl-C meant for the
+// foreground job does not reach it: the run keeps it ignored and trains on; SIGTERM still
+// stops it with a checkpoint.
+TEST_F(Cluster, ASigintIgnoredAtStartStaysIgnored) {
+  struct sigaction ignore {
+  }, previous{};
+  ignore.sa_handler = SIG_IGN;
+  sigemptyset(&ignore.sa_mask);
+  ASSERT_EQ(::sigaction(SIGINT, &ignore, &previous), 0);  // inherited by the child
+  const pid_t pid = start_long_run({}, "run", 2);
+  ASSERT_EQ(::sigaction(SIGINT, &previous, nullptr), 0);
+  ASSERT_EQ(::kill(pid, SIGINT), 0);
+  const size_t steps_then = count_lines(dir_ / "run/metrics.jsonl");
+  const auto deadline = std::chrono::steady_clock::now() + std::chrono::seconds(120);
+  while (count_lines(dir_ / "run/metrics.jsonl") < steps_then + 3 &&
+         std::chrono::steady_clock::now() < deadline) {
+    std::this_thread::sleep_for(std::chrono::milliseconds(20));
+  }
+  int raw = 0;
+  EXPECT_EQ(::waitpid(pid, &raw, WNOHANG), 0) << "the ignored SIGINT ended the run";
+  EXPECT_GE(count_lines(dir_ / "run/metrics.jsonl"), steps_then + 3) << "it trains on";
+  ASSERT_EQ(::kill(pid, SIGTERM), 0);
+  const ProgramRun run = wait_program(dir_.path(), pid, "run");
+  ASSERT_EQ(run.status, 0) << run.err;
+  EXPECT_NE(run.out.find("stopped     by SIGTERM"), std::string::npos) << run.out;
+}
+
 // A newer checkpoint that does not verify is passed over by --resume, and set aside (kept,
 // renamed) so that the run can save that step again instead of dying on "already committed".
 TEST_F(Cluster, AResumePastACheckpointThatDoesNotVerifySetsItAside) {
