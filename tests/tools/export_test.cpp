@@ -15,9 +15,11 @@
 
 #include <gtest/gtest.h>
 
+#include <sys/stat.h>
 #include <sys/wait.h>
 
 #include <csignal>
+#include <cstdio>
 #include <cstdlib>
 #include <fstream>
 #include <set>
@@ -70,9 +72,9 @@ void expect_one_line_error(const ProgramRun& run, const std::string& program,
   EXPECT_NE(run.err.find(fragment), std::string::npos) << "stderr lacks '" << fragment << "'";
 }
 
-// Nothing an export leaves behind when it is done: no mixprec-export.tmp-<pid> (its staging
-// directory), no mixprec-export.old-<pid> (an export --force replaced); nor the OUT.tmp-<pid>
-// and OUT.old-<pid> of earlier versions.
+// Nothing an export leaves behind when it is done: no mixprec-export.tmp-<pid>-<random> (its
+// staging directory), no mixprec-export.old-<pid>-<random> (an export --force replaced); nor the
+// OUT.tmp-<pid> and OUT.old-<pid> of earlier versions.
 std::vector<std::string> leftovers(const fs::path& dir) {
   std::vector<std::string> names;
   for (const auto& entry : fs::directory_iterator(dir)) {
@@ -486,8 +488,10 @@ TEST(ExportZeroSize, AZeroSizeTensorIsExportedWithItsShape) {
 // Starts `mixprec-ckpt export <args>`, stdout and stderr to files in `scratch` (wait_program
 // reads them); its pid.
 // `ignored`: a signal the export starts with ignored (as under nohup), 0 for none.
+// `ignored`: a signal the export starts with ignored. `leftover_in`: a directory in which the
+// child first makes mixprec-export.tmp-<its pid>, as a killed export of that pid left it.
 pid_t start_export(const fs::path& scratch, const std::vector<std::string>& args,
-                   const std::string& tag, int ignored = 0) {
+                   const std::string& tag, int ignored = 0, const fs::path& leftover_in = {}) {
   // Everything resolved before fork(): the child only execs.
   std::string bin = mixprec::test::required_env("MIXPREC_CKPT_BIN"), command = "export";
   std::vector<std::string> copy = args;
@@ -496,8 +500,16 @@ pid_t start_export(const fs::path& scratch, const std::vector<std::string>& args
   argv.push_back(nullptr);
   const std::string out = (scratch / (tag + ".out")).string();
   const std::string err = (scratch / (tag + ".err")).string();
+  const std::string leftover_prefix =
+      leftover_in.empty() ? "" : (leftover_in / "mixprec-export.tmp-").string();
   const pid_t pid = ::fork();
   if (pid == 0) {
+    if (!leftover_prefix.empty()) {
+      char name[4096];
+      std::snprintf(name, sizeof name, "%s%ld", leftover_prefix.c_str(),
+                    static_cast<long>(::getpid()));
+      if (::mkdir(name, 0755) != 0) ::_exit(126);
+    }
     ::dup2(::open(out.c_str(), O_WRONLY | O_CREAT | O_TRUNC, 0644), 1);
     ::dup2(::open(err.c_str(), O_WRONLY | O_CREAT | O_TRUNC, 0644), 2);
     ::dup2(::open("/dev/null", O_RDONLY), 0);
@@ -575,6 +587,22 @@ TEST(ExportInterrupted, ASignalIgnoredAtStartStaysIgnored) {
   const ProgramRun run = wait_program(dir.path(), pid, "nohup");
   EXPECT_EQ(run.status, 0) << "(-1: killed by the signal) " << run.err;
   EXPECT_TRUE(fs::exists(parent / "out" / "model.safetensors"));
+}
+
+// An export killed outright (SIGKILL, the OOM killer) leaves its staging directory. A later
+// export that gets the same pid must not trip over it.
+TEST(ExportInterrupted, ALeftoverOfAKilledExportWithTheSamePidIsNoObstacle) {
+  Scratch dir;
+  const fs::path ckpt = big_checkpoint(dir);
+  const fs::path parent = dir / "out-reused-pid";
+  fs::create_directories(parent);
+  const pid_t pid =
+      start_export(dir.path(), {ckpt.string(), (parent / "out").string()}, "reused", 0, parent);
+  const ProgramRun run = wait_program(dir.path(), pid, "reused");
+  ASSERT_EQ(run.status, 0) << run.err;
+  EXPECT_TRUE(fs::exists(parent / "out" / "model.safetensors"));
+  EXPECT_TRUE(fs::exists(parent / ("mixprec-export.tmp-" + std::to_string(pid))))
+      << "someone else's leftover is not the export's to remove";
 }
 
 }  // namespace MIXPREC_UNITY_ID

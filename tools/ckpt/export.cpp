@@ -27,6 +27,7 @@
 #include <cmath>
 #include <cstring>
 #include <iterator>
+#include <random>
 #include <regex>
 #include <sstream>
 
@@ -190,13 +191,19 @@ void stop_if_interrupted() {
 }
 
 // The name of a temporary sibling of OUT ("tmp": the staging directory; "old": an export that
-// --force replaces, moved aside): a fixed prefix and this process's id. Not derived from OUT's
-// name, which may already be as long as a name can be (NAME_MAX).
+// --force replaces, moved aside): a fixed prefix, this process's id and 8 random hex digits.
+// Not derived from OUT's name, which may already be as long as a name can be (NAME_MAX). The
+// random part keeps the name free when an earlier export with the same pid was killed
+// (SIGKILL) and left its sibling behind.
 std::string sibling_name(const char* role) {
-  return std::string("mixprec-export.") + role + "-" + std::to_string(::getpid());
+  std::random_device entropy;
+  char random[9];
+  std::snprintf(random, sizeof random, "%08x", static_cast<unsigned>(entropy()));
+  return std::string("mixprec-export.") + role + "-" + std::to_string(::getpid()) + "-" + random;
 }
 
-// The temporary sibling mixprec-export.tmp-<pid>: removed unless it was renamed to OUT.
+// The temporary sibling mixprec-export.tmp-<pid>-<random>: removed unless it was renamed to
+// OUT.
 class StagingDir {
  public:
   StagingDir(const checkpoint::Directory& parent, std::string name)

@@ -27,7 +27,7 @@
 // --dtype bf16|fp16 they are converted like the rest). The same checkpoint and options always
 // give the same bytes.
 //
-// Never half-written: everything goes into a sibling directory mixprec-export.tmp-<pid> (a
+// Never half-written: everything goes into a sibling directory mixprec-export.tmp-<pid>-<hex> (a
 // short name: OUT's own may be as long as a name can be), every file and that directory are
 // fsynced, and only then is it renamed to OUT (renameat2 RENAME_NOREPLACE;
 // with --force over an existing export, RENAME_EXCHANGE, then the old one is removed). Any
