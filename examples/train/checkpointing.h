@@ -6,8 +6,9 @@
 //   {"program": "mixprec-train", "config": run_shape(config), "step": steps done,
 //    "skipped_total": skipped steps, "elapsed_s": training time, "data_position": global
 //    batches drawn, "text": the training text's fingerprint, "threads": intra-op threads per
-//    rank, "metrics": the metrics file, "metrics_from_root": the same from the checkpoint
-//    root when it lies in the run's directory (else "")}
+//    rank, "cpu_kernels": what picks the CPU kernels (cpu_kernels.h), "metrics": the metrics file,
+//    "metrics_from_root": the same from the checkpoint root when it lies in the run's directory
+//    (else "")}
 // A resumed run checks "config" before it loads a single tensor.
 #pragma once
 

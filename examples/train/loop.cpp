@@ -44,6 +44,7 @@ nlohmann::json RunState::to_json(const TrainConfig& config, const std::filesyste
           {"data_position", step},
           {"text", text},
           {"threads", threads},
+          {"cpu_kernels", cpu_kernels},
           {"metrics", file.string()},
           {"metrics_from_root", in_run ? file.lexically_relative(root).string() : ""}};
 }
@@ -56,6 +57,7 @@ RunState RunState::from_json(const nlohmann::json& user, const std::string& sour
     s.elapsed_s = user.at("elapsed_s").get<double>();
     if (user.contains("text")) s.text = user.at("text").get<std::string>();
     if (user.contains("threads")) s.threads = user.at("threads").get<int64_t>();
+    if (user.contains("cpu_kernels")) s.cpu_kernels = user.at("cpu_kernels").get<std::string>();
   } catch (const nlohmann::json::exception&) {
     throw UsageError(source + " lacks the run state mixprec-train saves (step, skipped_total)");
   }

@@ -39,6 +39,9 @@ struct RunState {
   // Intra-op threads per rank: LibTorch's CPU kernels split their sums by thread, so a resume
   // with another count is not bit for bit the unstopped run. 0 in older checkpoints.
   int64_t threads = 0;
+  // What picks the CPU kernels (cpu_kernels.h): on another CPU model, likewise not bit for bit.
+  // "" in older checkpoints.
+  std::string cpu_kernels;
 
   // The user metadata of a checkpoint (checkpointing.h lists its fields).
   nlohmann::json to_json(const TrainConfig& config, const std::filesystem::path& metrics,

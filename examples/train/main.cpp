@@ -12,6 +12,7 @@
 // 2 for bad input (one line on stderr naming the problem); 1 for any other failure.
 #include "checkpointing.h"
 #include "config.h"
+#include "cpu_kernels.h"
 #include "data.h"
 #include "data_parallel.h"
 #include "flops.h"
@@ -239,6 +240,8 @@ int run(int argc, char** argv, const std::string& malloc_policy, const std::stri
   state.text = corpus.fingerprint;
   const int64_t saved_threads = state.threads;
   state.threads = at::get_num_threads();
+  const std::string saved_cpu_kernels = state.cpu_kernels;
+  state.cpu_kernels = cpu_kernel_identity();
 
   // 7. The loop, with progress on the terminal and one JSON line per step.
   std::optional<MetricsLog> metrics;
@@ -276,6 +279,13 @@ int run(int argc, char** argv, const std::string& malloc_policy, const std::stri
             "it)\n",
             static_cast<long long>(state.threads), static_cast<long long>(saved_threads),
             static_cast<long long>(saved_threads));
+      }
+      if (!saved_cpu_kernels.empty() && saved_cpu_kernels != state.cpu_kernels) {
+        std::printf(
+            "             CPU kernels chosen for %s where the checkpoint's run had %s: LibTorch "
+            "picks them per CPU (oneDNN's BF16 GEMMs above all), so the run goes on, but not "
+            "bit for bit as it would have unstopped\n",
+            state.cpu_kernels.c_str(), saved_cpu_kernels.c_str());
       }
       print_resume_changes(config, paths);
       for (const std::string& moved : held.set_aside) {

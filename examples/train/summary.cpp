@@ -2,6 +2,7 @@
 
 #include "build_paths.h"
 #include "flops.h"
+#include "loop.h"
 #include "progress.h"
 
 #include "mixprec/quant/quant_linear.h"

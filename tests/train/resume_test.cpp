@@ -85,6 +85,38 @@ TEST_P(BitwiseResume, StopAndResumeEqualsStraight) {
 
 INSTANTIATE_TEST_SUITE_P(Precisions, BitwiseResume, ::testing::Values("bf16", "fp16"));
 
+// A resume where LibTorch picks other CPU kernels (another CPU model; here, the same one with
+// oneDNN capped to AVX-512 without BF16, as on an older CPU) is said to leave the bitwise path; one
+// on the same says nothing.
+TEST(ResumeSettings, OtherCpuKernelsAreSaidToLeaveTheBitwisePath) {
+  Scratch dir;
+  write_corpus(dir / "corpus.txt");
+  const ProgramRun first = run_program(
+      dir.path(), tiny_model() + std::vector<std::string>{"--data", "corpus.txt", "--steps", "4",
+                                                          "--ckpt-every", "100", "--out", "a",
+                                                          "--stop-at", "2", "--threads", "1"});
+  ASSERT_EQ(first.status, 0) << first.err;
+  fs::copy(dir / "a", dir / "b", fs::copy_options::recursive);
+  const std::vector<std::string> resume = {"--resume", "--threads", "1", "--progress", "lines"};
+  const ProgramRun same =
+      run_program(dir.path(), resume + std::vector<std::string>{"--out", "a"}, "same");
+  ASSERT_EQ(same.status, 0) << same.err;
+  EXPECT_EQ(same.out.find("CPU kernels chosen for"), std::string::npos) << same.out;
+
+  ProgramRun capped;
+  {
+    // Inherited by the program; the test's own value restored after.
+    const mixprec::test::ScopedEnvironmentVariable cap("ONEDNN_MAX_CPU_ISA", "AVX512_CORE");
+    capped = run_program(dir.path(), resume + std::vector<std::string>{"--out", "b"}, "capped");
+  }
+  ASSERT_EQ(capped.status, 0) << capped.err;
+  EXPECT_NE(capped.out.find(" ONEDNN_MAX_CPU_ISA=AVX512_CORE where the checkpoint's run had "),
+            std::string::npos)
+      << capped.out;
+  EXPECT_NE(capped.out.find("so the run goes on, but not bit for bit"), std::string::npos)
+      << capped.out;
+}
+
 // A setting given again on --resume changes the run from there, and the run says so; the
 // relative --data of the first part names the same file in another spelling; a finished run
 // has nothing to resume, and a --steps below its step is refused.
