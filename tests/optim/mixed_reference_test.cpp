@@ -115,6 +115,8 @@ TEST(MixedReference, CloseToTorchSingleTensorAdamW) {
     EXPECT_TRUE(at::allclose(r.master, expected, 1e-6, 1e-9))
         << c["name"] << " max diff " << (r.master - expected).abs().max().item<float>();
     EXPECT_TRUE(at::equal(r.model_param, from_bits(e["model_param"], at::kBFloat16))) << c["name"];
+    EXPECT_TRUE(at::allclose(r.exp_avg, from_bits(e["exp_avg"], at::kFloat), 1e-6, 1e-9))
+        << c["name"];
     EXPECT_TRUE(at::allclose(r.exp_avg_sq, from_bits(e["exp_avg_sq"], at::kFloat), 1e-6, 0));
   }
   EXPECT_EQ(cases, 2);
