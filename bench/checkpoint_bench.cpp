@@ -68,6 +68,7 @@
 #include "support/median.h"
 #include "support/ratio_reporter.h"
 #include "support/raw_write.h"
+#include "support/remove_tree.h"
 #include "support/step_load.h"
 
 #include <ATen/ATen.h>
@@ -310,7 +311,7 @@ void BM_TorchLoad(benchmark::State& bm) {
 void BM_OursSave(benchmark::State& bm) {
   State& s = state();
   for (auto _ : bm) {
-    fs::remove_all(s.dir / "ours");
+    mixprec::testing::remove_tree(s.dir / "ours");
     const std::int64_t baseline = reset_peak_rss();
     const auto t0 = Clock::now();
     ckpt::save_checkpoint(s.dir / "ours", "step-1", s.dict);
@@ -353,7 +354,7 @@ void BM_OursAsyncSave(benchmark::State& bm) {
   ckpt::AsyncCheckpointSaver saver;
   saver.reserve(ckpt::staging_bytes_for(s.dict));  // once, as a job does at start
   for (auto _ : bm) {
-    fs::remove_all(s.dir / "async");
+    mixprec::testing::remove_tree(s.dir / "async");
     const auto t0 = Clock::now();
     saver.save(s.dir / "async", "step-1", s.dict);
     const double in_save = seconds_since(t0);
@@ -411,7 +412,7 @@ void BM_OursAsyncSaveHidden(benchmark::State& bm) {
       return seconds_since(t0);
     };
     auto with_save = [&] {
-      fs::remove_all(s.dir / "async-hidden");
+      mixprec::testing::remove_tree(s.dir / "async-hidden");
       const auto t0 = Clock::now();
       saver.save(s.dir / "async-hidden", "step-1", s.dict);
       step_load->run();           // the next step's forward and backward: they only read the state
@@ -443,12 +444,12 @@ void BM_OursAsyncSaveHidden(benchmark::State& bm) {
 // save in flight costs the step (cores and memory bandwidth taken from it).
 void size_step_load(State& s) {
   for (int i = 0; i < 2; ++i) {
-    fs::remove_all(s.dir / "calibrate");
+    mixprec::testing::remove_tree(s.dir / "calibrate");
     const auto t0 = Clock::now();
     ckpt::save_checkpoint(s.dir / "calibrate", "step-1", s.dict);
     keep_fastest(step_load_target_seconds, seconds_since(t0));
   }
-  fs::remove_all(s.dir / "calibrate");
+  mixprec::testing::remove_tree(s.dir / "calibrate");
   const double per_gemm = mixprec::bench::StepLoad::seconds_per_gemm();
   step_load.emplace(mixprec::bench::StepLoad::gemms_for(step_load_target_seconds, per_gemm));
 }
@@ -588,8 +589,7 @@ int main(int argc, char** argv) {
     std::fprintf(stderr, "checkpoint_bench: %s\n", e.what());
     status = 1;
   }
-  std::error_code ec;
-  fs::remove_all(s.dir, ec);
+  mixprec::testing::remove_tree(s.dir);
   if (status != 0) return status;
 
   auto t = [&](const char* name) { return best_seconds.count(name) ? best_seconds[name] : 0.0; };

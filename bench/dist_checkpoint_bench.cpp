@@ -47,6 +47,7 @@
 #include "support/bench_paths.h"
 #include "support/median.h"
 #include "support/raw_write.h"
+#include "support/remove_tree.h"
 #include "support/step_load.h"
 
 #include <ATen/ATen.h>
@@ -386,8 +387,7 @@ int launcher(const std::string& self, std::string torchrun) {
     ok = ok && launch(n, "--save", root);
     for (int m : {1, 2, 4}) ok = ok && launch(m, "--load", root);
   }
-  std::error_code ec;
-  fs::remove_all(base, ec);
+  mixprec::testing::remove_tree(base);
   return ok ? 0 : 1;
 }
 
