@@ -370,5 +370,44 @@ TEST(GradReducer, DefaultSumsHalfBucketsInFp32PastFp16Range) {
   }
 }
 
+// accumulate_in_fp32 in kReduceScatter mode, gradients cleared torch's way (set to none, not
+// reducer.zero_grad()) between steps: the FP32 main gradients start the next step from zero.
+// Left holding the last step's values (its average in this rank's shard, its unreduced sum
+// elsewhere), the next backward would be added to them and every BF16/FP16 parameter stepped
+// with the sum of two steps' gradients. 'b' (FP32) has no main_grad: the FP16/BF16 ones do.
+TEST(GradReducer, Fp32MainGradsStartAfreshWhenGradsAreClearedTorchsWay) {
+  const int rank = world().rank(), n = world().size();
+  ThreeDtypes model;
+  GradReducer reducer(world_ptr(), *model,
+                      GradReducerOptions()
+                          .mode(ReduceMode::kReduceScatter)
+                          .accumulate_in_fp32(true)
+                          .bucket_numel(64));
+  reducer.zero_grad();
+  for (int step = 0; step < 3; ++step) {
+    SCOPED_TRACE("step " + std::to_string(step));
+    if (step > 0) {
+      for (auto& p : model->parameters()) p.mutable_grad().reset();  // torch's zero_grad()
+    }
+    backward_weighted(model, rank);
+    reducer.finish();
+    int salt = 0;
+    for (auto& item : model->named_parameters()) {
+      ++salt;
+      const at::Tensor main = reducer.main_grad(reducer.index_of(item.value()));
+      if (!main.defined()) continue;  // FP32 'b'
+      at::Tensor sum = at::zeros(item.value().sizes(), at::kFloat);
+      for (int r = 0; r < n; ++r) sum += weight_for(item.value(), r, salt).to(at::kFloat);
+      if (n > 1) sum.div_(n);
+      for (const auto& piece : reducer.layout().param_shards(rank)) {
+        if (piece.fqn != item.key()) continue;
+        EXPECT_TRUE(at::equal(main.reshape({-1}).narrow(0, piece.begin, piece.numel()),
+                              sum.view({-1}).narrow(0, piece.begin, piece.numel())))
+            << item.key() << "[" << piece.begin << ":" << piece.end << "]";
+      }
+    }
+  }
+}
+
 }  // namespace MIXPREC_UNITY_ID
 }  // namespace mixprec::testing
