@@ -409,5 +409,25 @@ TEST(GradReducer, Fp32MainGradsStartAfreshWhenGradsAreClearedTorchsWay) {
   }
 }
 
+// A .grad set from outside (no backward) on a parameter that finish() left without one is a
+// gradient, and the next finish() reduces it: it is not a repeat of the last finish(). Taken
+// for one, every rank would keep its own value and step with it, and the replicas drift apart.
+TEST(GradReducer, AGradSetFromOutsideAfterFinishIsReduced) {
+  const int rank = world().rank(), n = world().size();
+  if (n < 2) GTEST_SKIP() << "one rank's average is its own gradient";
+  ThreeDtypes model;
+  GradReducer reducer(world_ptr(), *model,
+                      GradReducerOptions().mode(ReduceMode::kAllReduce).bucket_numel(64));
+  reducer.zero_grad();
+  backward_weighted(model, rank, /*skip=*/"c");
+  reducer.finish();
+  ASSERT_FALSE(model->c.grad().defined());  // no rank had one
+  model->c.mutable_grad() = weight_for(model->c, rank, /*salt=*/3);
+  reducer.finish();
+  ASSERT_TRUE(model->c.grad().defined());
+  EXPECT_TRUE(at::equal(model->c.grad(), expected_average(model->c, /*salt=*/3, /*fp32=*/true)))
+      << model->c.grad();
+}
+
 }  // namespace MIXPREC_UNITY_ID
 }  // namespace mixprec::testing
