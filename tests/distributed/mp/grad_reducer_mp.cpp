@@ -429,5 +429,36 @@ TEST(GradReducer, AGradSetFromOutsideAfterFinishIsReduced) {
       << model->c.grad();
 }
 
+// kReduceScatter with a frozen parameter and torch's zero_grad(), which clears only the
+// trainable parameters' .grad (the frozen one is in no optimizer): the frozen parameter's .grad
+// is still its buffer range, holding nothing that is reduced, and must not be refused as "the
+// last step's gradient" — the next step reduces as the first did.
+TEST(GradReducer, AFrozenParameterIsNoStaleGradientInReduceScatterMode) {
+  struct Net : torch::nn::Module {
+    Net() {
+      a = register_parameter("a", at::ones({6}, at::kBFloat16));
+      b = register_parameter("b", at::ones({5}, at::kBFloat16), /*requires_grad=*/false);
+    }
+    at::Tensor a, b;
+  };
+  const int rank = world().rank(), n = world().size();
+  Net model;
+  GradReducer reducer(world_ptr(), model,
+                      GradReducerOptions().mode(ReduceMode::kReduceScatter).bucket_numel(64));
+  reducer.zero_grad();
+  for (int step = 0; step < 2; ++step) {
+    SCOPED_TRACE("step " + std::to_string(step));
+    model.a.mutable_grad().reset();  // torch's zero_grad() over the trainable parameters
+    (model.a.to(at::kFloat) * (rank + 1)).sum().backward();
+    EXPECT_NO_THROW(reducer.finish());
+    const double average = (n + 1) / 2.0;  // Σ (r + 1) / n
+    for (const auto& piece : reducer.layout().param_shards(rank)) {
+      if (piece.fqn != "a") continue;
+      EXPECT_TRUE(at::equal(model.a.grad().view({-1}).narrow(0, piece.begin, piece.numel()),
+                            at::full({piece.numel()}, average, at::kBFloat16)));
+    }
+  }
+}
+
 }  // namespace MIXPREC_UNITY_ID
 }  // namespace mixprec::testing
