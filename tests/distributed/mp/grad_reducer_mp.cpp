@@ -460,5 +460,32 @@ TEST(GradReducer, AFrozenParameterIsNoStaleGradientInReduceScatterMode) {
   }
 }
 
+// overlap_param_gather: a backward whose forward ran before wait_for_params() read parameters
+// the all-gather was still writing. Its first gradient is an error naming the cause, on every
+// rank; the gathers still complete (wait_param_gather), and a step that waits is fine.
+TEST(GradReducer, ABackwardBeforeWaitingForTheParamGatherIsAnError) {
+  const int rank = world().rank(), n = world().size();
+  if (n < 2) GTEST_SKIP() << "one rank gathers nothing";
+  ThreeDtypes model;
+  GradReducer reducer(world_ptr(), *model,
+                      GradReducerOptions()
+                          .mode(ReduceMode::kReduceScatter)
+                          .bucket_numel(64)
+                          .overlap_param_gather(true));
+  reducer.zero_grad();
+  backward_weighted(model, rank);
+  reducer.finish();
+  reducer.start_param_gather();
+  reducer.zero_grad();
+  const std::string message = error_of([&] { backward_weighted(model, rank); });
+  EXPECT_NE(message.find("all-gather was never waited for"), std::string::npos) << message;
+  reducer.wait_param_gather();
+  reducer.start_param_gather();
+  reducer.zero_grad();
+  reducer.wait_for_params(*model);
+  EXPECT_EQ(error_of([&] { backward_weighted(model, rank); }), "");
+  reducer.finish();
+}
+
 }  // namespace MIXPREC_UNITY_ID
 }  // namespace mixprec::testing
