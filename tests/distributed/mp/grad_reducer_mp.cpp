@@ -487,5 +487,31 @@ TEST(GradReducer, ABackwardBeforeWaitingForTheParamGatherIsAnError) {
   reducer.finish();
 }
 
+// The parameter gather writes every parameter through its buffer, behind the parameter's
+// back: each one's version counter must move, as an in-place write's would, or whatever keys a
+// cached value on it (quant::OperandCache's quantized weights, a state dict's unchanged check)
+// goes on using the value from before the other ranks' updates arrived.
+TEST(GradReducer, TheParamGatherMovesEveryParametersVersion) {
+  const int n = world().size();
+  if (n < 2) GTEST_SKIP() << "one rank gathers nothing";
+  for (const bool overlap : {false, true}) {
+    SCOPED_TRACE(overlap ? "gather overlapped" : "gather waited");
+    ThreeDtypes model;
+    GradReducer reducer(world_ptr(), *model,
+                        GradReducerOptions()
+                            .mode(ReduceMode::kReduceScatter)
+                            .bucket_numel(64)
+                            .overlap_param_gather(overlap));
+    std::vector<int64_t> before;
+    for (const auto& p : model->parameters()) before.push_back(p._version());
+    reducer.start_param_gather();
+    reducer.wait_param_gather();
+    size_t k = 0;
+    for (const auto& item : model->named_parameters()) {
+      EXPECT_GT(item.value()._version(), before[k++]) << item.key();
+    }
+  }
+}
+
 }  // namespace MIXPREC_UNITY_ID
 }  // namespace mixprec::testing
