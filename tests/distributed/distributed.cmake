@@ -31,7 +31,7 @@ function(mixprec_mp_world n)
                        ENVIRONMENT "OMP_NUM_THREADS=1;${MIXPREC_TEST_ENVIRONMENT}")
 endfunction()
 set(_mixprec_mp_suites Collectives GradReducer ModelCheck DistributedOptimizer ZeroStateDict
-                       CollectiveCheckpoint)
+                       CollectiveCheckpoint ReducerMisuse)
 mixprec_mp_world(1 ${_mixprec_mp_suites})
 # Following the model, broadcasts, failures and allocations: an even and an odd world.
 mixprec_mp_world(2 ${_mixprec_mp_suites} ZeroFollowsModel)
