@@ -513,5 +513,37 @@ TEST(GradReducer, TheParamGatherMovesEveryParametersVersion) {
   }
 }
 
+// accumulate_in_fp32: a .grad replaced from outside after micro-batches accumulated into the
+// FP32 main gradient is the gradient, as in one process (assigning .grad discards what was
+// accumulated). Added to the main gradient instead, the step would average the replacement
+// plus the discarded micro-batches.
+TEST(GradReducer, AGradReplacedAfterNoSyncMicroBatchesIsTheGradientWithFp32Accumulation) {
+  const int rank = world().rank();
+  for (const ReduceMode mode : {ReduceMode::kAllReduce, ReduceMode::kReduceScatter}) {
+    SCOPED_TRACE(mode == ReduceMode::kAllReduce ? "all-reduce" : "reduce-scatter");
+    ThreeDtypes model;
+    GradReducer reducer(world_ptr(), *model,
+                        GradReducerOptions().mode(mode).accumulate_in_fp32(true).bucket_numel(64));
+    reducer.zero_grad();
+    {
+      GradReducer::NoSyncGuard no_sync(reducer);
+      backward_weighted(model, rank);  // every parameter, 'a' included, into main_grad
+    }
+    model->a.mutable_grad() = weight_for(model->a, rank, /*salt=*/7);  // replaced
+    backward_weighted(model, rank, /*skip=*/"a");
+    reducer.finish();
+    const at::Tensor main = reducer.main_grad(reducer.index_of(model->a)).reshape({-1});
+    at::Tensor sum = at::zeros(model->a.sizes(), at::kFloat);
+    for (int r = 0; r < world().size(); ++r) sum += weight_for(model->a, r, 7).to(at::kFloat);
+    if (world().size() > 1) sum.div_(world().size());
+    for (const auto& piece : reducer.layout().param_shards(rank)) {
+      if (piece.fqn != "a") continue;
+      EXPECT_TRUE(at::equal(main.narrow(0, piece.begin, piece.numel()),
+                            sum.view({-1}).narrow(0, piece.begin, piece.numel())))
+          << main.narrow(0, piece.begin, piece.numel());
+    }
+  }
+}
+
 }  // namespace MIXPREC_UNITY_ID
 }  // namespace mixprec::testing
