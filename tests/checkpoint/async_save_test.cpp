@@ -242,6 +242,32 @@ TEST(AsyncSave, StateLargerThanTheBudgetIsRefusedBeforeAnythingIsWritten) {
   EXPECT_THROW(AsyncCheckpointSaver(AsyncSaveOptions().staging_budget_bytes(0)), c10::Error);
 }
 
+// A rank's duplicates (replica_id > 0: what another rank writes) are not staged, and take no
+// staging memory: a budget of the replica-0 shards' bytes suffices. Counted, the arena would
+// grow by every replicated tensor on every rank but one, and a save that fits its budget would
+// be refused.
+TEST(AsyncSave, DuplicatesTakeNoStagingMemory) {
+  ShardedStateDict state;
+  const at::Tensor mine = at::arange(100, at::kFloat);
+  state.tensors.emplace("mine", ShardedTensor::whole(mine));
+  ShardedTensor duplicate = ShardedTensor::whole(at::ones({1000}, at::kFloat));
+  duplicate.replica_id = 1;
+  state.tensors.emplace("duplicate", std::move(duplicate));
+  const std::size_t need = staging_bytes_for(mine.nbytes());
+  EXPECT_EQ(staging_bytes_for(state), need);
+  AsyncCheckpointSaver saver(AsyncSaveOptions().staging_budget_bytes(need));
+  bool wrote = false;
+  saver.save(state, [&](const ShardedStateDict& staged, const std::exception_ptr& failed) {
+    if (failed) std::rethrow_exception(failed);
+    wrote = at::equal(staged.tensors.at("mine").local, mine);
+    return SaveResult{};
+  });
+  EXPECT_NO_THROW(saver.wait_until_staged());
+  EXPECT_NO_THROW(saver.wait());
+  EXPECT_TRUE(wrote);
+  EXPECT_EQ(saver.staging_bytes(), need);
+}
+
 // Large tensors are copied in 1 MiB pieces over several threads, with a strided one (copy_)
 // and tensors smaller than a piece among them: every byte lands in its own slot.
 TEST(AsyncSave, PiecesOfLargeTensorsLandWhereTheyBelong) {
