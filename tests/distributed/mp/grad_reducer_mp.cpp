@@ -572,5 +572,30 @@ TEST(GradReducer, AFrozenBucketDoesNotHoldBackOverlap) {
   }
 }
 
+// broadcast_from_rank0 reaches tensors of any layout: a non-contiguous buffer (a transposed
+// view) and a non-contiguous parameter of a dtype that is only broadcast get rank 0's values
+// on every rank, as contiguous ones do. Sent from a contiguous copy that is never written
+// back, they would keep each rank's own values: ranks apart from the first step.
+TEST(GradReducer, BroadcastFromRankZeroReachesNonContiguousTensors) {
+  const int rank = world().rank(), n = world().size();
+  if (n < 2) GTEST_SKIP() << "one rank has rank 0's values";
+  struct Net : torch::nn::Module {
+    explicit Net(int rank) {
+      w = register_parameter("w", at::full({4}, 1.0 + rank));
+      stats = register_buffer("stats", at::arange(12, at::kFloat).add(100 * rank).view({3, 4}).t());
+      codes = register_parameter("codes", at::arange(6, at::kInt).add(10 * rank).view({2, 3}).t(),
+                                 /*requires_grad=*/false);
+    }
+    at::Tensor w, stats, codes;
+  };
+  Net model(rank), rank_zero(0);
+  ASSERT_FALSE(model.stats.is_contiguous());
+  ASSERT_FALSE(model.codes.is_contiguous());
+  GradReducer reducer(world_ptr(), model, GradReducerOptions());
+  EXPECT_TRUE(at::equal(model.w, rank_zero.w));
+  EXPECT_TRUE(at::equal(model.stats, rank_zero.stats)) << model.stats;
+  EXPECT_TRUE(at::equal(model.codes, rank_zero.codes)) << model.codes;
+}
+
 }  // namespace MIXPREC_UNITY_ID
 }  // namespace mixprec::testing
