@@ -597,5 +597,30 @@ TEST(GradReducer, BroadcastFromRankZeroReachesNonContiguousTensors) {
   EXPECT_TRUE(at::equal(model.codes, rank_zero.codes)) << model.codes;
 }
 
+// With overlap, reductions start during backward: until finish(), zero_grad() would zero
+// buffers a collective is reading (or, in kReduceScatter mode, writing) and a NoSyncGuard's
+// backward would add into them. Both are errors that change nothing; finish() then completes
+// the step on every rank with the right average.
+TEST(GradReducer, ZeroGradAndNoSyncWhileReductionsAreInFlightAreErrors) {
+  const int rank = world().rank();
+  ThreeDtypes model;
+  GradReducer reducer(world_ptr(), *model, GradReducerOptions().bucket_numel(64).overlap(true));
+  reducer.zero_grad();
+  backward_weighted(model, rank);
+  ASSERT_GT(reducer.last_timing().buckets, 1);
+  std::string message = error_of([&] { reducer.zero_grad(); });
+  EXPECT_NE(message.find("in flight; call finish() first"), std::string::npos) << message;
+  message = error_of([&] { GradReducer::NoSyncGuard no_sync(reducer); });
+  EXPECT_NE(message.find("in flight; call finish() before accumulating"), std::string::npos)
+      << message;
+  reducer.finish();
+  int salt = 0;
+  for (auto& item : model->named_parameters()) {
+    ++salt;
+    EXPECT_TRUE(at::equal(item.value().grad(), expected_average(item.value(), salt, true)))
+        << item.key();
+  }
+}
+
 }  // namespace MIXPREC_UNITY_ID
 }  // namespace mixprec::testing
