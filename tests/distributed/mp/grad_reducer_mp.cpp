@@ -622,5 +622,28 @@ TEST(GradReducer, ZeroGradAndNoSyncWhileReductionsAreInFlightAreErrors) {
   }
 }
 
+// accumulate_in_fp32 in kAllReduce mode, gradients cleared torch's way between steps, and a
+// parameter only rank 0's backward reaches in the second step: the other ranks contribute
+// zeros for it, not the FP32 average the last step left in their main gradients.
+TEST(GradReducer, AClearedParameterNoBackwardReachedSendsZerosWithFp32Accumulation) {
+  const int rank = world().rank(), n = world().size();
+  if (n < 2) GTEST_SKIP() << "needs a rank whose backward skips the parameter";
+  ThreeDtypes model;
+  GradReducer reducer(
+      world_ptr(), *model,
+      GradReducerOptions().mode(ReduceMode::kAllReduce).accumulate_in_fp32(true).bucket_numel(64));
+  reducer.zero_grad();
+  backward_weighted(model, rank);
+  reducer.finish();
+  for (auto& p : model->parameters()) p.mutable_grad().reset();  // torch's zero_grad()
+  backward_weighted(model, rank, /*skip=*/rank == 0 ? "" : "e");
+  reducer.finish();
+  const at::Tensor& e = model->e;  // salt 5
+  ASSERT_TRUE(e.grad().defined());
+  const at::Tensor expected =
+      weight_for(e, 0, /*salt=*/5).to(at::kFloat).div(n).to(e.scalar_type());
+  EXPECT_TRUE(at::equal(e.grad(), expected)) << e.grad();
+}
+
 }  // namespace MIXPREC_UNITY_ID
 }  // namespace mixprec::testing
