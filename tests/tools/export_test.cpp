@@ -605,5 +605,50 @@ TEST(ExportInterrupted, ALeftoverOfAKilledExportWithTheSamePidIsNoObstacle) {
       << "someone else's leftover is not the export's to remove";
 }
 
+// --force replaces an export that held only export files when the export began. A file added
+// to it while the new one is written is nobody's to delete: the replaced directory is kept
+// beside OUT, and the report's note says where.
+TEST(ExportInterrupted, AFileAddedToTheReplacedExportMeanwhileIsKept) {
+  Scratch dir;
+  const fs::path ckpt = big_checkpoint(dir);
+  const fs::path parent = dir / "out-force";
+  fs::create_directories(parent);
+  const fs::path out = parent / "out";
+  ASSERT_EQ(wait_program(dir.path(), start_export(dir.path(), {ckpt.string(), out.string()}, "one"),
+                         "one")
+                .status,
+            0);
+  const pid_t pid =
+      start_export(dir.path(), {ckpt.string(), out.string(), "--force", "--dtype", "fp16"}, "two");
+  // Writing once its staging directory is there beside OUT.
+  const auto staging_exists = [&] {
+    for (const auto& entry : fs::directory_iterator(parent)) {
+      if (entry.path().filename().string().starts_with("mixprec-export.tmp-")) return true;
+    }
+    return false;
+  };
+  int raw = 0;
+  while (!staging_exists()) {
+    ASSERT_NE(::waitpid(pid, &raw, WNOHANG), pid) << "the export ended before it wrote";
+    std::this_thread::sleep_for(std::chrono::microseconds(200));
+  }
+  std::ofstream(out / "notes.txt") << "mine\n";
+  const ProgramRun run = wait_program(dir.path(), pid, "two");
+  ASSERT_EQ(run.status, 0) << run.err;
+  EXPECT_TRUE(fs::exists(out / "model.safetensors"));
+  EXPECT_FALSE(fs::exists(out / "notes.txt"));
+  std::vector<fs::path> kept;
+  for (const auto& entry : fs::directory_iterator(parent)) {
+    if (entry.path() != out) kept.push_back(entry.path());
+  }
+  ASSERT_EQ(kept.size(), 1u) << "the replaced export, kept";
+  EXPECT_EQ(read_text(kept[0] / "notes.txt"), "mine\n");
+  EXPECT_NE(run.out.find("note: the replaced export gained 'notes.txt' while exporting, which an "
+                         "export does not write: kept as " +
+                         kept[0].string()),
+            std::string::npos)
+      << run.out;
+}
+
 }  // namespace MIXPREC_UNITY_ID
 }  // namespace train

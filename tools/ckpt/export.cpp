@@ -313,6 +313,16 @@ struct Target {
   bool exists = false;
 };
 
+// The first entry of `dir` an export does not write (another name, or not a regular file), or
+// "" if there is none.
+std::string foreign_entry(const fs::path& dir, std::error_code& ec) {
+  for (const auto& entry : fs::directory_iterator(dir, ec)) {
+    const std::string file = entry.path().filename().string();
+    if (!is_export_file(file) || !entry.is_regular_file(ec) || entry.is_symlink(ec)) return file;
+  }
+  return "";
+}
+
 Target check_target(const ExportOptions& options) {
   if (options.out.empty()) usage_error("empty output path");
   fs::path out = fs::path(options.out).lexically_normal();
@@ -332,15 +342,40 @@ Target check_target(const ExportOptions& options) {
   if (status.type() != fs::file_type::directory) {
     usage_error(options.out + ": exists and is not a directory; --force replaces only an export");
   }
-  for (const auto& entry : fs::directory_iterator(out, ec)) {
-    const std::string file = entry.path().filename().string();
-    if (!is_export_file(file) || !entry.is_regular_file(ec) || entry.is_symlink(ec)) {
-      usage_error(options.out + ": holds '" + file +
-                  "', which an export does not write; --force replaces only an export");
-    }
+  if (const std::string file = foreign_entry(out, ec); !file.empty()) {
+    usage_error(options.out + ": holds '" + file +
+                "', which an export does not write; --force replaces only an export");
   }
   if (ec) usage_error(options.out + ": " + ec.message());
   return target;
+}
+
+// The export OUT held, now at <parent>/<name> after the rename: removed if it still holds only
+// export files. Something added to it while the new export was written (check_target looked
+// before) is no export's to delete: the directory is kept under a sibling name, and the note
+// says where.
+std::string retire_replaced(const Target& target, const std::string& name) {
+  const fs::path replaced = target.parent / name;
+  std::error_code ec;
+  const std::string file = foreign_entry(replaced, ec);
+  if (!file.empty() || ec) {
+    std::string kept = name;
+    if (!name.starts_with("mixprec-export.old-")) {
+      kept = sibling_name("old");
+      if (::renameat(target.parent.fd(), name.c_str(), target.parent.fd(), kept.c_str()) != 0) {
+        kept = name;  // stays under the staging name
+      }
+    }
+    return "the replaced export gained '" + (file.empty() ? ec.message() : file) +
+           "' while exporting, which an export does not write: kept as " +
+           (target.parent / kept).string();
+  }
+  try {
+    target.parent.remove_tree(name);
+  } catch (const std::exception& e) {
+    return "could not remove the replaced export " + replaced.string() + ": " + e.what();
+  }
+  return "";
 }
 
 // Renames the staging directory to OUT: atomically, without ever replacing anything but the
@@ -361,7 +396,9 @@ std::string publish(Target& target, StagingDir& staging) {
     }
     staging.released();
   } else if (::renameat2(fd, from, fd, to, RENAME_EXCHANGE) == 0) {
-    // The staging name now holds the old export; its destructor removes it.
+    // The staging name now holds the old export.
+    staging.released();
+    note = retire_replaced(target, staging.name());
   } else {
     // No RENAME_EXCHANGE here: the old export is moved aside first.
     const std::string aside = sibling_name("old");
@@ -374,11 +411,7 @@ std::string publish(Target& target, StagingDir& staging) {
       throw ToolError(kExitUsage, errno_message("rename to " + out.string(), err));
     }
     staging.released();
-    try {
-      target.parent.remove_tree(aside);
-    } catch (const std::exception& e) {
-      note = "could not remove the replaced export " + aside + ": " + e.what();
-    }
+    note = retire_replaced(target, aside);
   }
   if (::fsync(fd) != 0) throw ToolError(kExitUsage, errno_message("fsync " + out.string(), errno));
   return note;

@@ -33,7 +33,9 @@
 // with --force over an existing export, RENAME_EXCHANGE, then the old one is removed). Any
 // failure before the rename, or SIGHUP, SIGINT, SIGQUIT or SIGTERM (exit status 128 + the
 // signal), removes the temporary directory and leaves OUT as it was.
-// --force replaces only a directory that holds nothing but export files (the names above).
+// --force replaces only a directory that holds nothing but export files (the names above), when
+// the export starts and again when it is replaced: one that gained another file meanwhile is
+// kept beside OUT (mixprec-export.old-<pid>-<hex>), and the report's note says so.
 //
 // Memory: tensors are read in batches of at most 256 MiB (one tensor at a time if larger)
 // and streamed into the files: about the largest batch plus its converted copy.
