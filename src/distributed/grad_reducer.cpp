@@ -599,6 +599,9 @@ void GradReducer::reseat_params() {
     at::Tensor(p).set_data(view);
     // A new value through the parameter: its version moves, as an in-place write's would.
     p.unsafeGetTensorImpl()->bump_version();
+    // Not a new step, though: the value is the one the step's finish() saw, now in the buffer
+    // (the optimizer's update() reseats between the caller's finish() and its own).
+    if (s.finished) s.versions_at_finish[i] = static_cast<int64_t>(p._version());
   }
 }
 

@@ -315,10 +315,11 @@ struct Target {
 
 // The first entry of `dir` an export does not write (another name, or not a regular file), or
 // "" if there is none.
+// Errors go to `ec` (the iterator is advanced with increment(ec): a range-for's ++ throws).
 std::string foreign_entry(const fs::path& dir, std::error_code& ec) {
-  for (const auto& entry : fs::directory_iterator(dir, ec)) {
-    const std::string file = entry.path().filename().string();
-    if (!is_export_file(file) || !entry.is_regular_file(ec) || entry.is_symlink(ec)) return file;
+  for (fs::directory_iterator it(dir, ec), end; !ec && it != end; it.increment(ec)) {
+    const std::string file = it->path().filename().string();
+    if (!is_export_file(file) || !it->is_regular_file(ec) || it->is_symlink(ec)) return file;
   }
   return "";
 }

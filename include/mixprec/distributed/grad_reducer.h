@@ -179,7 +179,8 @@ class GradReducer {
   // last call left no parameter a gradient, when running again changes nothing. So a rank with
   // no backward in a step (an empty micro-batch) still reduces — zeros — when its gradients were
   // cleared by zero_grad() or set to none (torch's Optimizer::zero_grad()), or zeroed in place
-  // after an optimizer step; a .grad zeroed in place with no step in between is not a new step.
+  // after an optimizer step that wrote the parameters; a .grad zeroed in place with no such
+  // write in between (no step, or one skipped on overflow) is not a new step.
   // Throws c10::Error inside a NoSyncGuard, and if the group failed; a throw before any
   // collective (the last step's gradient in reduce-scatter mode) changes nothing.
   void finish();
