@@ -523,16 +523,40 @@ pid_t start_export(const fs::path& scratch, const std::vector<std::string>& args
 // A signal that would end the process (a scheduler's SIGTERM, Ctrl-C, a dropped ssh session's
 // SIGHUP, Ctrl-\) while an export writes: it stops, removes its staging directory and exits
 // with 128 + the signal; OUT does not appear and nothing is left beside it.
-// 64 MiB in 32 tensors: an export of it takes long enough to be caught writing.
-fs::path big_checkpoint(const Scratch& dir) {
-  mixprec::ShardedStateDict state;
-  at::manual_seed(3);
-  for (int i = 0; i < 32; ++i) {
-    state.tensors.emplace("layer." + std::to_string(i) + ".weight",
-                          mixprec::ShardedTensor::whole(at::rand({512, 1024})));
+// The suite exports one checkpoint, 64 MiB in 32 tensors (an export of it takes long enough to
+// be caught writing), written once for all its tests; each exports into a parent of its own.
+class ExportInterrupted : public ::testing::Test {
+ protected:
+  static void SetUpTestSuite() {
+    dir_ = new Scratch;
+    mixprec::ShardedStateDict state;
+    at::manual_seed(3);
+    for (int i = 0; i < 32; ++i) {
+      state.tensors.emplace("layer." + std::to_string(i) + ".weight",
+                            mixprec::ShardedTensor::whole(at::rand({512, 1024})));
+    }
+    ckpt_ = new fs::path(mixprec::checkpoint::save_checkpoint(*dir_ / "root", "big", state).dir);
   }
-  return mixprec::checkpoint::save_checkpoint(dir / "root", "big", state).dir;
-}
+  static void TearDownTestSuite() {
+    delete ckpt_;
+    delete dir_;
+    ckpt_ = nullptr;
+    dir_ = nullptr;
+  }
+  // The suite's scratch directory (the exports' stdout and stderr files go there).
+  const fs::path& scratch() const { return dir_->path(); }
+  const fs::path& ckpt() const { return *ckpt_; }
+  // A new, empty directory `name` in the scratch directory: an export's OUT goes in it.
+  fs::path empty_parent(const std::string& name) const {
+    const fs::path parent = *dir_ / name;
+    fs::create_directories(parent);
+    return parent;
+  }
+
+ private:
+  static inline Scratch* dir_ = nullptr;
+  static inline fs::path* ckpt_ = nullptr;
+};
 
 // Returns once the export started as `pid` has created its staging directory in the empty
 // `parent` (it is writing); false if it ended first.
@@ -544,24 +568,21 @@ bool wait_until_writing(pid_t pid, const fs::path& parent, int& raw) {
   return true;
 }
 
-TEST(ExportInterrupted, EverySignalThatWouldEndItLeavesNothingBehind) {
-  Scratch dir;
-  const fs::path ckpt = big_checkpoint(dir);
+TEST_F(ExportInterrupted, EverySignalThatWouldEndItLeavesNothingBehind) {
   const std::pair<int, std::string> signals[] = {
       {SIGHUP, "SIGHUP"}, {SIGINT, "SIGINT"}, {SIGQUIT, "SIGQUIT"}, {SIGTERM, "SIGTERM"}};
   for (const auto& [signal, name] : signals) {
     SCOPED_TRACE(name);
-    const fs::path parent = dir / ("out-" + name);
-    fs::create_directories(parent);
+    const fs::path parent = empty_parent("out-" + name);
     const pid_t pid = start_export(
-        dir.path(), {ckpt.string(), (parent / "out").string(), "--dtype", "fp16"}, name);
+        scratch(), {ckpt().string(), (parent / "out").string(), "--dtype", "fp16"}, name);
     // Its staging directory is the first entry of the empty parent: once it is there, the
     // export is writing.
     int raw = 0;
     ASSERT_TRUE(wait_until_writing(pid, parent, raw))
-        << "the export ended before it wrote: " << read_text(dir / (name + ".err"));
+        << "the export ended before it wrote: " << read_text(scratch() / (name + ".err"));
     ASSERT_EQ(::kill(pid, signal), 0);
-    const ProgramRun run = wait_program(dir.path(), pid, name);
+    const ProgramRun run = wait_program(scratch(), pid, name);
     ASSERT_NE(run.status, 0) << "the export finished before the signal came; make it larger";
     EXPECT_EQ(run.status, 128 + signal) << "(-1: killed by the signal) " << run.err;
     EXPECT_EQ(run.err, "mixprec-ckpt: interrupted by " + name + "; " + (parent / "out").string() +
@@ -573,32 +594,26 @@ TEST(ExportInterrupted, EverySignalThatWouldEndItLeavesNothingBehind) {
 
 // Under nohup SIGHUP is ignored from the start, so that the export outlives the session: it
 // must stay ignored, and the export finish.
-TEST(ExportInterrupted, ASignalIgnoredAtStartStaysIgnored) {
-  Scratch dir;
-  const fs::path ckpt = big_checkpoint(dir);
-  const fs::path parent = dir / "out-nohup";
-  fs::create_directories(parent);
+TEST_F(ExportInterrupted, ASignalIgnoredAtStartStaysIgnored) {
+  const fs::path parent = empty_parent("out-nohup");
   const pid_t pid =
-      start_export(dir.path(), {ckpt.string(), (parent / "out").string()}, "nohup", SIGHUP);
+      start_export(scratch(), {ckpt().string(), (parent / "out").string()}, "nohup", SIGHUP);
   int raw = 0;
   ASSERT_TRUE(wait_until_writing(pid, parent, raw))
-      << "the export ended before it wrote: " << read_text(dir / "nohup.err");
+      << "the export ended before it wrote: " << read_text(scratch() / "nohup.err");
   ASSERT_EQ(::kill(pid, SIGHUP), 0);
-  const ProgramRun run = wait_program(dir.path(), pid, "nohup");
+  const ProgramRun run = wait_program(scratch(), pid, "nohup");
   EXPECT_EQ(run.status, 0) << "(-1: killed by the signal) " << run.err;
   EXPECT_TRUE(fs::exists(parent / "out" / "model.safetensors"));
 }
 
 // An export killed outright (SIGKILL, the OOM killer) leaves its staging directory. A later
 // export that gets the same pid must not trip over it.
-TEST(ExportInterrupted, ALeftoverOfAKilledExportWithTheSamePidIsNoObstacle) {
-  Scratch dir;
-  const fs::path ckpt = big_checkpoint(dir);
-  const fs::path parent = dir / "out-reused-pid";
-  fs::create_directories(parent);
+TEST_F(ExportInterrupted, ALeftoverOfAKilledExportWithTheSamePidIsNoObstacle) {
+  const fs::path parent = empty_parent("out-reused-pid");
   const pid_t pid =
-      start_export(dir.path(), {ckpt.string(), (parent / "out").string()}, "reused", 0, parent);
-  const ProgramRun run = wait_program(dir.path(), pid, "reused");
+      start_export(scratch(), {ckpt().string(), (parent / "out").string()}, "reused", 0, parent);
+  const ProgramRun run = wait_program(scratch(), pid, "reused");
   ASSERT_EQ(run.status, 0) << run.err;
   EXPECT_TRUE(fs::exists(parent / "out" / "model.safetensors"));
   EXPECT_TRUE(fs::exists(parent / ("mixprec-export.tmp-" + std::to_string(pid))))
@@ -608,18 +623,15 @@ TEST(ExportInterrupted, ALeftoverOfAKilledExportWithTheSamePidIsNoObstacle) {
 // --force replaces an export that held only export files when the export began. A file added
 // to it while the new one is written is nobody's to delete: the replaced directory is kept
 // beside OUT, and the report's note says where.
-TEST(ExportInterrupted, AFileAddedToTheReplacedExportMeanwhileIsKept) {
-  Scratch dir;
-  const fs::path ckpt = big_checkpoint(dir);
-  const fs::path parent = dir / "out-force";
-  fs::create_directories(parent);
+TEST_F(ExportInterrupted, AFileAddedToTheReplacedExportMeanwhileIsKept) {
+  const fs::path parent = empty_parent("out-force");
   const fs::path out = parent / "out";
-  ASSERT_EQ(wait_program(dir.path(), start_export(dir.path(), {ckpt.string(), out.string()}, "one"),
+  ASSERT_EQ(wait_program(scratch(), start_export(scratch(), {ckpt().string(), out.string()}, "one"),
                          "one")
                 .status,
             0);
   const pid_t pid =
-      start_export(dir.path(), {ckpt.string(), out.string(), "--force", "--dtype", "fp16"}, "two");
+      start_export(scratch(), {ckpt().string(), out.string(), "--force", "--dtype", "fp16"}, "two");
   // Writing once its staging directory is there beside OUT.
   const auto staging_exists = [&] {
     for (const auto& entry : fs::directory_iterator(parent)) {
@@ -633,7 +645,7 @@ TEST(ExportInterrupted, AFileAddedToTheReplacedExportMeanwhileIsKept) {
     std::this_thread::sleep_for(std::chrono::microseconds(200));
   }
   std::ofstream(out / "notes.txt") << "mine\n";
-  const ProgramRun run = wait_program(dir.path(), pid, "two");
+  const ProgramRun run = wait_program(scratch(), pid, "two");
   ASSERT_EQ(run.status, 0) << run.err;
   EXPECT_TRUE(fs::exists(out / "model.safetensors"));
   EXPECT_FALSE(fs::exists(out / "notes.txt"));
