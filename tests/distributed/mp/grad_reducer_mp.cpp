@@ -305,17 +305,19 @@ TEST(GradReducer, SecondBackwardBeforeFinishIsAnErrorNamingTheParameter) {
   reducer.finish();  // every rank is in the same state: the reduction completes
 }
 
+// Two BF16 parameters of ones: 'a', trainable, and 'b', registered frozen.
+struct TrainableAndFrozen : torch::nn::Module {
+  TrainableAndFrozen(int64_t trainable, int64_t frozen) {
+    a = register_parameter("a", at::ones({trainable}, at::kBFloat16));
+    b = register_parameter("b", at::ones({frozen}, at::kBFloat16), /*requires_grad=*/false);
+  }
+  at::Tensor a, b;
+};
+
 // A parameter registered frozen (register_parameter(..., requires_grad=false)) has no autograd
 // metadata yet: the reducer still lays it out and hooks it, so unfreezing it later works.
 TEST(GradReducer, AParameterRegisteredFrozenCanBeUnfrozenLater) {
-  struct Net : torch::nn::Module {
-    Net() {
-      a = register_parameter("a", at::ones({4}, at::kBFloat16));
-      b = register_parameter("b", at::ones({3}, at::kBFloat16), /*requires_grad=*/false);
-    }
-    at::Tensor a, b;
-  };
-  Net model;
+  TrainableAndFrozen model(/*trainable=*/4, /*frozen=*/3);
   GradReducer reducer(world_ptr(), model, GradReducerOptions().bucket_numel(64));
   model.b.set_requires_grad(true);
   reducer.zero_grad();
@@ -434,15 +436,8 @@ TEST(GradReducer, AGradSetFromOutsideAfterFinishIsReduced) {
 // is still its buffer range, holding nothing that is reduced, and must not be refused as "the
 // last step's gradient" — the next step reduces as the first did.
 TEST(GradReducer, AFrozenParameterIsNoStaleGradientInReduceScatterMode) {
-  struct Net : torch::nn::Module {
-    Net() {
-      a = register_parameter("a", at::ones({6}, at::kBFloat16));
-      b = register_parameter("b", at::ones({5}, at::kBFloat16), /*requires_grad=*/false);
-    }
-    at::Tensor a, b;
-  };
   const int rank = world().rank(), n = world().size();
-  Net model;
+  TrainableAndFrozen model(/*trainable=*/6, /*frozen=*/5);
   GradReducer reducer(world_ptr(), model,
                       GradReducerOptions().mode(ReduceMode::kReduceScatter).bucket_numel(64));
   reducer.zero_grad();
