@@ -14,6 +14,7 @@
 
 #include <cmath>
 #include <limits>
+#include <map>
 #include <unordered_map>
 #include <unordered_set>
 
@@ -40,6 +41,18 @@ std::vector<std::pair<std::string, at::Tensor>> unique_parameters(const torch::n
   for (const auto& item : model.named_parameters()) {
     const at::Tensor& t = item.value();
     if (t.defined() && seen.insert(t.unsafeGetTensorImpl()).second) out.emplace_back(item.key(), t);
+  }
+  return out;
+}
+
+// The later names of tied parameters, each with the first name it shares a tensor with.
+std::map<std::string, std::string> tied_names(const torch::nn::Module& model) {
+  std::map<std::string, std::string> out;
+  std::unordered_map<const c10::TensorImpl*, std::string> first;
+  for (const auto& item : model.named_parameters()) {
+    if (!item.value().defined()) continue;
+    const auto [it, is_first] = first.emplace(item.value().unsafeGetTensorImpl(), item.key());
+    if (!is_first) out.emplace(item.key(), it->second);
   }
   return out;
 }
@@ -105,7 +118,8 @@ Float16Optimizer::Float16Optimizer(const torch::nn::Module& model,
       who_(std::move(who)),
       traits_(&detail::traits_for(this->defaults(), who_)),
       scaler_(options_.loss_scaler()),
-      model_params_(unique_parameters(model)) {
+      model_params_(unique_parameters(model)),
+      tied_names_(tied_names(model)) {
   TORCH_CHECK(options_.clip_grad() >= 0 && std::isfinite(options_.clip_grad()), "[", who_,
               "] clip_grad must be a finite value >= 0, got ", options_.clip_grad());
   if (options_.offload()) detail::OffloadPipeline::check_options(*options_.offload(), who_.c_str());
@@ -228,9 +242,12 @@ void Float16Optimizer::add_param_group(const torch::optim::OptimizerParamGroup& 
 }
 
 at::Tensor Float16Optimizer::main_param(const std::string& fqn) const {
+  // A tied parameter's later name reaches the one parameter, held under its first name.
+  const auto tied = tied_names_.find(fqn);
+  const std::string& held = tied == tied_names_.end() ? fqn : tied->second;
   std::vector<std::string> names;
   for (size_t k = 0; k < info_.size(); ++k) {
-    if (info_[k].fqn == fqn) return slots_[k]->master_value();
+    if (info_[k].fqn == held) return slots_[k]->master_value();
     names.push_back(info_[k].fqn);
   }
   const auto near = mixprec::detail::close_matches(fqn, names);

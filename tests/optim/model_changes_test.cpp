@@ -452,5 +452,22 @@ TEST(ModelChanges, TiedWeightsAreOneParameterUnderTheFirstName) {
   EXPECT_TRUE(bitwise_equal(other->head->weight, model->head->weight));
 }
 
+TEST(ModelChanges, ATiedParametersMainCopyAnswersToEachOfItsNames) {
+  TiedLm model;
+  Float16Optimizer opt(*model, torch::optim::AdamWOptions(1e-2));
+  set_grads(*model, 0);
+  ASSERT_TRUE(opt.update().success);
+  const at::Tensor first = opt.main_param("embed.weight");
+  ASSERT_TRUE(first.defined());
+  EXPECT_TRUE(opt.main_param("head.weight").is_same(first));
+  // A name the model never had is still refused, naming it.
+  try {
+    (void)opt.main_param("head.bias");
+    ADD_FAILURE() << "expected c10::Error";
+  } catch (const c10::Error& e) {
+    EXPECT_NE(std::string(e.what()).find("'head.bias'"), std::string::npos) << e.what();
+  }
+}
+
 }  // namespace MIXPREC_UNITY_ID
 }  // namespace mixprec::optim

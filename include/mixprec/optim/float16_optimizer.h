@@ -96,6 +96,7 @@
 #include <cstdint>
 #include <exception>
 #include <functional>
+#include <map>
 #include <memory>
 #include <optional>
 #include <string>
@@ -242,8 +243,9 @@ class Float16Optimizer : private detail::GroupOptionsCheck, public torch::optim:
   const std::vector<ParamInfo>& params_info() const { return info_; }
   // The FP32 main copy of the parameter named `fqn`; undefined unless its role is kMaster.
   // The optimizer's own tensor, or with a remainder a fresh FP32 tensor joined from the
-  // parameter and its remainder (writing to it changes nothing). Throws c10::Error naming
-  // `fqn` (and close matches) if the optimizer holds no such param.
+  // parameter and its remainder (writing to it changes nothing). A tied parameter answers to
+  // each of its names. Throws c10::Error naming `fqn` (and close matches) if the optimizer holds
+  // no such param.
   at::Tensor main_param(const std::string& fqn) const;
   // Bytes of optimizer-owned tensors (masters or remainders, and moments) for parameters of
   // `role`; with offloading they are host memory.
@@ -380,6 +382,8 @@ class Float16Optimizer : private detail::GroupOptionsCheck, public torch::optim:
   LossScaler scaler_;
   // The model's parameters at construction, by identity: FQN (first name) and a handle.
   std::vector<std::pair<std::string, at::Tensor>> model_params_;
+  // The model's tied names at construction: each later name with its parameter's first name.
+  std::map<std::string, std::string> tied_names_;
   // Kept in step with the model lazily (plan_sync/apply_sync), also from const members.
   mutable std::vector<ParamInfo> info_;
   std::vector<size_t> group_sizes_;  // params per group, as adopted
