@@ -130,7 +130,7 @@ AsyncCheckpointSaver::~AsyncCheckpointSaver() {
 }
 
 void AsyncCheckpointSaver::reserve(std::size_t bytes) {
-  wait();
+  finish_in_flight();
   TORCH_CHECK(bytes <= options_.staging_budget_bytes(), "[", kWho, "] the checkpoint needs ", bytes,
               " bytes of host staging memory, the budget is ", options_.staging_budget_bytes(),
               " bytes (AsyncSaveOptions::staging_budget_bytes); raise it or save synchronously");
@@ -160,7 +160,7 @@ void AsyncCheckpointSaver::wait_until_staged() {
   }
 }
 
-std::optional<SaveResult> AsyncCheckpointSaver::wait() {
+void AsyncCheckpointSaver::finish_in_flight() {
   if (worker_.joinable()) worker_.join();
   state_ = ShardedStateDict();   // no more handles to live tensors
   staged_ = ShardedStateDict();  // the copy's views only; the arena stays
@@ -171,13 +171,23 @@ std::optional<SaveResult> AsyncCheckpointSaver::wait() {
     result_.reset();
     if (error != reported) std::rethrow_exception(error);
   }
-  std::optional<SaveResult> result = std::move(result_);
-  result_.reset();
-  return result;
+  // Kept, not dropped, until a save() or wait() returns it: its warnings are the caller's.
+  // One save at a time: a result not returned yet means none was in flight.
+  if (result_) {
+    TORCH_INTERNAL_ASSERT(!unreturned_, "[", kWho, "] two results to return");
+    unreturned_ = std::exchange(result_, std::nullopt);
+  }
 }
 
-void AsyncCheckpointSaver::save(const std::filesystem::path& root, const std::string& name,
-                                ShardedStateDict state, const SaveOptions& options) {
+std::optional<SaveResult> AsyncCheckpointSaver::wait() {
+  finish_in_flight();
+  return std::exchange(unreturned_, std::nullopt);
+}
+
+std::optional<SaveResult> AsyncCheckpointSaver::save(const std::filesystem::path& root,
+                                                     const std::string& name,
+                                                     ShardedStateDict state,
+                                                     const SaveOptions& options) {
   // One process writes the whole checkpoint: its shards must cover every tensor.
   detail::check_savable({&state});
   // Cheap to see now; found by the writer, it would surface only at the next save() (whose
@@ -189,7 +199,7 @@ void AsyncCheckpointSaver::save(const std::filesystem::path& root, const std::st
     throw FormatError("[mixprec::checkpoint] " + (root / name).string() +
                       ": already exists; refusing to overwrite it: save under another name");
   }
-  start(
+  return start(
       std::move(state),
       [root, name, options](const ShardedStateDict& staged, const std::exception_ptr& failed) {
         if (failed) std::rethrow_exception(failed);
@@ -198,13 +208,16 @@ void AsyncCheckpointSaver::save(const std::filesystem::path& root, const std::st
       /*defer_errors=*/false);
 }
 
-void AsyncCheckpointSaver::save(ShardedStateDict state, Writer write) {
-  start(std::move(state), std::move(write), /*defer_errors=*/true);
+std::optional<SaveResult> AsyncCheckpointSaver::save(ShardedStateDict state, Writer write) {
+  return start(std::move(state), std::move(write), /*defer_errors=*/true);
 }
 
-void AsyncCheckpointSaver::start(ShardedStateDict state, Writer write, bool defer_errors) {
+std::optional<SaveResult> AsyncCheckpointSaver::start(ShardedStateDict state, Writer write,
+                                                      bool defer_errors) {
   const auto start = std::chrono::steady_clock::now();
-  wait();  // one save in flight; rethrows its error
+  // One save in flight; rethrows its error. Its result stays in unreturned_ until this save has
+  // started: a save() that throws returns nothing, and the next save() or wait() returns it.
+  finish_in_flight();
   writer_reports_ = defer_errors;
   // This process's part only: on N ranks the writer's collective checks what they cover
   // together (collective_checkpoint.h).
@@ -349,6 +362,7 @@ void AsyncCheckpointSaver::start(ShardedStateDict state, Writer write, bool defe
     last_background_seconds_ = seconds_since(background_start);
   });
   unstarted.armed = false;
+  return std::exchange(unreturned_, std::nullopt);
 }
 
 }  // namespace mixprec::checkpoint

@@ -164,19 +164,21 @@ ckpt::SaveResult save_checkpoint(Communicator& comm, const std::filesystem::path
   return save_collectively(comm, root, name, mine, options, nullptr);
 }
 
-void save_checkpoint_async(checkpoint::AsyncCheckpointSaver& saver,
-                           std::shared_ptr<Communicator> checkpoint_comm,
-                           const std::filesystem::path& root, const std::string& name,
-                           ShardedStateDict mine, const checkpoint::SaveOptions& options) {
+std::optional<ckpt::SaveResult> save_checkpoint_async(checkpoint::AsyncCheckpointSaver& saver,
+                                                      std::shared_ptr<Communicator> checkpoint_comm,
+                                                      const std::filesystem::path& root,
+                                                      const std::string& name,
+                                                      ShardedStateDict mine,
+                                                      const checkpoint::SaveOptions& options) {
   TORCH_CHECK(checkpoint_comm, "[mixprec::distributed::save_checkpoint_async] the group is null");
   checkpoint_comm->check_usable("mixprec::distributed::save_checkpoint_async");
   // The name is checked in the save's first phase, which every rank must reach: thrown here on
   // a rank whose name alone is bad, it would leave the others' save to pair with its next one.
-  saver.save(std::move(mine),
-             [comm = std::move(checkpoint_comm), root, name, options](
-                 const ShardedStateDict& staged, const std::exception_ptr& failed) {
-               return save_collectively(*comm, root, name, staged, options, failed);
-             });
+  return saver.save(std::move(mine),
+                    [comm = std::move(checkpoint_comm), root, name, options](
+                        const ShardedStateDict& staged, const std::exception_ptr& failed) {
+                      return save_collectively(*comm, root, name, staged, options, failed);
+                    });
 }
 
 }  // namespace mixprec::distributed

@@ -1,5 +1,6 @@
-// Asynchronous saves: errors reported once, consistent snapshots (a step between building the
-// state dict and staging it is refused), staging memory allocated once within its budget.
+// Asynchronous saves: errors and results reported once, consistent snapshots (a step between
+// building the state dict and staging it is refused), staging memory allocated once within its
+// budget.
 #include "mixprec/checkpoint/async_save.h"
 
 #include "checkpoint/support_training.h"
@@ -11,6 +12,7 @@
 
 #include "support/counting_allocator.h"
 
+#include <c10/util/StringUtil.h>
 #include <gtest/gtest.h>
 
 #include <sys/resource.h>
@@ -59,6 +61,70 @@ TEST(AsyncSave, StagingFailureIsReportedOnceAndTheNextSaveWrites) {
   ASSERT_TRUE(result.has_value());
   EXPECT_EQ(result->dir, root.path / "good");
   verify_checkpoint(root.path / "good");
+}
+
+// A root whose `latest` is unusable: the next save replaces it and says so in its warnings.
+void spoil_latest(const fs::path& root) { testing::write_file(root / "latest", "../../etc\n"); }
+
+void expect_latest_warning(const std::optional<SaveResult>& result, const fs::path& dir) {
+  ASSERT_TRUE(result.has_value()) << dir;
+  EXPECT_EQ(result->dir, dir);
+  ASSERT_EQ(result->warnings.size(), 1u) << c10::Join("\n", result->warnings);
+  EXPECT_NE(result->warnings[0].find("'latest' is unusable and will be replaced"),
+            std::string::npos)
+      << result->warnings[0];
+}
+
+// A caller who never calls wait() between saves still gets every save's result, warnings
+// included: the save() that waits for one returns it. Before, it dropped it.
+TEST(AsyncSave, TheNextSaveReturnsTheResultItWaitedFor) {
+  TempRoot root;
+  TrainingSetup a(at::kBFloat16);
+  AsyncCheckpointSaver saver;
+  spoil_latest(root.path);
+  EXPECT_FALSE(saver.save(root.path, "s1", training_state_dict(*a.model, *a.optimizer)));
+  const std::optional<SaveResult> first =
+      saver.save(root.path, "s2", training_state_dict(*a.model, *a.optimizer));
+  expect_latest_warning(first, root.path / "s1");
+  const std::optional<SaveResult> second = saver.wait();
+  ASSERT_TRUE(second.has_value());
+  EXPECT_EQ(second->dir, root.path / "s2");
+  EXPECT_TRUE(second->warnings.empty()) << c10::Join("\n", second->warnings);
+  EXPECT_FALSE(saver.wait().has_value()) << "a result is returned once";
+
+  // One that reserve() waited for is the next save()'s to return.
+  spoil_latest(root.path);
+  saver.save(root.path, "s3", training_state_dict(*a.model, *a.optimizer));
+  saver.reserve(saver.staging_bytes());
+  expect_latest_warning(saver.save(root.path, "s4", training_state_dict(*a.model, *a.optimizer)),
+                        root.path / "s3");
+  ASSERT_TRUE(saver.wait().has_value());
+}
+
+// reserve() waits for the save in flight too, and so does a save() that is then refused: the
+// result they waited for is the next wait()'s or save()'s, not lost.
+TEST(AsyncSave, AResultWaitedForByReserveOrARefusedSaveIsReturnedNext) {
+  TempRoot root;
+  TrainingSetup a(at::kBFloat16);
+  const std::size_t need = staging_bytes_for(training_state_dict(*a.model, *a.optimizer));
+  AsyncCheckpointSaver saver(AsyncSaveOptions().staging_budget_bytes(need));
+  spoil_latest(root.path);
+  saver.save(root.path, "s1", training_state_dict(*a.model, *a.optimizer));
+  saver.reserve(need);
+  EXPECT_FALSE(saver.in_flight());
+  expect_latest_warning(saver.wait(), root.path / "s1");
+  EXPECT_FALSE(saver.wait().has_value()) << "a result is returned once";
+
+  // A state over the budget is refused after save() waited for the one before.
+  spoil_latest(root.path);
+  saver.save(root.path, "s2", training_state_dict(*a.model, *a.optimizer));
+  ShardedStateDict too_big = training_state_dict(*a.model, *a.optimizer);
+  too_big.tensors.emplace("extra", ShardedTensor::whole(at::zeros({64})));
+  EXPECT_NE(error_of([&] { saver.save(root.path, "s3", too_big); }).find("the budget is"),
+            std::string::npos);
+  EXPECT_FALSE(saver.in_flight());
+  expect_latest_warning(saver.wait(), root.path / "s2");
+  EXPECT_FALSE(fs::exists(root.path / "s3"));
 }
 
 // A name already taken is refused by save() itself, not by the writer in the background,

@@ -30,13 +30,19 @@
 // step bumps, are checked when save() starts and again after the last tensor is copied. Build
 // the dict right before save(), and do not step before wait_until_staged().
 //
-// At most one save is in flight: save() first waits for the previous one, and so does wait()
-// (and the destructor, which reports, never throws, an error nobody collected). An error while
-// staging (a tensor changed, a copy failed) is thrown, once, by wait_until_staged() (or else
-// by wait() or the next save()), and nothing is written — so, with a Writer of the caller's
-// (a collective save), is an error save() finds in the state, and then the writer's error (the
-// one every rank gets) follows at wait() or the next save(); an error of the writing, by the
-// next wait() or save().
+// At most one save is in flight: save() first waits for the previous one, and so do wait(),
+// reserve() and the destructor (which reports, never throws, an error nobody collected). An
+// error while staging (a tensor changed, a copy failed) is thrown, once, by wait_until_staged()
+// (or else by wait() or the next save()), and nothing is written — so, with a Writer of the
+// caller's (a collective save), is an error save() finds in the state, and then the writer's
+// error (the one every rank gets) follows at wait() or the next save(); an error of the
+// writing, by the next wait() or save().
+//
+// Results: each save's SaveResult reaches the caller once, whether or not it calls wait()
+// between saves. The save() or wait() that waits for it returns it; one that reserve(), or a
+// save() that then threw, waited for is returned by the next save() or wait() (the destructor
+// drops it). Log its `warnings`: the checkpoint is committed, but `latest` was not updated,
+// retention failed, or a newer checkpoint does not verify.
 #pragma once
 
 #include "mixprec/checkpoint/save.h"
@@ -92,28 +98,31 @@ class AsyncCheckpointSaver {
 
   // Makes the arena at least `bytes` (staging_bytes_for a state) large, allocating it now and
   // touching its pages. Throws c10::Error naming both sizes if `bytes` exceeds the budget.
-  // Waits for a save in flight first (the arena is its memory).
+  // Waits for a save in flight first (the arena is its memory), rethrowing its error; its
+  // result is kept for the next save() or wait() to return.
   void reserve(std::size_t bytes);
 
   // Starts saving `state` as <root>/<name> (save_checkpoint's rules); returns once it is
-  // checked, before it is staged. Rethrows the previous save's background error, if any, before
-  // starting; throws c10::Error if `state` cannot be saved, does not fit the budget, or changed
-  // since it was built (see above), and FormatError, as save_checkpoint does, for an invalid
-  // or reserved name or an existing <root>/<name>.
-  void save(const std::filesystem::path& root, const std::string& name, ShardedStateDict state,
-            const SaveOptions& options = {});
+  // checked, before it is staged, with the previous save's result: the one it waited for, or
+  // one not returned yet (above); nullopt if there is none. Rethrows the previous save's
+  // background error, if any, before starting; throws c10::Error if `state` cannot be saved,
+  // does not fit the budget, or changed since it was built (see above), and FormatError, as
+  // save_checkpoint does, for an invalid or reserved name or an existing <root>/<name> — having
+  // thrown, it returned no result: the previous save's is the next save()'s or wait()'s.
+  std::optional<SaveResult> save(const std::filesystem::path& root, const std::string& name,
+                                 ShardedStateDict state, const SaveOptions& options = {});
   // The same with `write` as the background half (it gets the staged copy: the same keys,
   // shards and common state, each written tensor a contiguous host copy). Errors of this
   // process's part are not thrown here but given to `write` and thrown by
   // wait_until_staged() (see Writer).
-  void save(ShardedStateDict state, Writer write);
+  std::optional<SaveResult> save(ShardedStateDict state, Writer write);
 
   // Returns once the save in flight (if any) has copied its state: from then on the state may
   // change. Throws its staging error at once (a Writer's own error about it, such as a
   // collective save's agreed one, follows at wait() or the next save()).
   void wait_until_staged();
-  // Waits for the save in flight; returns its result (nullopt if none was in flight), or
-  // rethrows its error.
+  // Waits for the save in flight; returns its result, or rethrows its error. With none in
+  // flight, returns a result not returned yet (reserve() waited for it), else nullopt.
   std::optional<SaveResult> wait();
 
   bool in_flight() const { return worker_.joinable(); }
@@ -132,15 +141,18 @@ class AsyncCheckpointSaver {
 
  private:
   // Both save()s: `defer_errors` gives an error of this process's part to `write` instead of
-  // throwing it.
-  void start(ShardedStateDict state, Writer write, bool defer_errors);
+  // throwing it. Returns the previous save's result, as save() does.
+  std::optional<SaveResult> start(ShardedStateDict state, Writer write, bool defer_errors);
+  // Waits for the save in flight (if any), moving its result to unreturned_; rethrows its error.
+  void finish_in_flight();
 
   AsyncSaveOptions options_;
   at::Tensor arena_;  // uint8, the staging memory
   std::size_t arena_bytes_ = 0;
-  ShardedStateDict state_;   // what is being saved (aliases live tensors until staged)
-  ShardedStateDict staged_;  // its copy in the arena, which the background half writes
-  std::optional<SaveResult> result_;
+  ShardedStateDict state_;                // what is being saved (aliases live tensors until staged)
+  ShardedStateDict staged_;               // its copy in the arena, which the background half writes
+  std::optional<SaveResult> result_;      // the save in flight's, written by the background half
+  std::optional<SaveResult> unreturned_;  // a finished save's, for the next save() or wait()
   std::exception_ptr error_;
   std::exception_ptr reported_;  // a staging error wait_until_staged() threw: wait() skips it
   bool writer_reports_ = false;  // the save in flight has a Writer that reports its failures

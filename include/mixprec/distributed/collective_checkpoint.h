@@ -70,6 +70,7 @@
 #include <nlohmann/json.hpp>
 
 #include <filesystem>
+#include <optional>
 #include <string>
 
 namespace torch::nn {
@@ -97,15 +98,17 @@ checkpoint::SaveResult save_checkpoint(Communicator& comm, const std::filesystem
 // its collectives never interleave with training's and wait with their own timeout (rank 0 may
 // wait for the root's lock or clean stale staging first). Every rank calls it at the same step
 // with a saver of its own; at most one save is in flight (the saver waits for the previous one
-// first). An error surfaces at the next save or saver.wait(): the phases agree on outcomes, so
-// every rank has the same error; a rank lost mid-save is the group's error on the others, with
-// the guarantees of a synchronous save (nothing committed unless every file is durable). So is
-// an invalid or reserved name, or names that differ between ranks: the first phase refuses them
-// on every rank, and the next saves still pair.
-void save_checkpoint_async(checkpoint::AsyncCheckpointSaver& saver,
-                           std::shared_ptr<Communicator> checkpoint_comm,
-                           const std::filesystem::path& root, const std::string& name,
-                           ShardedStateDict mine, const checkpoint::SaveOptions& options = {});
+// first). Returns the previous save's result as AsyncCheckpointSaver::save does (the same on
+// every rank, as save_checkpoint's: log its warnings on one). An error surfaces at the next save
+// or saver.wait(): the phases agree on outcomes, so every rank has the same error; a rank lost
+// mid-save is the group's error on the others, with the guarantees of a synchronous save
+// (nothing committed unless every file is durable). So is an invalid or reserved name, or names
+// that differ between ranks: the first phase refuses them on every rank, and the next saves
+// still pair.
+std::optional<checkpoint::SaveResult> save_checkpoint_async(
+    checkpoint::AsyncCheckpointSaver& saver, std::shared_ptr<Communicator> checkpoint_comm,
+    const std::filesystem::path& root, const std::string& name, ShardedStateDict mine,
+    const checkpoint::SaveOptions& options = {});
 
 // This rank's part of the training state (model pieces, optimizer pieces, RNG, user), as the
 // header comment lays it out, once any parameter gather in flight has completed. Throws
