@@ -354,14 +354,14 @@ void Checkpointer::save_now(int64_t step, mixprec::ShardedStateDict state) {
   const auto start = std::chrono::steady_clock::now();
   if (async_ && async_->in_flight()) wait_for_previous_save(step);
   if (async_ && checkpoint_ranks_) {
-    mixprec::distributed::save_checkpoint_async(*async_, checkpoint_ranks_, root_, name,
-                                                std::move(state), options);
+    report(mixprec::distributed::save_checkpoint_async(*async_, checkpoint_ranks_, root_, name,
+                                                       std::move(state), options));
   } else if (async_) {
-    async_->save(root_, name, std::move(state), options);
+    report(async_->save(root_, name, std::move(state), options));
   } else if (ranks_) {
-    mixprec::distributed::save_checkpoint(*ranks_, root_, name, state, options);
+    report(mixprec::distributed::save_checkpoint(*ranks_, root_, name, state, options));
   } else {
-    mixprec::checkpoint::save_checkpoint(root_, name, state, options);
+    report(mixprec::checkpoint::save_checkpoint(root_, name, state, options));
   }
   stats_.last_blocked_s =
       std::chrono::duration<double>(std::chrono::steady_clock::now() - start).count();
@@ -374,7 +374,7 @@ void Checkpointer::save_now(int64_t step, mixprec::ShardedStateDict state) {
 // a cadence shorter than a background save is seen, not just paid.
 void Checkpointer::wait_for_previous_save(int64_t step) {
   const auto start = std::chrono::steady_clock::now();
-  failures_of_the_run([&] { async_->wait(); });
+  failures_of_the_run([&] { report(async_->wait()); });
   const double waited =
       std::chrono::duration<double>(std::chrono::steady_clock::now() - start).count();
   // A save that finished has only its thread left to join: microseconds.
@@ -390,6 +390,18 @@ void Checkpointer::wait_for_previous_save(int64_t step) {
   }
 }
 
+// The checkpoint is committed and durable: the run goes on, but its user must hear that, say,
+// `latest` was not updated or retention could not delete old checkpoints (a disk filling up).
+void Checkpointer::report(const std::optional<mixprec::checkpoint::SaveResult>& result) {
+  // On several ranks every rank gets rank 0's result, the one that committed.
+  if (!result || (ranks_ && ranks_->rank() != 0)) return;
+  for (const std::string& warning : result->warnings) {
+    std::fprintf(stderr, "mixprec-train: warning: checkpoint %s: %s\n", result->dir.c_str(),
+                 warning.c_str());
+  }
+  stats_.warnings += static_cast<int64_t>(result->warnings.size());
+}
+
 void Checkpointer::before_state_changes() {
   if (!async_ || !async_->in_flight()) return;
   const auto start = std::chrono::steady_clock::now();
@@ -403,7 +415,7 @@ void Checkpointer::before_state_changes() {
 void Checkpointer::finish() {
   if (!async_) return;
   const auto start = std::chrono::steady_clock::now();
-  failures_of_the_run([&] { async_->wait(); });
+  failures_of_the_run([&] { report(async_->wait()); });
   stats_.end_wait_s +=
       std::chrono::duration<double>(std::chrono::steady_clock::now() - start).count();
 }

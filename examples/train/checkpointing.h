@@ -130,6 +130,9 @@ struct SaveStats {
   // blocked_s): the background save takes longer than --ckpt-every's steps.
   int64_t waited_for_previous = 0;
   double waited_for_previous_s = 0;
+  // Problems that did not fail a save (SaveResult::warnings: `latest` not updated, retention
+  // that failed, …), each printed on stderr by rank 0 when its save's result arrived.
+  int64_t warnings = 0;
   std::filesystem::path last_dir;
 };
 
@@ -157,7 +160,7 @@ class Checkpointer {
   void prepare(std::size_t bytes);
   // Saves `state` (this rank's part) as <root>/step-<step> and points `latest` at it. Blocking
   // saves return once committed; async ones once checked: the copy follows in the background.
-  // Errors of a background save surface here or in finish().
+  // Errors of a background save surface here or in finish(); its warnings are printed there.
   void save(int64_t step, mixprec::ShardedStateDict state);
   // Before anything writes the model or optimizer state (the next optimizer step): waits until
   // an async save in flight has copied it. Throws that copy's error.
@@ -171,6 +174,8 @@ class Checkpointer {
  private:
   void save_now(int64_t step, mixprec::ShardedStateDict state);
   void wait_for_previous_save(int64_t step);
+  // Prints a save's warnings on stderr (rank 0: every rank gets the same result) and counts them.
+  void report(const std::optional<mixprec::checkpoint::SaveResult>& result);
   std::filesystem::path root_;
   CheckpointerOptions options_;
   std::unique_ptr<mixprec::checkpoint::AsyncCheckpointSaver> async_;

@@ -335,10 +335,15 @@ std::string summary(const RunReport& r) {
       }
       async_text += printed("; the run's end waited %.3f s for the last)", r.saves.end_wait_s);
     }
-    s << printed("checkpoint  %s: %s on disk; %lld saves, training blocked %.3f s per save%s\n",
+    const std::string warnings_text =
+        r.saves.warnings == 0
+            ? std::string()
+            : printed(" (%lld warning%s, on stderr)", static_cast<long long>(r.saves.warnings),
+                      r.saves.warnings == 1 ? "" : "s");
+    s << printed("checkpoint  %s: %s on disk; %lld saves%s, training blocked %.3f s per save%s\n",
                  r.saves.last_dir.string().c_str(),
                  bytes_text(static_cast<double>(directory_bytes(r.saves.last_dir))).c_str(),
-                 static_cast<long long>(r.saves.saves),
+                 static_cast<long long>(r.saves.saves), warnings_text.c_str(),
                  r.saves.blocked_s / static_cast<double>(r.saves.saves), async_text.c_str());
   }
   if (!r.metrics_path.empty()) {

@@ -1,6 +1,7 @@
 // mixprec-train as a cluster runs it: a job requeued while its last incarnation still exits,
 // two jobs pointed at one directory, a save cut off between its commit and `latest`, the
-// scheduler's SIGTERM arriving twice, and a staging budget that cannot hold the state.
+// scheduler's SIGTERM arriving twice, a staging budget that cannot hold the state, and a save
+// that commits but warns.
 #include "checkpointing.h"
 #include "train/train_program.h"
 
@@ -434,6 +435,32 @@ TEST_F(Cluster, AStagingBudgetTooSmallIsRefusedBeforeTheFirstStep) {
   EXPECT_NE(run.err.find("--async-save needs "), std::string::npos) << run.err;
   EXPECT_NE(run.err.find("--staging-budget-mb is 1 "), std::string::npos) << run.err;
   EXPECT_EQ(count_lines(dir_ / "run/metrics.jsonl"), 0u) << "no step ran";
+}
+
+// A save that commits but meets a problem (here: an older run's checkpoint in the root that
+// does not verify) says so on stderr, one line naming the checkpoint, and the summary counts
+// it — for a blocking save, and for a background one, whose result arrives at the next save.
+TEST_F(Cluster, ASavesWarningsArePrintedAndCounted) {
+  for (const std::string out : {"blocking", "async"}) {
+    SCOPED_TRACE(out);
+    write_unverifiable_checkpoint(dir_ / out / "checkpoints", "damaged");
+    std::vector<std::string> flags =
+        tiny_model() + std::vector<std::string>{"--data",       (dir_ / "corpus.txt").string(),
+                                                "--out",        out,
+                                                "--eval-every", "1000",
+                                                "--steps",      "2",
+                                                "--ckpt-every", "1"};
+    if (out == "async") flags.push_back("--async-save");
+    const ProgramRun run = run_program(dir_.path(), flags, out);
+    ASSERT_EQ(run.status, 0) << run.err;
+    const std::string line = "mixprec-train: warning: checkpoint " + out +
+                             "/checkpoints/step-000001: a checkpoint newer than 'latest' does "
+                             "not verify and is left as it is: damaged: ";
+    EXPECT_NE(run.err.find(line), std::string::npos) << run.err;
+    EXPECT_EQ(occurrences(run.err, "mixprec-train: warning:"), 1u) << run.err;
+    EXPECT_NE(run.out.find("; 2 saves (1 warning, on stderr), training blocked"), std::string::npos)
+        << run.out;
+  }
 }
 
 }  // namespace MIXPREC_UNITY_ID

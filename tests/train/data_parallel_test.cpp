@@ -42,12 +42,6 @@ std::vector<std::string> data_parallel_run(const Scratch& dir) {
                                                  "--warmup",     "2"};
 }
 
-size_t occurrences(const std::string& text, const std::string& what) {
-  size_t n = 0;
-  for (size_t at = text.find(what); at != std::string::npos; at = text.find(what, at + 1)) ++n;
-  return n;
-}
-
 double relative_difference(double a, double b) { return std::abs(a - b) / std::abs(b); }
 
 void expect_close_losses(const std::vector<StepRecord>& got, const std::vector<StepRecord>& want,
@@ -162,6 +156,34 @@ TEST(DataParallel, AsyncSavesOnTwoRanksWriteTheBlockingSavesCheckpoints) {
     EXPECT_EQ(chunk_checksums(dir / "async/checkpoints" / step), expected) << step;
   }
   EXPECT_EQ(read_text(dir / "async/checkpoints/latest"), "step-000008\n");
+}
+
+// On two ranks every rank gets the save's result that rank 0 committed: its warning is printed
+// once, by rank 0, for a blocking collective save and for a background one.
+TEST(DataParallel, ASavesWarningIsPrintedOnceOnTwoRanks) {
+  if (mixprec::test::torchrun().empty()) GTEST_SKIP() << "no torchrun beside MIXPREC_PYTHON";
+  Scratch dir;
+  write_corpus(dir / "corpus.txt");
+  for (const std::string out : {"blocking", "async"}) {
+    SCOPED_TRACE(out);
+    write_unverifiable_checkpoint(dir / out / "checkpoints", "damaged");
+    std::vector<std::string> flags =
+        tiny_model() + std::vector<std::string>{"--data",       (dir / "corpus.txt").string(),
+                                                "--out",        out,
+                                                "--eval-every", "1000",
+                                                "--steps",      "2",
+                                                "--ckpt-every", "1"};
+    if (out == "async") flags.push_back("--async-save");
+    const ProgramRun run = run_program(dir.path(), flags, out, 2);
+    ASSERT_EQ(run.status, 0) << run.err;
+    EXPECT_EQ(occurrences(run.err, "mixprec-train: warning: checkpoint " + out +
+                                       "/checkpoints/step-000001: a checkpoint newer than "
+                                       "'latest' does not verify"),
+              1u)
+        << run.err;
+    EXPECT_EQ(occurrences(run.err, "mixprec-train: warning:"), 1u) << run.err;
+    EXPECT_NE(run.out.find("2 saves (1 warning, on stderr)"), std::string::npos) << run.out;
+  }
 }
 
 // Two ranks wait for a checkpoint directory held by another (here this test): rank 0 waits in

@@ -2,9 +2,11 @@
 #pragma once
 
 #include "metrics.h"
+#include "mixprec/checkpoint/save.h"
 #include "support/remove_tree.h"
 #include "support/test_env.h"
 
+#include <ATen/ATen.h>
 #include <nlohmann/json.hpp>
 
 #include <fcntl.h>
@@ -164,6 +166,27 @@ inline std::map<std::string, std::string> snapshot(const fs::path& dir) {
       files[fs::relative(entry.path(), dir).string()] = read_text(entry.path());
   }
   return files;
+}
+
+// A committed checkpoint <root>/<name> whose data no longer verifies (a byte flipped after the
+// commit), and no `latest`: a run in `root` starts afresh, and its first save warns that this
+// checkpoint, newer than `latest`, does not verify (SaveResult::warnings).
+inline void write_unverifiable_checkpoint(const fs::path& root, const std::string& name) {
+  mixprec::ShardedStateDict state;
+  state.tensors.emplace("x", mixprec::ShardedTensor::whole(at::arange(64, at::kFloat)));
+  const mixprec::checkpoint::SaveResult saved = mixprec::checkpoint::save_checkpoint(
+      root, name, state, mixprec::checkpoint::SaveOptions().update_latest(false));
+  const fs::path data = saved.dir / "data-00000.safetensors";
+  std::string bytes = read_text(data);
+  bytes.back() = static_cast<char>(bytes.back() ^ 0x10);
+  std::ofstream(data, std::ios::trunc | std::ios::binary) << bytes;
+}
+
+// How often `what` occurs in `text`.
+inline size_t occurrences(const std::string& text, const std::string& what) {
+  size_t n = 0;
+  for (size_t at = text.find(what); at != std::string::npos; at = text.find(what, at + 1)) ++n;
+  return n;
 }
 
 // Text that a byte-level model learns quickly: a few sentences repeated with variations.
