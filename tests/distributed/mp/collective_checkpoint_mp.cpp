@@ -533,6 +533,34 @@ TEST(CollectiveCheckpoint, AnAsyncSaveWithRanksWhosePartsAreEmptyCommitsAndLoads
   world().barrier();  // every rank has read before the directory goes
 }
 
+// The next async collective save returns the result of the one it waited for, warnings
+// included, on every rank alike (here: an unusable `latest`, which rank 0 replaces).
+TEST(CollectiveCheckpoint, TheNextAsyncSaveReturnsThePreviousResultOnEveryRank) {
+  const int n = world().size(), rank = world().rank();
+  SharedTempDir root;
+  auto group = own_group("async-results", std::chrono::seconds(20));
+  ShardedStateDict whole;
+  whole.tensors.emplace("w", ShardedTensor::whole(at::arange(8, at::kFloat)));
+  if (rank == 0) std::ofstream(root.path() / "latest") << "../../etc\n";
+  world().barrier();  // before any rank's save can reach the root
+  checkpoint::AsyncCheckpointSaver saver;
+  EXPECT_FALSE(distributed::save_checkpoint_async(saver, group, root.path(), "step-1",
+                                                  checkpoint::shard_for_rank(whole, rank, n)));
+  const std::optional<checkpoint::SaveResult> first = distributed::save_checkpoint_async(
+      saver, group, root.path(), "step-2", checkpoint::shard_for_rank(whole, rank, n));
+  ASSERT_TRUE(first.has_value()) << "rank " << rank;
+  EXPECT_EQ(first->dir, root.path() / "step-1");
+  ASSERT_EQ(first->warnings.size(), 1u) << "rank " << rank;
+  EXPECT_NE(first->warnings[0].find("'latest' is unusable"), std::string::npos)
+      << first->warnings[0];
+  const std::optional<checkpoint::SaveResult> second = saver.wait();
+  ASSERT_TRUE(second.has_value()) << "rank " << rank;
+  EXPECT_EQ(second->dir, root.path() / "step-2");
+  EXPECT_TRUE(second->warnings.empty()) << "rank " << rank;
+  EXPECT_FALSE(saver.wait().has_value()) << "a result is returned once";
+  world().barrier();  // every rank is done before the directory goes
+}
+
 // A reserved or invalid name, on every rank or on one only, fails the collective async save on
 // every rank alike (at wait(): every rank must reach the save's first phase, where it is
 // checked), and the next saves still pair: none is left waiting for another rank's next one.
