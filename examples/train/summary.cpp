@@ -340,11 +340,12 @@ std::string summary(const RunReport& r) {
             ? std::string()
             : printed(" (%lld warning%s, on stderr)", static_cast<long long>(r.saves.warnings),
                       r.saves.warnings == 1 ? "" : "s");
-    s << printed("checkpoint  %s: %s on disk; %lld saves%s, training blocked %.3f s per save%s\n",
+    s << printed("checkpoint  %s: %s on disk; %lld save%s%s, training blocked %.3f s per save%s\n",
                  r.saves.last_dir.string().c_str(),
                  bytes_text(static_cast<double>(directory_bytes(r.saves.last_dir))).c_str(),
-                 static_cast<long long>(r.saves.saves), warnings_text.c_str(),
-                 r.saves.blocked_s / static_cast<double>(r.saves.saves), async_text.c_str());
+                 static_cast<long long>(r.saves.saves), r.saves.saves == 1 ? "" : "s",
+                 warnings_text.c_str(), r.saves.blocked_s / static_cast<double>(r.saves.saves),
+                 async_text.c_str());
   }
   if (!r.metrics_path.empty()) {
     // The plotting script needs matplotlib, which set-up installs into the build's Python.

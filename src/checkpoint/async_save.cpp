@@ -120,7 +120,14 @@ AsyncCheckpointSaver::AsyncCheckpointSaver(AsyncSaveOptions options)
 
 AsyncCheckpointSaver::~AsyncCheckpointSaver() {
   try {
-    wait();
+    // A committed save's warnings nobody collected are printed as its error would be: they are
+    // what a user must hear ('latest' not updated, retention that failed).
+    if (const std::optional<SaveResult> result = wait()) {
+      for (const std::string& warning : result->warnings) {
+        std::fprintf(stderr, "[%s] warning nobody collected, saving %s: %s\n", kWho,
+                     result->dir.c_str(), warning.c_str());
+      }
+    }
   } catch (const std::exception& e) {
     std::fprintf(stderr, "[%s] a background checkpoint save failed and nobody asked: %s\n", kWho,
                  e.what());

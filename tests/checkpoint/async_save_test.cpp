@@ -127,6 +127,25 @@ TEST(AsyncSave, AResultWaitedForByReserveOrARefusedSaveIsReturnedNext) {
   EXPECT_FALSE(fs::exists(root.path / "s3"));
 }
 
+// A saver destroyed with a result nobody collected prints its warnings, as it prints an error
+// nobody collected: the checkpoint is committed, but the user must hear what went wrong.
+TEST(AsyncSave, TheDestructorPrintsTheWarningsOfAResultNobodyCollected) {
+  TempRoot root;
+  TrainingSetup a(at::kBFloat16);
+  spoil_latest(root.path);
+  ::testing::internal::CaptureStderr();
+  {
+    AsyncCheckpointSaver saver;
+    saver.save(root.path, "s1", training_state_dict(*a.model, *a.optimizer));
+  }
+  const std::string printed = ::testing::internal::GetCapturedStderr();
+  EXPECT_NE(printed.find("warning nobody collected, saving " + (root.path / "s1").string() +
+                         ": 'latest' is unusable and will be replaced"),
+            std::string::npos)
+      << printed;
+  verify_checkpoint(root.path / "s1");
+}
+
 // A name already taken is refused by save() itself, not by the writer in the background,
 // whose error would surface only at the next save() and cost that save too.
 TEST(AsyncSave, AnExistingNameIsRefusedAtOnce) {

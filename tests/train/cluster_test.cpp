@@ -349,6 +349,7 @@ TEST_F(Cluster, AutoResumeStartsTheRunThenContinuesItWithTheSameCommand) {
   const ProgramRun first = run_program(dir_.path(), job, "first");
   ASSERT_EQ(first.status, 0) << first.err;
   EXPECT_EQ(first.out.find("resumed"), std::string::npos) << first.out;
+  EXPECT_NE(first.out.find(" on disk; 1 save, training blocked"), std::string::npos) << first.out;
   EXPECT_EQ(read_text(dir_ / "run/checkpoints/latest"), "step-000002\n");
   const ProgramRun requeued = run_program(dir_.path(), job, "requeued");
   ASSERT_EQ(requeued.status, 0) << requeued.err;

@@ -41,8 +41,8 @@
 // Results: each save's SaveResult reaches the caller once, whether or not it calls wait()
 // between saves. The save() or wait() that waits for it returns it; one that reserve(), or a
 // save() that then threw, waited for is returned by the next save() or wait() (the destructor
-// drops it). Log its `warnings`: the checkpoint is committed, but `latest` was not updated,
-// retention failed, or a newer checkpoint does not verify.
+// prints the warnings of one nobody collected on stderr). Log its `warnings`: the checkpoint is
+// committed, but `latest` was not updated, retention failed, or a newer checkpoint does not verify.
 #pragma once
 
 #include "mixprec/checkpoint/save.h"
