@@ -250,6 +250,7 @@ at::Tensor Float16Optimizer::main_param(const std::string& fqn) const {
     if (info_[k].fqn == held) return slots_[k]->master_value();
     names.push_back(info_[k].fqn);
   }
+  for (const auto& [name, first] : tied_names_) names.push_back(name);
   const auto near = mixprec::detail::close_matches(fqn, names);
   TORCH_CHECK(false, "[mixprec::Float16Optimizer::main_param] the optimizer holds no parameter '",
               fqn, "'", near.empty() ? "" : " (close: " + mixprec::detail::join(near) + ")");

@@ -467,6 +467,13 @@ TEST(ModelChanges, ATiedParametersMainCopyAnswersToEachOfItsNames) {
   } catch (const c10::Error& e) {
     EXPECT_NE(std::string(e.what()).find("'head.bias'"), std::string::npos) << e.what();
   }
+  // A misspelt tied name is answered with the name it was meant to be.
+  try {
+    (void)opt.main_param("head.wieght");
+    ADD_FAILURE() << "expected c10::Error";
+  } catch (const c10::Error& e) {
+    EXPECT_NE(std::string(e.what()).find("close: head.weight"), std::string::npos) << e.what();
+  }
 }
 
 }  // namespace MIXPREC_UNITY_ID

@@ -182,6 +182,7 @@ TEST(DataParallel, ASavesWarningIsPrintedOnceOnTwoRanks) {
               1u)
         << run.err;
     EXPECT_EQ(occurrences(run.err, "mixprec-train: warning:"), 1u) << run.err;
+    EXPECT_EQ(run.err.find("warning nobody collected"), std::string::npos) << run.err;
     EXPECT_NE(run.out.find("2 saves (1 warning, on stderr)"), std::string::npos) << run.out;
   }
 }

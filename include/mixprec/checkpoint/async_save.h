@@ -122,7 +122,8 @@ class AsyncCheckpointSaver {
   // collective save's agreed one, follows at wait() or the next save()).
   void wait_until_staged();
   // Waits for the save in flight; returns its result, or rethrows its error. With none in
-  // flight, returns a result not returned yet (reserve() waited for it), else nullopt.
+  // flight, returns a result not returned yet (reserve(), or a save() that then threw, waited
+  // for it), else nullopt.
   std::optional<SaveResult> wait();
 
   bool in_flight() const { return worker_.joinable(); }

@@ -99,7 +99,8 @@ checkpoint::SaveResult save_checkpoint(Communicator& comm, const std::filesystem
 // wait for the root's lock or clean stale staging first). Every rank calls it at the same step
 // with a saver of its own; at most one save is in flight (the saver waits for the previous one
 // first). Returns the previous save's result as AsyncCheckpointSaver::save does (the same on
-// every rank, as save_checkpoint's: log its warnings on one). An error surfaces at the next save
+// every rank, as save_checkpoint's: log its warnings on one; a saver destroyed with one
+// uncollected prints them on every rank). An error surfaces at the next save
 // or saver.wait(): the phases agree on outcomes, so every rank has the same error; a rank lost
 // mid-save is the group's error on the others, with the guarantees of a synchronous save
 // (nothing committed unless every file is durable). So is an invalid or reserved name, or names

@@ -244,8 +244,8 @@ class Float16Optimizer : private detail::GroupOptionsCheck, public torch::optim:
   // The FP32 main copy of the parameter named `fqn`; undefined unless its role is kMaster.
   // The optimizer's own tensor, or with a remainder a fresh FP32 tensor joined from the
   // parameter and its remainder (writing to it changes nothing). A tied parameter answers to
-  // each of its names. Throws c10::Error naming `fqn` (and close matches) if the optimizer holds
-  // no such param.
+  // each of the names it had when the optimizer was built. Throws c10::Error naming `fqn` (and
+  // close matches) if the optimizer holds no such param.
   at::Tensor main_param(const std::string& fqn) const;
   // Bytes of optimizer-owned tensors (masters or remainders, and moments) for parameters of
   // `role`; with offloading they are host memory.
