@@ -322,17 +322,22 @@ TEST(ManifestV2, VerifyChecksEveryBlockChecksum) {
   const auto dir = staging.commit({});
   EXPECT_EQ(verify_checkpoint(dir).bytes, 200u);
   // The whole-chunk checksum is right but one block checksum is not: a resharded load would
-  // trust it, so verify must not.
-  m.keys["t"].chunks[0].block_checksums[2] ^= 1;
-  testing::write_file(dir / kManifestFileName, manifest_to_json(m));
-  try {
-    verify_checkpoint(dir);
-    FAIL() << "expected ChecksumError";
-  } catch (const ChecksumError& e) {
-    EXPECT_NE(
-        std::string(e.what()).find("key 't' chunk 0 (tensor 't'): checksum mismatch in block 2"),
-        std::string::npos)
-        << e.what();
+  // trust it, so verify must not. Block 3 is the short last one (bytes [192, 200)).
+  for (const std::size_t block : {std::size_t{2}, std::size_t{3}}) {
+    SCOPED_TRACE(block);
+    Manifest bad = m;
+    bad.keys["t"].chunks[0].block_checksums[block] ^= 1;
+    testing::write_file(dir / kManifestFileName, manifest_to_json(bad));
+    try {
+      verify_checkpoint(dir);
+      FAIL() << "expected ChecksumError";
+    } catch (const ChecksumError& e) {
+      EXPECT_NE(
+          std::string(e.what()).find("key 't' chunk 0 (tensor 't'): checksum mismatch in block " +
+                                     std::to_string(block)),
+          std::string::npos)
+          << e.what();
+    }
   }
 }
 
