@@ -53,6 +53,18 @@ TEST(RootWriter, FindsTheNewestCompleteCheckpointWithoutWriting) {
   EXPECT_EQ(testing::read_file(tmp.path() / "latest"), latest_before);
 }
 
+// Only a higher sequence than `latest`'s makes a checkpoint newer: a committed copy with the
+// same sequence (a name that sorts after `latest`'s) is neither verified nor taken.
+TEST(RootWriter, ACheckpointWithLatestsSequenceIsNotNewer) {
+  TempDir tmp;
+  write_sample_checkpoint(tmp.path(), "c1", 1, 1);
+  write_sample_checkpoint(tmp.path(), "c1-copy", 1, 2, {.update_latest = false});
+  const NewestCheckpoint newest = find_newest_checkpoint(Directory::open(tmp.path()));
+  EXPECT_EQ(newest.name, "c1");
+  EXPECT_FALSE(newest.latest_is_stale());
+  EXPECT_TRUE(newest.skipped.empty());
+}
+
 // The earlier code never looked past `latest`: resume went back to c1, and every later save
 // of c2 failed with "already exists".
 TEST(RootWriter, RepairsLatestAndSaysSo) {
