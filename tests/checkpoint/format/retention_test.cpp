@@ -51,6 +51,15 @@ TEST(Retention, OrdersBySequenceNotByName) {
   EXPECT_EQ(next_sequence(root), 4u);
 }
 
+// Equal sequences (a checkpoint directory copied within the root) are ordered by name, so that
+// listing, retention and the newest-checkpoint lookup agree on one order whatever the
+// directory order.
+TEST(Retention, EqualSequencesAreOrderedByName) {
+  TempDir tmp;
+  for (const char* name : {"b", "a", "c"}) write_sample_checkpoint(tmp.path(), name, 1, 1);
+  EXPECT_EQ(names(list_checkpoints(tmp.path())), (std::vector<std::string>{"a", "b", "c"}));
+}
+
 TEST(Retention, KeepsLastKAndNeverLatestOrInUse) {
   TempDir tmp;
   const auto& root = tmp.path();
