@@ -147,5 +147,18 @@ TEST(Verify, DetectsCorruptionMissingAndUnreferencedData) {
                       "tensor 'stray' is not referenced");
 }
 
+// A data file whose tensor has the manifest's size but another dtype (BF16 bytes the manifest
+// calls F16) is refused by verify as read_checkpoint refuses it: the lookup of the newest
+// complete checkpoint trusts verify to say that a checkpoint loads.
+TEST(Verify, DetectsADtypeOtherThanTheManifests) {
+  TempDir tmp;
+  const auto dir = write_sample_checkpoint(tmp.path(), "c", 1, 1);
+  Manifest m = read_manifest(dir);
+  m.keys.at("b").dtype = Dtype::F16;  // "b" is BF16 [10] in data-0: the same 20 bytes
+  testing::write_file(dir / kManifestFileName, manifest_to_json(m));
+  EXPECT_FORMAT_ERROR(verify_checkpoint(dir), "data-0.safetensors: key 'b' chunk 0 (tensor 'b')",
+                      "dtype is BF16, the manifest says F16");
+}
+
 }  // namespace MIXPREC_UNITY_ID
 }  // namespace mixprec::checkpoint
