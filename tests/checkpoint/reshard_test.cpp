@@ -126,6 +126,29 @@ TEST(Reshard, ArbitraryBoxesAcrossChunks) {
   EXPECT_THROW(read_checkpoint(saved.dir, options), c10::Error);
 }
 
+// Shards split along a trailing dimension (tensor-parallel columns): each chunk's rows are not
+// contiguous in the result, so a chunk's rows must not be copied as one run.
+TEST(Reshard, ColumnShardsReadBackWholeAndAsRowSlices) {
+  TempRoot root;
+  at::manual_seed(3);
+  const at::Tensor t = at::randn({4, 6});
+  std::vector<ShardedStateDict> ranks(2);
+  for (int r = 0; r < 2; ++r) {
+    ShardedTensor shard;
+    shard.local = t.narrow(1, 3 * r, 3).contiguous();
+    shard.global_shape = {4, 6};
+    shard.global_offset = {0, 3 * r};
+    ranks[r].tensors.emplace("w", std::move(shard));
+  }
+  const SaveResult saved = save_checkpoint(root.path, "c", {&ranks[0], &ranks[1]});
+  EXPECT_EQ(read_manifest(saved.dir).keys.at("w").chunks.size(), 2u);
+  EXPECT_TRUE(at::equal(read_checkpoint(saved.dir).at("w").local, t));
+  for (int r = 0; r < 2; ++r) {
+    const at::Tensor rows = read_checkpoint(saved.dir, read_options_for_rank(r, 2)).at("w").local;
+    EXPECT_TRUE(at::equal(rows, t.narrow(0, 2 * r, 2))) << "rank " << r;
+  }
+}
+
 TEST(Reshard, ShardsWrittenTwiceAreRefused) {
   TempRoot root;
   const ShardedStateDict whole = whole_state();
