@@ -149,6 +149,23 @@ TEST(Reshard, ColumnShardsReadBackWholeAndAsRowSlices) {
   }
 }
 
+// A rank's slice is a view of the whole tensor and carries its version: a step that changes
+// the tensor after the state dict was built is caught when the slices are saved.
+TEST(Reshard, ASliceOfATensorChangedSinceIsRefusedBySave) {
+  TempRoot root;
+  at::Tensor w = at::randn({4, 3});
+  ShardedStateDict whole;
+  whole.tensors.emplace("w", ShardedTensor::whole(w));
+  const ShardedStateDict rank0 = shard_for_rank(whole, 0, 2);
+  w.add_(1);  // e.g. an optimizer step between building the dict and saving it
+  try {
+    save_checkpoint(root.path, "c", rank0);
+    FAIL() << "expected the changed tensor to be refused";
+  } catch (const c10::Error& e) {
+    EXPECT_NE(std::string(e.what()).find("changed"), std::string::npos) << e.what();
+  }
+}
+
 TEST(Reshard, ShardsWrittenTwiceAreRefused) {
   TempRoot root;
   const ShardedStateDict whole = whole_state();
