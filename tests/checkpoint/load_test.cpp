@@ -117,6 +117,15 @@ TEST(ReadCheckpoint, BoolTensorsMustHoldOnlyZeroAndOne) {
   rows_01.keys = {"mask"};
   EXPECT_NE(format_error([&] { read_checkpoint(dir, rows_01); }).find("BOOL element [1, 2]"),
             std::string::npos);
+  // The element is named by its place in the whole tensor, also from a slice that starts
+  // past row 0.
+  ReadOptions rows_12;
+  rows_12.keys = {"mask"};
+  rows_12.slice = [](const std::string&, const std::vector<int64_t>&) {
+    return std::optional<Box>(Box{{1, 0}, {2, 5}});
+  };
+  EXPECT_NE(format_error([&] { read_checkpoint(dir, rows_12); }).find("BOOL element [1, 2]"),
+            std::string::npos);
 }
 
 // A root without `latest` (a crash before its first update) whose committed checkpoints all
