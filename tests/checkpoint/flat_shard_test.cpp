@@ -1,7 +1,9 @@
 // Flat slices (ZeRO-1's shards: elements [begin, end) of a tensor's row-major flattening):
 // saved by simulated ranks as the boxes their ranges decompose into, read back whole, as box
 // slices, and as other flat ranges, reading only what each range needs.
+#include "mixprec/checkpoint/format/error.h"
 #include "mixprec/checkpoint/format/manifest.h"
+#include "mixprec/checkpoint/format/safetensors_reader.h"
 #include "mixprec/checkpoint/format/verify.h"
 #include "mixprec/checkpoint/load.h"
 #include "mixprec/checkpoint/reshard.h"
@@ -206,6 +208,32 @@ TEST(FlatShard, AKeyNamedLikeAnotherKeysPieceIsRefusedNamingBoth) {
             std::string::npos)
       << message;
   EXPECT_TRUE(fs::is_empty(root.path())) << "refused before anything is written";
+}
+
+// A corrupt byte in a piece of a flat-saved key (stored as "<key>/<i>") is reported with the
+// key it belongs to, not only the piece's own tensor name.
+TEST(FlatShard, ACorruptPieceNamesItsKey) {
+  testing::TempDir root;
+  const SaveResult saved = save_ranks(root.path(), flat_ranks(tensors(), 2));
+  const Manifest manifest = read_manifest(saved.dir);
+  std::optional<Chunk> piece;
+  for (const Chunk& c : manifest.keys.at("w").chunks) {
+    if (c.tensor != "w") piece = c;
+  }
+  ASSERT_TRUE(piece.has_value());
+  const fs::path file = saved.dir / piece->file;
+  const SafetensorsHeader h = SafetensorsReader(file).header();
+  std::string bytes = testing::read_file(file);
+  bytes[h.data_offset() + h.find(piece->tensor)->begin] ^= 0x40;
+  testing::write_file(file, bytes);
+  try {
+    read_checkpoint(saved.dir);
+    FAIL() << "expected a ChecksumError";
+  } catch (const ChecksumError& e) {
+    const std::string msg = e.what();
+    EXPECT_NE(msg.find(piece->file), std::string::npos) << msg;
+    EXPECT_NE(msg.find("(key 'w')"), std::string::npos) << msg;
+  }
 }
 
 }  // namespace MIXPREC_UNITY_ID
