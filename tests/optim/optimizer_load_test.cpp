@@ -226,6 +226,18 @@ TEST(OptimizerLoad, BadPositionalStepIsRefused) {
   }
 }
 
+// Step 0 is a valid count, but moments at step 0 are no state a step leaves behind (Adam's
+// bias correction at step 0 divides by zero): refused, in both forms, naming the parameter.
+TEST(OptimizerLoad, MomentsWithStepZeroAreRefused) {
+  Trained<torch::optim::AdamWOptions> source(torch::optim::AdamWOptions(1e-2));
+  ShardedStateDict sharded = source.opt->sharded_state_dict();
+  sharded.common["optimizer"]["steps"]["gate"] = 0;
+  expect_sharded_load_refused(sharded, "'gate' has optimizer state but step 0");
+  PositionalStateDict positional = source.opt->state_dict();
+  positional.state[2]["step"] = at::scalar_tensor(0.0, at::kDouble);
+  expect_positional_load_refused(positional, "'gate' has optimizer state but step 0");
+}
+
 // --- two typed steps: check, then apply -------------------------------------------------------
 
 TEST(OptimizerLoad, CheckChangesNothingAndApplyInstallsWhatWasChecked) {
