@@ -238,6 +238,22 @@ TEST(OptimizerLoad, MomentsWithStepZeroAreRefused) {
   expect_positional_load_refused(positional, "'gate' has optimizer state but step 0");
 }
 
+// The bounds of a positional step exactly: 2^63 (the first double beyond int64) and a negative
+// integer step are refused; an integer step tensor (torch.optim keeps a float one) loads.
+TEST(OptimizerLoad, PositionalStepBoundsAreExact) {
+  Trained<torch::optim::AdamWOptions> source(torch::optim::AdamWOptions(1e-2));
+  const PositionalStateDict saved = source.opt->state_dict();
+  PositionalStateDict bad = saved;
+  bad.state[2]["step"] = at::scalar_tensor(9223372036854775808.0, at::kDouble);
+  expect_positional_load_refused(bad, "state[2].step 9.22337e+18 is not a non-negative integer");
+  bad.state[2]["step"] = at::scalar_tensor(-1, at::kLong);
+  expect_positional_load_refused(bad, "state[2].step -1 is negative");
+  PositionalStateDict integral = saved;
+  integral.state[2]["step"] = at::scalar_tensor(2, at::kLong);
+  Trained<torch::optim::AdamWOptions> target(torch::optim::AdamWOptions(1e-3));
+  EXPECT_TRUE(target.opt->load_state_dict(integral).clean());
+}
+
 // --- two typed steps: check, then apply -------------------------------------------------------
 
 TEST(OptimizerLoad, CheckChangesNothingAndApplyInstallsWhatWasChecked) {
