@@ -254,6 +254,21 @@ TEST(OptimizerLoad, PositionalStepBoundsAreExact) {
   EXPECT_TRUE(target.opt->load_state_dict(integral).clean());
 }
 
+// A constant scaler's state (BF16 training) resumed with a dynamic scaler (FP16) keeps the
+// configured scaler and says so: its constant scale of 1 is no dynamic scale to continue from.
+TEST(OptimizerLoad, AScalerStateOfTheOtherKindKeepsTheConfiguredScaler) {
+  Trained<torch::optim::AdamWOptions> source(torch::optim::AdamWOptions(1e-2));
+  Interleaved model;
+  const LossScalerOptions dynamic = LossScalerOptions::fp16_dynamic();
+  auto target = mixprec::testing::make_optimizer(model, torch::optim::AdamWOptions(1e-3),
+                                                 Float16OptimizerOptions().loss_scaler(dynamic));
+  const LoadReport report = target->load_sharded_state_dict(source.opt->sharded_state_dict());
+  EXPECT_TRUE(target->loss_scaler().is_dynamic());
+  EXPECT_EQ(target->loss_scale(), dynamic.initial_scale());
+  EXPECT_NE(report.to_string().find("loss scaler: the state is constant"), std::string::npos)
+      << report.to_string();
+}
+
 // --- two typed steps: check, then apply -------------------------------------------------------
 
 TEST(OptimizerLoad, CheckChangesNothingAndApplyInstallsWhatWasChecked) {
