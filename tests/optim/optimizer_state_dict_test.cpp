@@ -137,6 +137,31 @@ TEST(OptimizerStateDict, SeveralGroupsAndAnAllFrozenGroup) {
   EXPECT_EQ(pos.state.count(2) + pos.state.count(3), 0u);
 }
 
+// Several groups load back in both forms: each group's ids (positional) and names (sharded)
+// are checked from the group's own first parameter on (group 1 starts at id 2, group 2 at 4).
+TEST(OptimizerStateDict, SeveralGroupsLoadBackInBothForms) {
+  auto make = [](SpecNet& model) {
+    auto p = model->named_parameters();
+    std::vector<torch::optim::OptimizerParamGroup> groups;
+    groups.emplace_back(std::vector<at::Tensor>{p["a"], p["b"]},
+                        std::make_unique<torch::optim::AdamWOptions>(1e-2));
+    groups.emplace_back(std::vector<at::Tensor>{p["c"], p["d"]},
+                        std::make_unique<torch::optim::AdamWOptions>(1e-3));
+    groups.emplace_back(std::vector<at::Tensor>{p["e"], p["f"]},
+                        std::make_unique<torch::optim::AdamWOptions>(1e-4));
+    return std::make_unique<Float16Optimizer>(*model, std::move(groups),
+                                              std::make_unique<torch::optim::AdamWOptions>());
+  };
+  SpecNet ma("hfzzhf"), mb("hfzzhf");
+  auto a = make(ma);
+  set_grads(*ma, 0);
+  ASSERT_TRUE(a->update().success);
+  auto b = make(mb);
+  EXPECT_TRUE(b->load_sharded_state_dict(a->sharded_state_dict()).clean());
+  EXPECT_TRUE(b->load_state_dict(a->state_dict()).clean());
+  EXPECT_EQ(b->sharded_state_dict().common, a->sharded_state_dict().common);
+}
+
 // Trains `model` with `opt` from step `from` to `to` (deterministic grads).
 void train(torch::nn::Module& model, Float16Optimizer& opt, int from, int to) {
   for (int s = from; s < to; ++s) {
