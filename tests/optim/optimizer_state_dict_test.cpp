@@ -481,5 +481,26 @@ TEST(OptimizerStateDictErrors, ModelLoadValidatesFirst) {
   EXPECT_TRUE(at::equal(target->pre->weight, pre_before));
 }
 
+// An archive key whose parameter id does not fit in int64 (19 digits) is refused naming the
+// key, as a c10::Error: not a std::out_of_range from the number conversion.
+TEST(OptimizerStateDictErrors, ArchiveIdBeyondInt64IsRefusedNamingTheKey) {
+  Interleaved ma;
+  auto a = mixprec::testing::make_optimizer(ma, torch::optim::AdamWOptions(1e-2));
+  train(*ma, *a, 0, 1);
+  torch::serialize::OutputArchive out;
+  a->save(out);
+  out.write("state/9999999999999999999/step", at::scalar_tensor(1.0));
+  std::stringstream bytes;
+  out.save_to(bytes);
+  torch::serialize::InputArchive in;
+  in.load_from(bytes);
+  Interleaved mb;
+  auto b = mixprec::testing::make_optimizer(mb, torch::optim::AdamWOptions(1e-3));
+  const std::string msg = error_of([&] { b->load(in); });
+  EXPECT_NE(msg.find("archive key 'state/9999999999999999999/step' has no parameter id"),
+            std::string::npos)
+      << msg;
+}
+
 }  // namespace MIXPREC_UNITY_ID
 }  // namespace mixprec::optim
