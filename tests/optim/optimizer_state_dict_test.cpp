@@ -423,6 +423,22 @@ TEST(OptimizerStateDictErrors, UnexpectedKey) {
   expect_load_fails_and_changes_nothing(bad, "unexpected optimizer.state.exp_avg.nothing");
 }
 
+// Positional main copies the optimizer has no place for: one of the frozen parameter (id 1)
+// or of an id past its parameters is refused in strict mode and reported otherwise.
+TEST(OptimizerStateDictErrors, PositionalMainCopyOfAFrozenOrUnknownIdIsUnexpected) {
+  Trained t;
+  PositionalStateDict bad = t.opt->state_dict();
+  bad.fp32_params[1] = torch::zeros({8, 8});
+  bad.fp32_params[4] = torch::zeros({8});
+  Interleaved model;
+  auto opt = mixprec::testing::make_optimizer(model, torch::optim::AdamWOptions(1e-3));
+  const std::string msg = error_of([&] { opt->load_state_dict(bad); });
+  EXPECT_NE(msg.find("unexpected fp32_params[1]"), std::string::npos) << msg;
+  EXPECT_NE(msg.find("unexpected fp32_params[4]"), std::string::npos) << msg;
+  const LoadReport report = opt->load_state_dict(bad, LoadOptions().strict(false));
+  EXPECT_EQ(report.unexpected_keys, (std::vector<std::string>{"fp32_params[1]", "fp32_params[4]"}));
+}
+
 TEST(OptimizerStateDictErrors, ShapeMismatchNamesTheParameter) {
   Trained t;
   ShardedStateDict bad = t.saved;
