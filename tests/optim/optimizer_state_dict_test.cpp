@@ -111,8 +111,8 @@ TEST_P(OrderTest, MastersAndMomentsLandOnTheirOwnParameter) {
 INSTANTIATE_TEST_SUITE_P(Orders, OrderTest,
                          ::testing::Values("fhhzh", "hzhf", "ffhh", "zzhf", "hfzfh", "zzz"));
 
-TEST(OptimizerStateDict, SeveralGroupsAndAnAllFrozenGroup) {
-  SpecNet model("hfzzhf");
+// Three groups of two parameters each (a b | c d | e f), with learning rates 1e-2, 1e-3, 1e-4.
+std::unique_ptr<Float16Optimizer> three_group_optimizer(SpecNet& model) {
   auto p = model->named_parameters();
   std::vector<torch::optim::OptimizerParamGroup> groups;
   groups.emplace_back(std::vector<at::Tensor>{p["a"], p["b"]},
@@ -121,7 +121,14 @@ TEST(OptimizerStateDict, SeveralGroupsAndAnAllFrozenGroup) {
                       std::make_unique<torch::optim::AdamWOptions>(1e-3));
   groups.emplace_back(std::vector<at::Tensor>{p["e"], p["f"]},
                       std::make_unique<torch::optim::AdamWOptions>(1e-4));
-  Float16Optimizer opt(*model, std::move(groups), std::make_unique<torch::optim::AdamWOptions>());
+  return std::make_unique<Float16Optimizer>(*model, std::move(groups),
+                                            std::make_unique<torch::optim::AdamWOptions>());
+}
+
+TEST(OptimizerStateDict, SeveralGroupsAndAnAllFrozenGroup) {
+  SpecNet model("hfzzhf");
+  auto owned = three_group_optimizer(model);
+  Float16Optimizer& opt = *owned;
   set_grads(*model, 0);
   opt.update();
   const auto sd = opt.sharded_state_dict();
@@ -140,23 +147,11 @@ TEST(OptimizerStateDict, SeveralGroupsAndAnAllFrozenGroup) {
 // Several groups load back in both forms: each group's ids (positional) and names (sharded)
 // are checked from the group's own first parameter on (group 1 starts at id 2, group 2 at 4).
 TEST(OptimizerStateDict, SeveralGroupsLoadBackInBothForms) {
-  auto make = [](SpecNet& model) {
-    auto p = model->named_parameters();
-    std::vector<torch::optim::OptimizerParamGroup> groups;
-    groups.emplace_back(std::vector<at::Tensor>{p["a"], p["b"]},
-                        std::make_unique<torch::optim::AdamWOptions>(1e-2));
-    groups.emplace_back(std::vector<at::Tensor>{p["c"], p["d"]},
-                        std::make_unique<torch::optim::AdamWOptions>(1e-3));
-    groups.emplace_back(std::vector<at::Tensor>{p["e"], p["f"]},
-                        std::make_unique<torch::optim::AdamWOptions>(1e-4));
-    return std::make_unique<Float16Optimizer>(*model, std::move(groups),
-                                              std::make_unique<torch::optim::AdamWOptions>());
-  };
   SpecNet ma("hfzzhf"), mb("hfzzhf");
-  auto a = make(ma);
+  auto a = three_group_optimizer(ma);
   set_grads(*ma, 0);
   ASSERT_TRUE(a->update().success);
-  auto b = make(mb);
+  auto b = three_group_optimizer(mb);
   EXPECT_TRUE(b->load_sharded_state_dict(a->sharded_state_dict()).clean());
   EXPECT_TRUE(b->load_state_dict(a->state_dict()).clean());
   EXPECT_EQ(b->sharded_state_dict().common, a->sharded_state_dict().common);
