@@ -444,15 +444,7 @@ TEST_F(Cluster, AStagingBudgetTooSmallIsRefusedBeforeTheFirstStep) {
 TEST_F(Cluster, ASavesWarningsArePrintedAndCounted) {
   for (const std::string out : {"blocking", "async"}) {
     SCOPED_TRACE(out);
-    write_unverifiable_checkpoint(dir_ / out / "checkpoints", "damaged");
-    std::vector<std::string> flags =
-        tiny_model() + std::vector<std::string>{"--data",       (dir_ / "corpus.txt").string(),
-                                                "--out",        out,
-                                                "--eval-every", "1000",
-                                                "--steps",      "2",
-                                                "--ckpt-every", "1"};
-    if (out == "async") flags.push_back("--async-save");
-    const ProgramRun run = run_program(dir_.path(), flags, out);
+    const ProgramRun run = run_program(dir_.path(), run_whose_saves_warn(dir_.path(), out), out);
     ASSERT_EQ(run.status, 0) << run.err;
     const std::string line = "mixprec-train: warning: checkpoint " + out +
                              "/checkpoints/step-000001: a checkpoint newer than 'latest' does "

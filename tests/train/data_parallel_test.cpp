@@ -166,15 +166,7 @@ TEST(DataParallel, ASavesWarningIsPrintedOnceOnTwoRanks) {
   write_corpus(dir / "corpus.txt");
   for (const std::string out : {"blocking", "async"}) {
     SCOPED_TRACE(out);
-    write_unverifiable_checkpoint(dir / out / "checkpoints", "damaged");
-    std::vector<std::string> flags =
-        tiny_model() + std::vector<std::string>{"--data",       (dir / "corpus.txt").string(),
-                                                "--out",        out,
-                                                "--eval-every", "1000",
-                                                "--steps",      "2",
-                                                "--ckpt-every", "1"};
-    if (out == "async") flags.push_back("--async-save");
-    const ProgramRun run = run_program(dir.path(), flags, out, 2);
+    const ProgramRun run = run_program(dir.path(), run_whose_saves_warn(dir.path(), out), out, 2);
     ASSERT_EQ(run.status, 0) << run.err;
     EXPECT_EQ(occurrences(run.err, "mixprec-train: warning: checkpoint " + out +
                                        "/checkpoints/step-000001: a checkpoint newer than "

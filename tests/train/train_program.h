@@ -182,6 +182,21 @@ inline void write_unverifiable_checkpoint(const fs::path& root, const std::strin
   std::ofstream(data, std::ios::trunc | std::ios::binary) << bytes;
 }
 
+// A two-step run of the tiny model into `dir`/`out`, saving after each step (blocking, or with
+// `out` == "async" in the background), whose checkpoint root already holds a checkpoint newer
+// than any it will save that does not verify: each of its saves commits with a warning.
+inline std::vector<std::string> run_whose_saves_warn(const fs::path& dir, const std::string& out) {
+  write_unverifiable_checkpoint(dir / out / "checkpoints", "damaged");
+  std::vector<std::string> flags =
+      tiny_model() + std::vector<std::string>{"--data",       (dir / "corpus.txt").string(),
+                                              "--out",        out,
+                                              "--eval-every", "1000",
+                                              "--steps",      "2",
+                                              "--ckpt-every", "1"};
+  if (out == "async") flags.push_back("--async-save");
+  return flags;
+}
+
 // How often `what` occurs in `text`.
 inline size_t occurrences(const std::string& text, const std::string& what) {
   size_t n = 0;
