@@ -70,6 +70,28 @@ TEST(ReadCheckpoint, ChunksAreCheckedBeforeTheSliceIsAllocated) {
       << msg;
 }
 
+// A chunk whose stored tensor has the manifest's shape and size but another dtype: the bytes
+// would reinterpret cleanly (F32 and I32 are both 4 bytes, and the checksum is of the bytes),
+// so only the dtype check stops the load returning integers made of float bits.
+TEST(ReadCheckpoint, AStoredDtypeOtherThanTheManifestsIsRefused) {
+  TempDir root;
+  CheckpointStaging staging(root.path(), "dtype");
+  SafetensorsWriter writer(staging.file("d.safetensors"), {{"x", Dtype::F32, {4}}});
+  writer.write("x", testing::pattern_bytes(16, 1));
+  const WrittenTensor x = writer.close()[0];
+  Manifest m;
+  m.sequence = 1;
+  m.common = nlohmann::json::object();
+  m.keys["x"] = {Dtype::I32, {4}, {{"d.safetensors", "x", {{0}, {4}}, 16, x.checksum}}};
+  staging.write_file(kManifestFileName, manifest_to_json(m));
+  const fs::path dir = staging.commit({});
+
+  const std::string msg = format_error([&] { read_checkpoint(dir); });
+  EXPECT_NE(msg.find("tensor 'x' of key 'x' is F32 [4], the manifest says I32 [4]"),
+            std::string::npos)
+      << msg;
+}
+
 // Recomputes every checksum of `dir`'s manifest from the data, so that edited data passes
 // the checksums and reaches the content checks.
 void rechecksum(const fs::path& dir) {
