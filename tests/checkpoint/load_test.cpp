@@ -13,6 +13,7 @@
 #include "mixprec/checkpoint/save.h"
 
 #include "checkpoint/format/format_test_util.h"
+#include "support/error_message.h"
 
 #include <ATen/ATen.h>
 #include <gtest/gtest.h>
@@ -148,6 +149,23 @@ TEST(ReadCheckpoint, BoolTensorsMustHoldOnlyZeroAndOne) {
   };
   EXPECT_NE(format_error([&] { read_checkpoint(dir, rows_12); }).find("BOOL element [1, 2]"),
             std::string::npos);
+}
+
+// Asking for a key the checkpoint does not hold is refused naming it (a c10::Error: the
+// request is wrong, not the checkpoint), not answered with a state that silently lacks it.
+TEST(ReadCheckpoint, ARequestedKeyTheCheckpointLacksIsRefused) {
+  TempDir root;
+  ShardedStateDict state;
+  state.tensors.emplace("w", ShardedTensor::whole(at::arange(6, at::kFloat)));
+  const fs::path dir = save_checkpoint(root.path(), "c", state).dir;
+  ReadOptions options;
+  options.keys = {"w", "v"};
+  EXPECT_NE(mixprec::testing::error_of([&] {
+              read_checkpoint(dir, options);
+            }).find("no key 'v' in the checkpoint"),
+            std::string::npos);
+  options.keys = {"w"};
+  EXPECT_TRUE(at::equal(read_checkpoint(dir, options).at("w").local, state.at("w").local));
 }
 
 // A root without `latest` (a crash before its first update) whose committed checkpoints all
