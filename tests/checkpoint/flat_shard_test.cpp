@@ -170,6 +170,14 @@ TEST(FlatShard, EmptyRangesAreKeysWithoutBytesAndBadPiecesAreRefused) {
   EXPECT_NE(error_of([&] { read_checkpoint(saved.dir, outside); }).find("outside its 6 elements"),
             std::string::npos);
 
+  // A reversed range is the caller's error (c10::Error), not a damaged checkpoint's.
+  ReadOptions reversed;
+  reversed.flat_range = [](const std::string&, const std::vector<int64_t>&) {
+    return std::optional<FlatRange>(FlatRange{4, 2});
+  };
+  EXPECT_NE(
+      error_of([&] { read_checkpoint(saved.dir, reversed); }).find("requested flat range [4, 2)"),
+      std::string::npos);
   // Pieces that overlap, leave a gap, or do not match their local tensor are refused by name.
   std::vector<ShardedStateDict> overlap(2), gap(2), mismatched(1);
   overlap[0].tensors.emplace("v", ShardedTensor::flat(v.view({-1}).narrow(0, 0, 4), {2, 3}, 0));
