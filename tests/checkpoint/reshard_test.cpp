@@ -53,6 +53,16 @@ TEST(DpSlice, EvenAndUnevenSplits) {
   EXPECT_THROW(dp_slice({4}, 3, 3), c10::Error);
 }
 
+// A rank outside [0, world) is refused when the options are made, not later by the read (or
+// never, by a read whose keys are all scalars and so never consult the slice).
+TEST(DpSlice, ReadOptionsForRankValidatesRankAndWorldAtOnce) {
+  for (const auto& [rank, world] :
+       std::vector<std::pair<int64_t, int64_t>>{{2, 2}, {-1, 2}, {0, 0}}) {
+    EXPECT_THROW(read_options_for_rank(rank, world), c10::Error) << rank << " of " << world;
+  }
+  EXPECT_NO_THROW(read_options_for_rank(1, 2));
+}
+
 class ReshardTest : public ::testing::TestWithParam<std::pair<int, int>> {};
 
 TEST_P(ReshardTest, SavedOnNLoadsOnM) {
