@@ -193,5 +193,19 @@ TEST(Manifest, ReadCommonChecksTheCommonFile) {
   EXPECT_EQ(read_common(dir.path(), sample())["step"], 100);
 }
 
+// A common file whose size and checksum match but whose JSON is not an object is refused
+// (an inline 'common' must be an object too): the common state is read by field.
+TEST(Manifest, ReadCommonRefusesACommonFileThatIsNotAnObject) {
+  testing::TempDir dir;
+  for (const std::string text : {"[]", "3", "null", "\"step\""}) {
+    testing::write_file(dir.path() / "common.json", text);
+    Manifest m = sample();
+    m.common.reset();
+    m.common_file = CommonFileRef{"common.json", text.size(), xxh3_64(testing::as_bytes(text))};
+    EXPECT_FORMAT_ERROR(read_common(dir.path(), m), "common.json",
+                        "common state is not a JSON object");
+  }
+}
+
 }  // namespace MIXPREC_UNITY_ID
 }  // namespace mixprec::checkpoint
