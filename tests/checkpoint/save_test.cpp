@@ -5,6 +5,7 @@
 
 #include "mixprec/checkpoint/format/error.h"
 #include "mixprec/checkpoint/format/latest.h"
+#include "mixprec/checkpoint/format/manifest.h"
 #include "mixprec/checkpoint/format/root_writer.h"
 #include "mixprec/checkpoint/format/verify.h"
 #include "mixprec/checkpoint/training_state.h"
@@ -131,6 +132,16 @@ TEST(Save, FailuresAfterTheDurableCommitAreWarnings) {
     retention_warned |= w.find("retention stopped") != std::string::npos;
   }
   EXPECT_TRUE(latest_warned && retention_warned) << c10::Join("\n", saved.warnings);
+}
+
+// A checkpoint saved by save_training_state keeps its common state in common.json: verify
+// reads and checks that file too, and counts it among the files it opened.
+TEST(Save, VerifyCountsTheCommonFileAmongTheFilesItOpens) {
+  checkpoint::testing::TempDir root;
+  TrainingSetup a(at::kBFloat16);
+  const SaveResult saved = save_training_state(root.path(), "step-1", *a.model, *a.optimizer);
+  ASSERT_TRUE(read_manifest(saved.dir).common_file.has_value());
+  EXPECT_EQ(verify_checkpoint(saved.dir).files, saved.files + 1);
 }
 
 // c10::str of a std::vector<int64_t> prints "4 8"; messages print shapes as [4, 8].
