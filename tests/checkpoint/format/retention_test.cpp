@@ -78,6 +78,20 @@ TEST(Retention, KeepsLastKAndNeverLatestOrInUse) {
   EXPECT_FORMAT_ERROR(apply_retention(root, RetentionOptions(0)), "keep_last");
 }
 
+// The constructor refuses keep_last 0, but the field is public: set afterwards, retention must
+// still refuse it (before deleting anything) rather than delete every checkpoint but latest.
+TEST(Retention, KeepLastZeroSetAfterConstructionIsRefusedBeforeDeleting) {
+  TempDir tmp;
+  for (int i = 1; i <= 3; ++i) {
+    write_sample_checkpoint(tmp.path(), numbered(i), static_cast<std::uint64_t>(i), 1);
+  }
+  write_latest(tmp.path(), "c3");
+  RetentionOptions options(1);
+  options.keep_last = 0;
+  EXPECT_FORMAT_ERROR(apply_retention(tmp.path(), options), "keep_last must be at least 1");
+  EXPECT_EQ(names(list_checkpoints(tmp.path())), (std::vector<std::string>{"c1", "c2", "c3"}));
+}
+
 TEST(Retention, MalformedLatestStopsRetentionBeforeDeleting) {
   TempDir tmp;
   for (int i = 1; i <= 3; ++i) {
