@@ -434,6 +434,22 @@ TEST(OptimizerStateDictErrors, PositionalMainCopyOfAFrozenOrUnknownIdIsUnexpecte
   EXPECT_EQ(report.unexpected_keys, (std::vector<std::string>{"fp32_params[1]", "fp32_params[4]"}));
 }
 
+// A positional state entry for the id just past the last parameter (the bound is exclusive) is
+// unexpected like any unknown id: strict refuses it, a non-strict load reports it.
+TEST(OptimizerStateDictErrors, PositionalStateOfTheIdPastTheLastIsUnexpected) {
+  Trained t;
+  PositionalStateDict bad = t.opt->state_dict();
+  const int64_t count = static_cast<int64_t>(t.model->parameters().size());
+  bad.state[count] = bad.state.rbegin()->second;
+  Interleaved model;
+  auto opt = mixprec::testing::make_optimizer(model, torch::optim::AdamWOptions(1e-3));
+  const std::string msg = error_of([&] { opt->load_state_dict(bad); });
+  const std::string key = "state[" + std::to_string(count) + "]";
+  EXPECT_NE(msg.find("unexpected " + key), std::string::npos) << msg;
+  const LoadReport report = opt->load_state_dict(bad, LoadOptions().strict(false));
+  EXPECT_EQ(report.unexpected_keys, (std::vector<std::string>{key}));
+}
+
 TEST(OptimizerStateDictErrors, ShapeMismatchNamesTheParameter) {
   Trained t;
   ShardedStateDict bad = t.saved;
