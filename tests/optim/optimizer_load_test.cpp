@@ -214,6 +214,19 @@ TEST(OptimizerLoad, BadShardedStepIsRefused) {
   }
 }
 
+// A saved step of a parameter this optimizer does not have is unexpected: strict refuses it,
+// a non-strict load reports it by name.
+TEST(OptimizerLoad, StepsOfAnUnknownParameterAreUnexpected) {
+  Trained<torch::optim::AdamWOptions> source(torch::optim::AdamWOptions(1e-2));
+  ShardedStateDict bad = source.opt->sharded_state_dict();
+  bad.common["optimizer"]["steps"]["nope"] = 3;
+  expect_sharded_load_refused(bad, "unexpected steps['nope'] (no such parameter)");
+  Trained<torch::optim::AdamWOptions> target(torch::optim::AdamWOptions(1e-3));
+  const LoadReport report = target.opt->load_sharded_state_dict(bad, LoadOptions().strict(false));
+  EXPECT_EQ(report.unexpected_keys,
+            (std::vector<std::string>{"steps['nope'] (no such parameter)"}));
+}
+
 TEST(OptimizerLoad, BadPositionalStepIsRefused) {
   Trained<torch::optim::AdamWOptions> source(torch::optim::AdamWOptions(1e-2));
   const PositionalStateDict saved = source.opt->state_dict();
