@@ -175,6 +175,7 @@ TEST(Manifest, FileNames) {
            "", ".", "..", ".hidden", "a/b", "a b", "é", "a\n", std::string_view("a\0b", 3)}) {
     EXPECT_FALSE(is_valid_file_name(bad)) << bad;
   }
+  EXPECT_TRUE(is_valid_file_name(std::string(200, 'a')));  // the documented limit, inclusive
   EXPECT_FALSE(is_valid_file_name(std::string(201, 'a')));
 }
 
