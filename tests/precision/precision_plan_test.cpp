@@ -158,5 +158,25 @@ TEST(PrecisionPlan, NameDoesNotCoverASiblingItPrefixes) {
   EXPECT_EQ(find(r, "fc2.bias").reason, KeepReason::kNone);
 }
 
+// Each tensor is kept for its first reason in precedence order: its mark, then the first name
+// that covers it, then the first pattern. A later, weaker rule does not replace it.
+TEST(PrecisionPlan, TheFirstReasonInPrecedenceOrderWins) {
+  ToyNet net;
+  auto r = PrecisionPlan()
+               .keep_fp32_name("router_weight")
+               .keep_fp32_name("norm")
+               .keep_fp32_name("norm.weight")
+               .keep_fp32_pattern("fc.*")
+               .keep_fp32_pattern("*")
+               .resolve(*net);
+  EXPECT_EQ(find(r, "router_weight").reason, KeepReason::kTensorMark);
+  EXPECT_EQ(find(r, "router_weight").rule, "");
+  EXPECT_EQ(find(r, "norm.weight").reason, KeepReason::kName);
+  EXPECT_EQ(find(r, "norm.weight").rule, "norm");
+  EXPECT_EQ(find(r, "fc.weight").reason, KeepReason::kPattern);
+  EXPECT_EQ(find(r, "fc.weight").rule, "fc.*");
+  EXPECT_EQ(find(r, "running_scale").rule, "*");
+}
+
 }  // namespace MIXPREC_UNITY_ID
 }  // namespace mixprec
