@@ -8,6 +8,7 @@
 
 #include <gtest/gtest.h>
 #include <torch/nn/modules/activation.h>
+#include <torch/nn/modules/batchnorm.h>
 #include <torch/nn/modules/container/sequential.h>
 #include <torch/nn/modules/linear.h>
 
@@ -176,6 +177,18 @@ TEST(PrecisionPlan, TheFirstReasonInPrecedenceOrderWins) {
   EXPECT_EQ(find(r, "fc.weight").reason, KeepReason::kPattern);
   EXPECT_EQ(find(r, "fc.weight").rule, "fc.*");
   EXPECT_EQ(find(r, "running_scale").rule, "*");
+}
+
+// A submodule's name keeps its floating tensors and skips its integer ones (a BatchNorm's
+// num_batches_tracked): only a name that is itself a non-floating tensor is an error.
+TEST(PrecisionPlan, SubmoduleNameSkipsItsIntegerBuffers) {
+  torch::nn::Sequential net;
+  net->push_back("bn", torch::nn::BatchNorm1d(4));
+  PrecisionPlan::Resolved r;
+  ASSERT_NO_THROW(r = PrecisionPlan().keep_fp32_name("bn").resolve(*net));
+  EXPECT_EQ(find(r, "bn.weight").reason, KeepReason::kName);
+  EXPECT_EQ(find(r, "bn.running_mean").reason, KeepReason::kName);
+  EXPECT_EQ(find(r, "bn.num_batches_tracked").reason, KeepReason::kNone);
 }
 
 }  // namespace MIXPREC_UNITY_ID
