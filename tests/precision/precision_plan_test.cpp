@@ -191,5 +191,17 @@ TEST(PrecisionPlan, SubmoduleNameSkipsItsIntegerBuffers) {
   EXPECT_EQ(find(r, "bn.num_batches_tracked").reason, KeepReason::kNone);
 }
 
+// A marked tensor whose data has since become something that cannot be kept FP32 (an FP8
+// set_data) is an error naming it, not a mark silently dropped.
+TEST(PrecisionPlan, AMarkedTensorThatIsNowFp8IsAnError) {
+  ToyNet net;
+  net->router_weight.set_data(net->router_weight.detach().to(at::kFloat8_e4m3fn));
+  ASSERT_TRUE(is_kept_in_fp32(net->router_weight));
+  const std::string msg = error_of([&] { PrecisionPlan().resolve(*net); });
+  EXPECT_NE(msg.find("parameter 'router_weight' is marked keep_in_fp32 but is now Float8_e4m3fn"),
+            std::string::npos)
+      << msg;
+}
+
 }  // namespace MIXPREC_UNITY_ID
 }  // namespace mixprec
