@@ -278,5 +278,18 @@ TEST(Convert, ModelStateDictSavesWhyTensorsAreFp32) {
   EXPECT_EQ(model_sharded_state_dict(*net).common.at("precision"), without_norm);
 }
 
+// count() counts a tied tensor once, as the byte totals do: its second name is not a second
+// cast or a second kept tensor.
+TEST(Convert, CountCountsATiedTensorOnce) {
+  auto tied = std::make_shared<TiedImpl>();
+  auto report = convert_module_to_dtype_except_fp32_marked(*tied, at::kBFloat16);
+  ASSERT_EQ(report.entries.size(), 2u);
+  EXPECT_EQ(report.count(ConversionAction::kCast), 1);
+  auto kept = std::make_shared<TiedImpl>();
+  report = convert_module_to_dtype_except_fp32_marked(*kept, at::kBFloat16,
+                                                      PrecisionPlan().keep_fp32_name("head"));
+  EXPECT_EQ(report.count(ConversionAction::kKeptFp32), 1);
+}
+
 }  // namespace MIXPREC_UNITY_ID
 }  // namespace mixprec
