@@ -291,5 +291,31 @@ TEST(Convert, CountCountsATiedTensorOnce) {
   EXPECT_EQ(report.count(ConversionAction::kKeptFp32), 1);
 }
 
+// A kept FP64 tensor ends FP32, as every kept tensor does (convert.h: "made fp32"), and an
+// unkept one is cast to the target.
+TEST(Convert, KeptFp64TensorEndsFp32) {
+  torch::nn::Module m;
+  const at::Tensor kept = m.register_parameter("kept", torch::randn({4}, torch::kDouble));
+  const at::Tensor other = m.register_parameter("other", torch::randn({4}, torch::kDouble));
+  auto report = convert_module_to_dtype_except_fp32_marked(m, at::kBFloat16,
+                                                           PrecisionPlan().keep_fp32_name("kept"));
+  EXPECT_EQ(kept.scalar_type(), at::kFloat);
+  EXPECT_EQ(other.scalar_type(), at::kBFloat16);
+  EXPECT_EQ(entry(report, "kept").action, ConversionAction::kUpcastFp32);
+  EXPECT_EQ(entry(report, "kept").before, at::kDouble);
+  EXPECT_EQ(entry(report, "kept").after, at::kFloat);
+  EXPECT_EQ(report.bytes_before, 2 * 4 * 8);
+  EXPECT_EQ(report.bytes_after, 4 * 4 + 4 * 2);
+}
+
+// A module without tensors reports its bytes unchanged: 100%, not 0%.
+TEST(Convert, ReportOfAModuleWithoutTensorsSaysNothingShrank) {
+  torch::nn::Module m;
+  auto report = convert_module_to_dtype_except_fp32_marked(m, at::kHalf);
+  EXPECT_TRUE(report.entries.empty());
+  EXPECT_NE(report.to_string().find("bytes: 0 -> 0 (100.0%)"), std::string::npos)
+      << report.to_string();
+}
+
 }  // namespace MIXPREC_UNITY_ID
 }  // namespace mixprec
