@@ -496,5 +496,16 @@ TEST(QuantLinear, ThreadsShareOneLayerWhileTheWeightChanges) {
   EXPECT_EQ(layer->operand_computations(), kRounds);
 }
 
+// Both FP8 recipes build FP8 primary weights in an fp8_param init scope: the hybrid recipe
+// differs from E4M3 in backward only.
+TEST(QuantLinear, ModelInitWithTheHybridRecipeAlsoHoldsFp8PrimaryWeights) {
+  at::manual_seed(17);
+  QuantModelInitGuard init(QuantConfig().fp8(Fp8Recipe::kHybrid).fp8_param(true));
+  QuantLinear layer(16, 4);
+  EXPECT_TRUE(layer->has_fp8_weight());
+  EXPECT_EQ(layer->weight.scalar_type(), at::kFloat8_e4m3fn);
+  EXPECT_FALSE(layer->weight.requires_grad());
+}
+
 }  // namespace MIXPREC_UNITY_ID
 }  // namespace mixprec::quant
