@@ -507,5 +507,19 @@ TEST(QuantLinear, ModelInitWithTheHybridRecipeAlsoHoldsFp8PrimaryWeights) {
   EXPECT_FALSE(layer->weight.requires_grad());
 }
 
+// A disabled NVFP4 init scope (fp8_disabled_context keeps the format, off) builds weights as
+// outside any scope: not rounded onto the NVFP4 grid, as the enabled scope's are.
+TEST(QuantLinear, DisabledFp4InitScopeLeavesTheWeightUnrounded) {
+  const QuantConfig fp4 = QuantConfig().fp4(Fp4Recipe::kNvFp4).fp4_param(true);
+  QuantModelInitGuard init(fp4);
+  at::manual_seed(18);
+  QuantLinear rounded(64, 8);
+  auto off = fp8_disabled_context(fp4, /*is_init=*/true);
+  at::manual_seed(18);
+  QuantLinear plain(64, 8);
+  EXPECT_FALSE(at::equal(plain->weight, rounded->weight));
+  EXPECT_TRUE(at::equal(fake_quantize_nvfp4(plain->weight), rounded->weight));
+}
+
 }  // namespace MIXPREC_UNITY_ID
 }  // namespace mixprec::quant
