@@ -521,5 +521,21 @@ TEST(QuantLinear, DisabledFp4InitScopeLeavesTheWeightUnrounded) {
   EXPECT_TRUE(at::equal(fake_quantize_nvfp4(plain->weight), rounded->weight));
 }
 
+// Without a kept operand the GEMM runs in the weight's dtype, as torch::nn::Linear's after a
+// conversion: a BF16 layer takes an FP32 input to BF16 and returns BF16, quantized or not.
+TEST(QuantLinear, TheGemmRunsInTheWeightsDtype) {
+  at::manual_seed(19);
+  QuantLinear layer(16, 4);
+  convert_module_to_dtype_except_fp32_marked(*layer, at::kBFloat16);
+  const at::Tensor x = torch::randn({3, 16});
+  const at::Tensor y = layer(x);
+  EXPECT_EQ(layer->last_compute().dtype, at::kBFloat16);
+  EXPECT_EQ(y.scalar_type(), at::kBFloat16);
+  EXPECT_TRUE(at::equal(y, at::linear(x.to(at::kBFloat16), layer->weight, layer->bias)));
+  QuantAutocastGuard autocast(kFp8);
+  EXPECT_EQ(layer(x).scalar_type(), at::kBFloat16);
+  EXPECT_EQ(layer->last_compute().dtype, at::kBFloat16);
+}
+
 }  // namespace MIXPREC_UNITY_ID
 }  // namespace mixprec::quant
