@@ -537,5 +537,28 @@ TEST(QuantLinear, TheGemmRunsInTheWeightsDtype) {
   EXPECT_EQ(layer->last_compute().dtype, at::kBFloat16);
 }
 
+// An FP8 primary weight is used as it is under FP8 autocast, not quantized again: its values
+// need not span the E4M3 range (a copy, a load), and rescaling them to it would round them.
+TEST(QuantLinear, AnFp8PrimaryWeightIsNotRequantizedForAnFp8Gemm) {
+  at::manual_seed(20);
+  QuantLinear layer(nullptr);
+  {
+    QuantModelInitGuard init(kFp8Param);
+    layer = QuantLinear(32, 8);
+  }
+  {
+    at::NoGradGuard no_grad;
+    layer->weight.copy_(torch::randn({8, 32}).to(at::kFloat8_e4m3fn));  // amax far below 448
+    layer->weight_scale_inv.fill_(1.0);
+  }
+  const at::Tensor x = torch::randn({3, 32});
+  const at::Tensor w = layer->dequantized_weight(at::kFloat);
+  ASSERT_FALSE(at::equal(fake_quantize_fp8(w, at::kFloat8_e4m3fn), w));
+  QuantAutocastGuard autocast(kFp8);
+  EXPECT_TRUE(
+      at::equal(layer(x), at::linear(fake_quantize_fp8(x, at::kFloat8_e4m3fn), w, layer->bias)));
+  EXPECT_EQ(layer->last_compute().operands, QuantFormat::kFp8Hybrid);
+}
+
 }  // namespace MIXPREC_UNITY_ID
 }  // namespace mixprec::quant
