@@ -560,5 +560,23 @@ TEST(QuantLinear, AnFp8PrimaryWeightIsNotRequantizedForAnFp8Gemm) {
   EXPECT_EQ(layer->last_compute().operands, QuantFormat::kFp8Hybrid);
 }
 
+// A zero-sized layer is refused by QuantLinear itself, naming the sizes, not by whatever
+// LibTorch's initializer throws on an empty weight.
+TEST(QuantLinear, NonPositiveSizesAreRefusedNamingThem) {
+  for (const auto& [in, out] : {std::pair<int64_t, int64_t>{0, 4}, {4, 0}}) {
+    try {
+      QuantLinear layer(in, out);
+      FAIL() << "expected an error for " << in << " x " << out;
+    } catch (const c10::Error& e) {
+      const std::string msg = e.what_without_backtrace();
+      EXPECT_NE(msg.find("[mixprec::QuantLinear] in_features and out_features must be positive, "
+                         "got " +
+                         std::to_string(in) + " and " + std::to_string(out)),
+                std::string::npos)
+          << msg;
+    }
+  }
+}
+
 }  // namespace MIXPREC_UNITY_ID
 }  // namespace mixprec::quant
