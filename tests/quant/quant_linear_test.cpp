@@ -578,5 +578,25 @@ TEST(QuantLinear, NonPositiveSizesAreRefusedNamingThem) {
   }
 }
 
+// A layer without a bias rounds dY in the recipe's gradient format as one with a bias does.
+TEST(QuantLinear, ALayerWithoutBiasRoundsTheOutputGradientToo) {
+  at::manual_seed(22);
+  QuantLinear layer(QuantLinearOptions(16, 4).bias(false));
+  const at::Tensor x = torch::randn({2, 16}).requires_grad_(true);
+  at::Tensor y;
+  {
+    QuantAutocastGuard autocast(kFp8);
+    y = layer(x);
+  }
+  const at::Tensor g = torch::randn({2, 4});
+  y.backward(g);
+  const at::Tensor wq = fake_quantize_fp8(layer->weight.detach(), at::kFloat8_e4m3fn);
+  const at::Tensor xq = fake_quantize_fp8(x.detach(), at::kFloat8_e4m3fn);
+  const at::Tensor gq = fake_quantize_fp8(g, at::kFloat8_e5m2);
+  ASSERT_FALSE(at::equal(gq, g));
+  EXPECT_TRUE(at::allclose(x.grad(), at::matmul(gq, wq), 1e-5, 1e-6));
+  EXPECT_TRUE(at::allclose(layer->weight.grad(), at::matmul(gq.t(), xq), 1e-5, 1e-6));
+}
+
 }  // namespace MIXPREC_UNITY_ID
 }  // namespace mixprec::quant
