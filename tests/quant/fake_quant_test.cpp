@@ -226,5 +226,17 @@ TEST(FakeQuantErrors, NameTheCallAndTheDtype) {
   EXPECT_NE(fp8_input.find("Float8_e5m2"), std::string::npos) << fp8_input;
 }
 
+// Each value rounds to the nearest E2M1 magnitude, ties to even: spacing 0.5 below 2, 1 from
+// 2 to 4, 2 from 4 to 6. A block whose largest value is 6 (and a tensor whose largest is 6)
+// has a block scale of exactly 1, so the results are the E2M1 values themselves.
+TEST(FakeQuantNvFp4, RoundsToTheNearestE2M1ValueTiesToEven) {
+  const at::Tensor x = torch::tensor({6.0f, 3.0f, 3.2f, 3.5f, 2.6f, 2.5f, 1.25f, 0.3f, 0.25f, -5.0f,
+                                      -4.9f, 4.5f, 1.75f, 0.0f, -3.0f, 1.1f});
+  const at::Tensor expected = torch::tensor({6.0f, 3.0f, 3.0f, 4.0f, 3.0f, 2.0f, 1.0f, 0.5f, 0.0f,
+                                             -4.0f, -4.0f, 4.0f, 2.0f, 0.0f, -3.0f, 1.0f});
+  const at::Tensor y = fake_quantize_nvfp4(x);
+  EXPECT_TRUE(at::equal(y, expected)) << y;
+}
+
 }  // namespace MIXPREC_UNITY_ID
 }  // namespace mixprec::quant
