@@ -238,5 +238,23 @@ TEST(FakeQuantNvFp4, RoundsToTheNearestE2M1ValueTiesToEven) {
   EXPECT_TRUE(at::equal(y, expected)) << y;
 }
 
+// A kept forward value must match the operand's shape and dtype: one of another dtype (a
+// BF16 operand kept for an FP32 GEMM) is refused, naming both.
+TEST(QuantizeForGemm, AKeptForwardValueOfAnotherDtypeOrShapeIsRefused) {
+  const at::Tensor x = torch::randn({4});
+  for (const at::Tensor& bad : {x.to(at::kBFloat16), torch::randn({5}), at::Tensor()}) {
+    EXPECT_THROW(quantize_for_gemm(x, QuantFormat::kFp8E4M3, bad), c10::Error) << bad;
+  }
+  try {
+    quantize_for_gemm(x, QuantFormat::kFp8E4M3, x.to(at::kBFloat16));
+  } catch (const c10::Error& e) {
+    const std::string msg = e.what_without_backtrace();
+    EXPECT_NE(msg.find("forward_value must have x's shape [4] and dtype Float, got [4] BFloat16"),
+              std::string::npos)
+        << msg;
+  }
+  EXPECT_NO_THROW(quantize_for_gemm(x, QuantFormat::kFp8E4M3, x.clone()));
+}
+
 }  // namespace MIXPREC_UNITY_ID
 }  // namespace mixprec::quant
