@@ -162,5 +162,20 @@ TEST(Fp8DisabledContext, InvalidConfigThrowsBeforeTouchingState) {
   EXPECT_FALSE(autocast_state().enabled);
 }
 
+// The init scope carries the recipe of its config: the hybrid recipe's format is kFp8Hybrid,
+// enabled in the guard and kept, off, in the disabled context (so code inside can tell which
+// recipe is held off).
+TEST(Fp8DisabledContext, ParamScopesCarryTheirRecipesFormat) {
+  const QuantConfig hybrid_param = QuantConfig().fp8(Fp8Recipe::kHybrid).fp8_param(true);
+  QuantModelInitGuard init(hybrid_param);
+  EXPECT_EQ(model_init_state(), (QuantScopeState{true, QuantFormat::kFp8Hybrid}));
+  {
+    auto guard = fp8_disabled_context(hybrid_param, /*is_init=*/true);
+    EXPECT_EQ(model_init_state(), (QuantScopeState{false, QuantFormat::kFp8Hybrid}));
+  }
+  QuantModelInitGuard e4m3(fp8_param());
+  EXPECT_EQ(model_init_state(), (QuantScopeState{true, QuantFormat::kFp8E4M3}));
+}
+
 }  // namespace MIXPREC_UNITY_ID
 }  // namespace mixprec::quant
