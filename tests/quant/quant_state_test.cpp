@@ -177,5 +177,20 @@ TEST(Fp8DisabledContext, ParamScopesCarryTheirRecipesFormat) {
   EXPECT_EQ(model_init_state(), (QuantScopeState{true, QuantFormat::kFp8E4M3}));
 }
 
+// scope_state_writes counts every write of a scope, entering and leaving: the no-op checks
+// above rely on it moving when a guard does act.
+TEST(Fp8DisabledContext, EveryScopeWriteIsCounted) {
+  const uint64_t writes = detail::scope_state_writes();
+  {
+    QuantAutocastGuard on(fp8_only());
+    EXPECT_EQ(detail::scope_state_writes(), writes + 1);
+    auto off = fp8_disabled_context(fp8_only(), /*is_init=*/false);
+    EXPECT_EQ(detail::scope_state_writes(), writes + 2);
+  }
+  EXPECT_EQ(detail::scope_state_writes(), writes + 4);
+  { QuantModelInitGuard init(fp8_param()); }
+  EXPECT_EQ(detail::scope_state_writes(), writes + 6);
+}
+
 }  // namespace MIXPREC_UNITY_ID
 }  // namespace mixprec::quant
