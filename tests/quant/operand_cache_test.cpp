@@ -112,5 +112,22 @@ TEST(OperandCache, ACopyStartsEmptyAndClearForgets) {
   EXPECT_EQ(d.cache.computations(), 2);
 }
 
+// A compute() that hands back an inference tensor (made before, outside the cache) is returned
+// but not kept: it has no version counter to tell a later write to it.
+TEST(OperandCache, AnInferenceResultIsReturnedButNotKept) {
+  OperandCache cache;
+  at::Tensor w = torch::arange(3.0);
+  at::Tensor frozen;
+  {
+    c10::InferenceMode inference;
+    frozen = torch::arange(3.0) * 2;
+  }
+  at::Tensor got;
+  ASSERT_NO_THROW(got = cache.get({w}, kRecipe, [&] { return frozen; }));
+  EXPECT_TRUE(got.is_same(frozen));
+  cache.get({w}, kRecipe, [&] { return frozen; });
+  EXPECT_EQ(cache.computations(), 2);
+}
+
 }  // namespace MIXPREC_UNITY_ID
 }  // namespace mixprec::quant
