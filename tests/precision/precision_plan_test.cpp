@@ -203,5 +203,18 @@ TEST(PrecisionPlan, AMarkedTensorThatIsNowFp8IsAnError) {
       << msg;
 }
 
+// A strict pattern that matches FP8 tensors and integer ones, but no tensor it could keep,
+// names both kinds it met.
+TEST(PrecisionPlan, StrictPatternMatchingFp8AndIntegerTensorsSaysBoth) {
+  torch::nn::Module net;
+  net.register_parameter("w", torch::ones({2}).to(at::kFloat8_e4m3fn), /*requires_grad=*/false);
+  net.register_buffer("count", torch::zeros({2}, torch::kLong));
+  const std::string msg = error_of([&] { PrecisionPlan().keep_fp32_pattern("*").resolve(net); });
+  EXPECT_NE(msg.find("pattern '*' matches only FP8 (quantized) and non-floating tensors: "
+                     "parameter 'w' (Float8_e4m3fn)"),
+            std::string::npos)
+      << msg;
+}
+
 }  // namespace MIXPREC_UNITY_ID
 }  // namespace mixprec
