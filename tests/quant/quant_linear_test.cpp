@@ -598,5 +598,26 @@ TEST(QuantLinear, ALayerWithoutBiasRoundsTheOutputGradientToo) {
   EXPECT_TRUE(at::allclose(layer->weight.grad(), at::matmul(gq.t(), xq), 1e-5, 1e-6));
 }
 
+// last_compute().to_string() says what the GEMM ran in and why: the operand format and GEMM
+// dtype, and each of an FP8 primary weight, a weight kept FP32, an input kept FP32.
+TEST(QuantLinear, LastComputeSaysWhatTheGemmRanIn) {
+  EXPECT_EQ(LinearCompute{}.to_string(), "fp32");
+  LinearCompute quantized;
+  quantized.operands = QuantFormat::kFp8Hybrid;
+  quantized.dtype = at::kBFloat16;
+  quantized.fp8_weight = true;
+  EXPECT_EQ(quantized.to_string(), "fp8-hybrid operands, bf16 GEMM, fp8 primary weight");
+  LinearCompute kept;
+  kept.kept_fp32 = true;
+  kept.input_kept_fp32 = true;
+  EXPECT_EQ(kept.to_string(), "fp32, weight kept fp32, input kept fp32");
+  at::manual_seed(23);
+  QuantLinear layer(16, 4);
+  convert_module_to_dtype_except_fp32_marked(*layer, at::kBFloat16);
+  QuantAutocastGuard autocast(kFp8);
+  layer(keep_in_fp32(torch::randn({2, 16})));
+  EXPECT_EQ(layer->last_compute().to_string(), "fp32, input kept fp32");
+}
+
 }  // namespace MIXPREC_UNITY_ID
 }  // namespace mixprec::quant
