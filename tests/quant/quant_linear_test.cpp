@@ -619,5 +619,23 @@ TEST(QuantLinear, LastComputeSaysWhatTheGemmRanIn) {
   EXPECT_EQ(layer->last_compute().to_string(), "fp32, input kept fp32");
 }
 
+// Under NVFP4 autocast an FP8 primary weight is still rounded: the E4M3 grid is not NVFP4's.
+TEST(QuantLinear, AnFp8PrimaryWeightIsRoundedForAnNvFp4Gemm) {
+  at::manual_seed(24);
+  QuantLinear layer(nullptr);
+  {
+    QuantModelInitGuard init(kFp8Param);
+    layer = QuantLinear(32, 8);
+  }
+  const at::Tensor x = torch::randn({3, 32});
+  const at::Tensor w = layer->dequantized_weight(at::kFloat);
+  ASSERT_FALSE(at::equal(fake_quantize_nvfp4(w), w));
+  QuantAutocastGuard autocast(QuantConfig().fp4(Fp4Recipe::kNvFp4));
+  at::NoGradGuard no_grad;
+  EXPECT_TRUE(
+      at::equal(layer(x), at::linear(fake_quantize_nvfp4(x), fake_quantize_nvfp4(w), layer->bias)));
+  EXPECT_EQ(layer->last_compute().operands, QuantFormat::kNvFp4);
+}
+
 }  // namespace MIXPREC_UNITY_ID
 }  // namespace mixprec::quant
