@@ -256,5 +256,17 @@ TEST(QuantizeForGemm, AKeptForwardValueOfAnotherDtypeOrShapeIsRefused) {
   EXPECT_NO_THROW(quantize_for_gemm(x, QuantFormat::kFp8E4M3, x.clone()));
 }
 
+// An empty tensor quantizes to an empty tensor of its shape and dtype, as in quantize_fp8
+// (no amax to take, no block to scale).
+TEST(FakeQuantNvFp4, EmptyTensorsComeBackEmpty) {
+  for (const auto& shape : {std::vector<int64_t>{0}, {0, 16}, {4, 0}, {2, 0, 40}}) {
+    const at::Tensor x = torch::empty(shape, at::kBFloat16);
+    at::Tensor y;
+    ASSERT_NO_THROW(y = fake_quantize_nvfp4(x)) << x.sizes();
+    EXPECT_EQ(y.sizes(), x.sizes());
+    EXPECT_EQ(y.scalar_type(), at::kBFloat16);
+  }
+}
+
 }  // namespace MIXPREC_UNITY_ID
 }  // namespace mixprec::quant
