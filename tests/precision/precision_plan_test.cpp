@@ -216,5 +216,17 @@ TEST(PrecisionPlan, StrictPatternMatchingFp8AndIntegerTensorsSaysBoth) {
       << msg;
 }
 
+// `matched` is the name a name or pattern rule matched; it is empty for a mark (no rule
+// matched a name) and for a tensor the plan does not keep.
+TEST(PrecisionPlan, MatchedIsEmptyForAMarkAndForTensorsNotKept) {
+  ToyNet net;
+  auto r = PrecisionPlan().keep_fp32_name("fc.bias").resolve(*net);
+  EXPECT_EQ(find(r, "router_weight").reason, KeepReason::kTensorMark);
+  EXPECT_EQ(find(r, "router_weight").matched, "");
+  EXPECT_EQ(find(r, "expert_bias").matched, "");
+  EXPECT_EQ(find(r, "fc.weight").matched, "");
+  EXPECT_EQ(find(r, "fc.bias").matched, "fc.bias");
+}
+
 }  // namespace MIXPREC_UNITY_ID
 }  // namespace mixprec
