@@ -317,5 +317,19 @@ TEST(Convert, ReportOfAModuleWithoutTensorsSaysNothingShrank) {
       << report.to_string();
 }
 
+// A tensor the conversion brought back to FP32 (made fp32) records why, as one it left FP32
+// does.
+TEST(Convert, TensorsMadeFp32RecordWhy) {
+  ToyNet net;
+  net->to(at::kBFloat16);
+  auto report = convert_module_to_dtype_except_fp32_marked(
+      *net, at::kBFloat16, PrecisionPlan().keep_fp32_name("running_scale"));
+  ASSERT_EQ(entry(report, "running_scale").action, ConversionAction::kUpcastFp32);
+  ASSERT_EQ(entry(report, "router_weight").action, ConversionAction::kUpcastFp32);
+  EXPECT_EQ(kept_fp32_reason(net->running_scale).reason, KeepReason::kName);
+  EXPECT_EQ(kept_fp32_reason(net->running_scale).rule, "running_scale");
+  EXPECT_EQ(kept_fp32_reason(net->router_weight).reason, KeepReason::kTensorMark);
+}
+
 }  // namespace MIXPREC_UNITY_ID
 }  // namespace mixprec
