@@ -268,5 +268,15 @@ TEST(FakeQuantNvFp4, EmptyTensorsComeBackEmpty) {
   }
 }
 
+// An FP64 value exactly on a tie between two FP8 values rounds to the even one, up as well as
+// down (1.0625 lies between 1 and 1.125, 1.1875 between 1.125 and 1.25).
+TEST(FakeQuantFp64, ExactTiesRoundToEven) {
+  const at::Tensor x = torch::tensor({448.0, 1.0625, 1.1875, -1.1875}, torch::kDouble);
+  const at::Tensor y = fake_quantize_fp8(x, at::kFloat8_e4m3fn);
+  EXPECT_EQ(y[1].item<double>(), 1.0);
+  EXPECT_EQ(y[2].item<double>(), 1.25);
+  EXPECT_EQ(y[3].item<double>(), -1.25);
+}
+
 }  // namespace MIXPREC_UNITY_ID
 }  // namespace mixprec::quant
