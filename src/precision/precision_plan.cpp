@@ -19,6 +19,18 @@ bool keepable(const at::Tensor& t) {
   return at::isFloatingType(type) && !at::isFloat8Type(type);
 }
 
+// LibTorch's named_parameters() skips a parameter registered undefined (a bias-less layer's
+// "bias"); the protected registry, read through a derived type, still holds its name.
+// Undefined buffers stay out of reach (their registry is private).
+struct UndefinedParameterNames : torch::nn::Module {
+  static void append(const torch::nn::Module& module, const std::string& prefix,
+                     std::vector<std::string>& names) {
+    for (const auto& item : module.*(&UndefinedParameterNames::parameters_)) {
+      if (!item.value().defined()) names.push_back(prefix + item.key());
+    }
+  }
+};
+
 }  // namespace
 
 const char* to_string(TensorKind kind) {
@@ -72,6 +84,10 @@ PrecisionPlan::Resolved PrecisionPlan::resolve(const torch::nn::Module& module) 
   };
   collect(module.named_parameters(/*recurse=*/true), TensorKind::kParameter);
   collect(module.named_buffers(/*recurse=*/true), TensorKind::kBuffer);
+  UndefinedParameterNames::append(module, "", all_names);
+  for (const auto& item : module.named_modules("", /*include_self=*/false)) {
+    UndefinedParameterNames::append(*item.value(), item.key() + ".", all_names);
+  }
 
   std::vector<std::string> problems;
   auto describe = [](const PlannedTensor& p) {

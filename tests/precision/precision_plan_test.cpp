@@ -228,5 +228,19 @@ TEST(PrecisionPlan, MatchedIsEmptyForAMarkAndForTensorsNotKept) {
   EXPECT_EQ(find(r, "fc.bias").matched, "fc.bias");
 }
 
+// A name registered without a tensor (a bias-less layer's "bias"), in a submodule or the
+// module itself, is named as such. Before, LibTorch's named_parameters() hid it and the plan
+// said the name "matches no parameter, buffer or submodule (the module has none like it)".
+TEST(PrecisionPlan, NameOfAnUndefinedParameterSaysItIsUndefined) {
+  torch::nn::Sequential net(quant::QuantLinear(quant::QuantLinearOptions(4, 4).bias(false)));
+  std::string msg = error_of([&] { PrecisionPlan().keep_fp32_name("0.bias").resolve(*net); });
+  EXPECT_NE(msg.find("name '0.bias' is registered but undefined"), std::string::npos) << msg;
+  torch::nn::Module top;
+  top.register_parameter("weight", torch::ones({2}));
+  top.register_parameter("bias", at::Tensor(), /*requires_grad=*/false);
+  msg = error_of([&] { PrecisionPlan().keep_fp32_name("bias").resolve(top); });
+  EXPECT_NE(msg.find("name 'bias' is registered but undefined"), std::string::npos) << msg;
+}
+
 }  // namespace MIXPREC_UNITY_ID
 }  // namespace mixprec
