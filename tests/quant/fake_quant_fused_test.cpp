@@ -269,5 +269,12 @@ TEST(FusedFakeQuant, EverySimdTargetAgrees) {
   }
 }
 
+// The kernel reads strided memory: a sparse tensor is not for it.
+TEST(FusedFakeQuant, SparseTensorsAreNotSupported) {
+  const at::Tensor dense = at::randn({4, 4});
+  EXPECT_TRUE(detail::fused_fake_quant_supports(dense));
+  EXPECT_FALSE(detail::fused_fake_quant_supports(dense.to_sparse()));
+}
+
 }  // namespace MIXPREC_UNITY_ID
 }  // namespace mixprec::quant
