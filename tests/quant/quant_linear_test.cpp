@@ -26,6 +26,12 @@ namespace MIXPREC_UNITY_ID {  // anonymous outside unity builds (tests/CMakeList
 const QuantConfig kFp8 = QuantConfig().fp8(Fp8Recipe::kHybrid);
 const QuantConfig kFp8Param = QuantConfig().fp8(Fp8Recipe::kE4M3).fp8_param(true);
 
+// A layer built inside an fp8_param init scope: its primary weight is FP8 with a scale.
+QuantLinear fp8_weight_layer(int64_t in, int64_t out) {
+  QuantModelInitGuard init(kFp8Param);
+  return QuantLinear(in, out);
+}
+
 double relative_error(const at::Tensor& y, const at::Tensor& ref) {
   return ((y.to(at::kFloat) - ref.to(at::kFloat)).norm() / ref.to(at::kFloat).norm())
       .item<double>();
@@ -137,11 +143,7 @@ TEST(QuantLinear, ModelInitWithFp8ParamHoldsFp8PrimaryWeights) {
 
 TEST(QuantLinear, Fp8PrimaryWeightsSurviveClone) {
   std::shared_ptr<torch::nn::Module> copy;
-  QuantLinear layer(nullptr);
-  {
-    QuantModelInitGuard init(kFp8Param);
-    layer = QuantLinear(16, 4);
-  }
+  QuantLinear layer = fp8_weight_layer(16, 4);
   copy = layer->clone();  // outside the init scope, as clone() usually runs
   auto* cloned = copy->as<QuantLinearImpl>();
   ASSERT_NE(cloned, nullptr);
@@ -324,11 +326,7 @@ TEST(QuantLinear, CopyLoadAndSetDataInvalidateTheWeightOperand) {
 
 TEST(QuantLinear, Fp8PrimaryWeightOperandFollowsWeightAndScale) {
   at::manual_seed(9);
-  QuantLinear layer(nullptr);
-  {
-    QuantModelInitGuard init(kFp8Param);
-    layer = QuantLinear(32, 8);
-  }
+  QuantLinear layer = fp8_weight_layer(32, 8);
   const at::Tensor x = torch::randn({3, 32});
   auto check = [&] {
     QuantAutocastGuard autocast(kFp8Param);
@@ -362,11 +360,7 @@ TEST(QuantLinear, BadInputNamesTheShape) {
 
 // LibTorch counts FP8 dtypes as floating: an FP8 input would run the GEMM in FP8 itself.
 TEST(QuantLinear, AnFp8InputIsRefusedNamingTheLayer) {
-  QuantLinear layer(nullptr);
-  {
-    QuantModelInitGuard init(kFp8Param);
-    layer = QuantLinear(16, 4);
-  }
+  QuantLinear layer = fp8_weight_layer(16, 4);
   const at::Tensor x = torch::randn({2, 16}).to(at::kFloat8_e4m3fn);
   try {
     layer(x);
@@ -541,11 +535,7 @@ TEST(QuantLinear, TheGemmRunsInTheWeightsDtype) {
 // need not span the E4M3 range (a copy, a load), and rescaling them to it would round them.
 TEST(QuantLinear, AnFp8PrimaryWeightIsNotRequantizedForAnFp8Gemm) {
   at::manual_seed(20);
-  QuantLinear layer(nullptr);
-  {
-    QuantModelInitGuard init(kFp8Param);
-    layer = QuantLinear(32, 8);
-  }
+  QuantLinear layer = fp8_weight_layer(32, 8);
   {
     at::NoGradGuard no_grad;
     layer->weight.copy_(torch::randn({8, 32}).to(at::kFloat8_e4m3fn));  // amax far below 448
@@ -622,11 +612,7 @@ TEST(QuantLinear, LastComputeSaysWhatTheGemmRanIn) {
 // Under NVFP4 autocast an FP8 primary weight is still rounded: the E4M3 grid is not NVFP4's.
 TEST(QuantLinear, AnFp8PrimaryWeightIsRoundedForAnNvFp4Gemm) {
   at::manual_seed(24);
-  QuantLinear layer(nullptr);
-  {
-    QuantModelInitGuard init(kFp8Param);
-    layer = QuantLinear(32, 8);
-  }
+  QuantLinear layer = fp8_weight_layer(32, 8);
   const at::Tensor x = torch::randn({3, 32});
   const at::Tensor w = layer->dequantized_weight(at::kFloat);
   ASSERT_FALSE(at::equal(fake_quantize_nvfp4(w), w));
