@@ -37,6 +37,21 @@ std::string format_error(const std::function<void()>& fn) {
   return {};
 }
 
+// Stages d.safetensors holding one F32 tensor "x" of 4 elements, for a hand-written manifest.
+WrittenTensor write_four_floats(CheckpointStaging& staging) {
+  SafetensorsWriter writer(staging.file("d.safetensors"), {{"x", Dtype::F32, {4}}});
+  writer.write("x", testing::pattern_bytes(16, 1));
+  return writer.close()[0];
+}
+
+// A manifest of sequence 1 with an empty common state and no keys yet.
+Manifest empty_manifest() {
+  Manifest m;
+  m.sequence = 1;
+  m.common = nlohmann::json::object();
+  return m;
+}
+
 // A manifest that claims a 256 TiB key (more than any address space) whose only chunk is a
 // 4-element tensor. Reading it must fail on the mismatch, before allocating the slice: an
 // allocation first would fail (or, with overcommit, succeed lazily) on a size the file
@@ -44,12 +59,8 @@ std::string format_error(const std::function<void()>& fn) {
 TEST(ReadCheckpoint, ChunksAreCheckedBeforeTheSliceIsAllocated) {
   TempDir root;
   CheckpointStaging staging(root.path(), "claims");
-  SafetensorsWriter writer(staging.file("d.safetensors"), {{"x", Dtype::F32, {4}}});
-  writer.write("x", testing::pattern_bytes(16, 1));
-  const WrittenTensor x = writer.close()[0];
-  Manifest m;
-  m.sequence = 1;
-  m.common = nlohmann::json::object();
+  const WrittenTensor x = write_four_floats(staging);
+  Manifest m = empty_manifest();
   const int64_t huge = int64_t{1} << 46;  // × 4 bytes = 2^48
   m.keys["small"] = {Dtype::F32, {4}, {{"d.safetensors", "x", {{0}, {4}}, 16, x.checksum}}};
   m.keys["huge"] = {
@@ -77,12 +88,8 @@ TEST(ReadCheckpoint, ChunksAreCheckedBeforeTheSliceIsAllocated) {
 TEST(ReadCheckpoint, AStoredDtypeOtherThanTheManifestsIsRefused) {
   TempDir root;
   CheckpointStaging staging(root.path(), "dtype");
-  SafetensorsWriter writer(staging.file("d.safetensors"), {{"x", Dtype::F32, {4}}});
-  writer.write("x", testing::pattern_bytes(16, 1));
-  const WrittenTensor x = writer.close()[0];
-  Manifest m;
-  m.sequence = 1;
-  m.common = nlohmann::json::object();
+  const WrittenTensor x = write_four_floats(staging);
+  Manifest m = empty_manifest();
   m.keys["x"] = {Dtype::I32, {4}, {{"d.safetensors", "x", {{0}, {4}}, 16, x.checksum}}};
   staging.write_file(kManifestFileName, manifest_to_json(m));
   const fs::path dir = staging.commit({});
