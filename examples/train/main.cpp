@@ -63,6 +63,15 @@ void adopt_ranks(TrainConfig& config, const mixprec::distributed::Communicator* 
   validate(config);
 }
 
+// The launcher gives every rank the same command line, so what the flags alone decide (a flag
+// error, --help) is the same on every rank: rank 0 prints it and the others exit with the same
+// status in silence, so that the terminal torchrun shares shows it once, not once per rank.
+// torchrun sets RANK before the ranks have met; without a launcher there is one process.
+bool launched_as_rank_zero() {
+  const char* rank = std::getenv("RANK");
+  return rank == nullptr || std::string_view(rank) == "0";
+}
+
 // Rank 0's memory for the summary: the tensors of the model, its gradients and the optimizer,
 // and what a step added on top of them (loop.h).
 RunReport::Memory memory_report(const torch::nn::Module& model, const OptimizerMemory& optimizer,
@@ -149,14 +158,25 @@ int run(int argc, char** argv, const std::string& malloc_policy, const std::stri
   LiveBytesAllocator::install();
   // 1. Configuration: flags, the launcher's rank, and where the run lives. With --resume the
   //    checkpoint's saved configuration is read (and checked) before anything else happens.
-  ParsedArgs args = parse_args(argc, argv);
+  ParsedArgs args;
+  try {
+    args = parse_args(argc, argv);
+  } catch (const UsageError&) {
+    if (!launched_as_rank_zero()) return 2;
+    throw;
+  }
   if (args.help) {
-    std::printf("%s", usage().c_str());
+    if (launched_as_rank_zero()) std::printf("%s", usage().c_str());
     return 0;
   }
   TrainConfig config = args.config;
   const std::shared_ptr<mixprec::distributed::Communicator> ranks = join_ranks();
-  adopt_ranks(config, ranks.get());
+  try {
+    adopt_ranks(config, ranks.get());
+  } catch (const UsageError&) {
+    if (config.rank != 0) return 2;  // the batch does not split over these ranks: on every rank
+    throw;
+  }
   // A fresh run's directory is named by the time it starts: rank 0's time, for every rank.
   const bool names_its_dir = config.out.empty() && config.ckpt_dir.empty() && !config.resume;
   if (ranks && names_its_dir) {

@@ -179,6 +179,28 @@ TEST(DataParallel, ASavesWarningIsPrintedOnceOnTwoRanks) {
   }
 }
 
+// What the flags alone decide is the same on every rank, so rank 0 alone prints it: a flag
+// error, a batch that does not split over the ranks, and --help appear once on torchrun's
+// terminal, not once per rank; every rank still fails, and torchrun with them.
+TEST(DataParallel, AFlagErrorAndHelpArePrintedOnceOnTwoRanks) {
+  if (mixprec::test::torchrun().empty()) GTEST_SKIP() << "no torchrun beside MIXPREC_PYTHON";
+  Scratch dir;
+  write_corpus(dir / "corpus.txt");
+  const std::vector<std::string> run = data_parallel_run(dir);
+  const ProgramRun typo =
+      run_program(dir.path(), run + std::vector<std::string>{"--layerz", "2"}, "typo", 2);
+  EXPECT_NE(typo.status, 0);
+  EXPECT_EQ(occurrences(typo.err, "mixprec-train: unknown flag '--layerz'"), 1u) << typo.err;
+  const ProgramRun uneven = run_program(
+      dir.path(), run + std::vector<std::string>{"--batch", "3", "--grad-accum", "1"}, "uneven", 2);
+  EXPECT_NE(uneven.status, 0);
+  EXPECT_EQ(occurrences(uneven.err, "mixprec-train: --batch 3 does not split"), 1u) << uneven.err;
+  const ProgramRun help = run_program(dir.path(), {"--help"}, "help", 2);
+  EXPECT_EQ(help.status, 0) << help.err;
+  EXPECT_EQ(occurrences(help.out, "usage: mixprec-train"), 1u) << help.out;
+  EXPECT_FALSE(fs::exists(dir / "runs"));
+}
+
 // Two ranks wait for a checkpoint directory held by another (here this test): rank 0 waits in
 // slices and tells rank 1 after each, so that a wait longer than the collective timeout does
 // not fail rank 1 (the slices are 5 s: holding it 7 s takes two). Then the run trains.
