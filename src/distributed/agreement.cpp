@@ -3,6 +3,7 @@
 #include <c10/util/Exception.h>
 
 #include <exception>
+#include <future>
 
 namespace mixprec::distributed::detail {
 
@@ -47,6 +48,33 @@ std::vector<std::string> agree(Communicator& comm, std::string_view op,
               " rank(s) failed): ", first < 0 ? "" : all[first].substr(1));
   for (std::string& payload : all) payload.erase(0, 1);
   return all;
+}
+
+std::string agree_on_one_ranks_part(Communicator& comm, std::string_view op, int worker,
+                                    std::chrono::milliseconds slice,
+                                    const std::function<std::string()>& part) {
+  const bool working = comm.rank() == worker;
+  std::future<std::string> answer;
+  std::exception_ptr not_started;  // no thread: the part fails, in the first agreement
+  if (working) {
+    try {
+      answer = std::async(std::launch::async, part);
+    } catch (...) {
+      not_started = std::current_exception();
+    }
+  }
+  for (;;) {
+    // The worker says "" while the part runs, then "=" and its payload (or its error, which
+    // agree() raises on every rank).
+    const std::vector<std::string> said = agree(comm, op, [&]() -> std::string {
+      if (!working) return {};
+      if (not_started) std::rethrow_exception(not_started);
+      if (answer.wait_for(slice) != std::future_status::ready) return {};
+      return "=" + answer.get();
+    });
+    const std::string& news = said.at(static_cast<size_t>(worker));
+    if (!news.empty()) return news.substr(1);
+  }
 }
 
 }  // namespace mixprec::distributed::detail

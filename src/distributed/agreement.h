@@ -10,6 +10,7 @@
 
 #include "mixprec/distributed/communicator.h"
 
+#include <chrono>
 #include <functional>
 #include <string>
 #include <string_view>
@@ -23,5 +24,16 @@ namespace mixprec::distributed::detail {
 // communicator error (timeout, a peer gone) propagates from the all-gather as it is.
 std::vector<std::string> agree(Communicator& comm, std::string_view op,
                                const std::function<std::string()>& part);
+
+// Runs `part` on rank `worker` alone, on a thread of its own, and agrees on its outcome as
+// agree() does; returns its payload on every rank. The other ranks do not wait for it in one
+// collective, which would time the group out when the part takes longer than the
+// communicator's timeout (rank 0 verifying a checkpoint newer than `latest` reads every byte of
+// it): every `slice` — a fraction of the timeout — all ranks agree on whether it has finished.
+// If a collective fails meanwhile, the worker's call returns (throws) once the part has
+// finished: the part must end by itself.
+std::string agree_on_one_ranks_part(Communicator& comm, std::string_view op, int worker,
+                                    std::chrono::milliseconds slice,
+                                    const std::function<std::string()>& part);
 
 }  // namespace mixprec::distributed::detail

@@ -141,7 +141,9 @@ struct ResumeResult : checkpoint::ResumeResult {
 };
 
 // Collective over the optimizer's communicator: loads `path` (a checkpoint directory, or a
-// root: the checkpoint rank 0 finds there, checkpoint/load.h: find_checkpoint) into model,
+// root: the checkpoint rank 0 finds there, checkpoint/load.h: find_checkpoint — the other ranks
+// wait for that lookup in slices of a quarter of the communicator's timeout, so verifying a
+// checkpoint newer than `latest` may take longer than the timeout) into model,
 // optimizer and RNG, as the header comment describes; saved by any number of ranks, or by one
 // process (checkpoint::save_training_state). Throws c10::Error on every rank if any rank's
 // read or check fails (the first failing rank's message, naming file and key), with model,

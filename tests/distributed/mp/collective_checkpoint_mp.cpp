@@ -2,6 +2,7 @@
 // single-process checkpoint a ZeRO-1 one equals, what each rank reads, and failures that must
 // fail every rank and change nothing. (Resuming on another number of ranks, and a rank
 // killed mid-save, need several launches: collective_resume_mp.cpp with tests/distributed/*.sh.)
+#include "../../../src/distributed/agreement.h"
 #include "distributed/mp/zero_support.h"
 #include "mixprec/checkpoint/async_save.h"
 #include "mixprec/checkpoint/format/box.h"
@@ -22,6 +23,8 @@
 #include <cstdio>
 #include <fstream>
 #include <set>
+#include <stdexcept>
+#include <thread>
 
 namespace mixprec::testing {
 namespace MIXPREC_UNITY_ID {  // anonymous outside unity builds (tests/CMakeLists.txt)
@@ -693,6 +696,30 @@ TEST(CollectiveCheckpoint, RanksPassingDifferentSaveOptionsAreRefused) {
   world().barrier();
   EXPECT_FALSE(fs::exists(root.path() / "async"));
   EXPECT_EQ(read_latest(root.path()), "agreed");
+  world().barrier();
+}
+
+// A collective load given a checkpoint root asks rank 0 which checkpoint to load, and rank 0
+// may verify checkpoints newer than `latest` for longer than the group's timeout: the other
+// ranks wait for its answer in slices, so a slow answer, and a slow error, reach every rank
+// instead of timing the group out. (Two ranks show it; the waits are paid once.)
+TEST(CollectiveCheckpoint, ALoadsLookupLongerThanTheTimeoutReachesEveryRank) {
+  if (world().size() != 2) GTEST_SKIP() << "runs on two ranks";
+  auto group = own_group("slow-lookup", std::chrono::seconds(3));
+  const auto lookup = [&](std::chrono::milliseconds takes, bool fails) {
+    return distributed::detail::agree_on_one_ranks_part(
+        *group, "lookup", /*worker=*/0, group->timeout() / 4, [=]() -> std::string {
+          std::this_thread::sleep_for(takes);
+          if (fails) throw std::runtime_error("no checkpoint in the root verifies");
+          return "step-000007";
+        });
+  };
+  EXPECT_EQ(lookup(std::chrono::seconds(7), /*fails=*/false), "step-000007");
+  const std::string message = error_of([&] { lookup(std::chrono::seconds(4), /*fails=*/true); });
+  EXPECT_NE(message.find("[lookup] failed on rank 0 of 2 (1 rank(s) failed): no checkpoint in "
+                         "the root verifies"),
+            std::string::npos)
+      << message;
   world().barrier();
 }
 
