@@ -8,6 +8,7 @@
 #include "mixprec/checkpoint/format/root_layout.h"
 #include "mixprec/checkpoint/format/root_lock.h"
 #include "mixprec/checkpoint/format/state_keys.h"
+#include "mixprec/checkpoint/format/verify.h"
 #include "mixprec/checkpoint/load.h"
 #include "mixprec/checkpoint/save.h"
 #include "mixprec/distributed/collective_checkpoint.h"
@@ -126,6 +127,16 @@ std::vector<std::string> uncommitted_steps_after(const fs::path& root, const fs:
   }
   std::sort(names.begin(), names.end());
   return names;
+}
+
+std::string advice_if_damaged(const fs::path& checkpoint) {
+  try {
+    mixprec::checkpoint::verify_checkpoint(checkpoint);
+    return {};
+  } catch (const mixprec::checkpoint::FormatError&) {
+    return "; to resume from the newest checkpoint that verifies, delete " +
+           (checkpoint.parent_path() / "latest").string();
+  }
 }
 
 nlohmann::json read_user_metadata(const fs::path& checkpoint) {

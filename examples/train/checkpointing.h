@@ -52,6 +52,15 @@ std::optional<std::filesystem::path> newest_checkpoint(
 std::vector<std::string> uncommitted_steps_after(const std::filesystem::path& root,
                                                  const std::filesystem::path& from);
 
+// For an error reading `checkpoint`, the one `latest` names in its root, which a resume reads
+// without a separate verification pass (that would read it twice): if it is damaged (a file,
+// chunk or checksum does not verify; this reads every byte), "; to resume from the newest
+// checkpoint that verifies, delete <root>/latest" — without `latest`, --resume verifies, sets
+// the damaged checkpoint aside and takes the newest one that verifies. Empty if it verifies:
+// the error has another cause (another model, a newer format), and setting it aside would
+// lose it.
+std::string advice_if_damaged(const std::filesystem::path& checkpoint);
+
 // A checkpoint's user metadata, read from its common state without loading any tensor data.
 // Throws UsageError naming the checkpoint if it cannot be read.
 nlohmann::json read_user_metadata(const std::filesystem::path& checkpoint);

@@ -151,6 +151,12 @@ void check_same_text(const Corpus& corpus, const RunPaths& paths) {
 // The first line of an error message: the one line the user gets.
 std::string first_line(const std::string& message) { return message.substr(0, message.find('\n')); }
 
+// What went wrong, without LibTorch's backtrace.
+std::string message_without_backtrace(const std::exception& e) {
+  const auto* torch_error = dynamic_cast<const c10::Error*>(&e);
+  return torch_error != nullptr ? torch_error->what_without_backtrace() : e.what();
+}
+
 // `malloc_policy`, `gemm_cache`: what set_malloc_policy and limit_gemm_descriptor_cache put in
 // force, for the start-up lines.
 int run(int argc, char** argv, const std::string& malloc_policy, const std::string& gemm_cache) {
@@ -248,12 +254,12 @@ int run(int argc, char** argv, const std::string& malloc_policy, const std::stri
     nlohmann::json user;
     try {
       user = optimizer->load(*paths.resume_from);
-    } catch (const mixprec::checkpoint::ChecksumError& e) {
-      // The checkpoint `latest` names is trusted, not verified first (that would read it twice);
-      // without `latest` every checkpoint is verified and the damaged one set aside.
-      throw mixprec::checkpoint::ChecksumError(
-          first_line(e.what()) + "; to resume from the newest checkpoint that verifies, delete " +
-          (paths.ckpt_root / "latest").string());
+    } catch (const std::exception& e) {
+      // Any error (a chunk's checksum, a truncated file; on several ranks the group's error)
+      // says how to resume past the checkpoint if it is damaged (checkpointing.h).
+      const std::string advice = advice_if_damaged(*paths.resume_from);
+      if (advice.empty()) throw;
+      throw mixprec::checkpoint::FormatError(first_line(message_without_backtrace(e)) + advice);
     }
     state = RunState::from_json(user, paths.resume_from->string());
   }

@@ -124,7 +124,13 @@ void find_resume_point(TrainConfig& config, RunPaths& paths) {
   for (const std::string& name : uncommitted_steps_after(paths.ckpt_root, latest->filename())) {
     paths.unverified.push_back(name);
   }
-  const nlohmann::json user = read_user_metadata(*latest);
+  nlohmann::json user;
+  try {
+    user = read_user_metadata(*latest);
+  } catch (const UsageError& e) {
+    const std::string message = e.what();
+    throw UsageError(message.substr(0, message.find('\n')) + advice_if_damaged(*latest));
+  }
   const std::string source = "checkpoint " + latest->string();
   if (!user.contains("config")) throw UsageError(source + " was not written by mixprec-train");
   paths.changes = adopt_run_shape(config, user.at("config"), source);

@@ -243,6 +243,40 @@ TEST_F(Cluster, AResumePastACheckpointThatDoesNotVerifySetsItAside) {
   EXPECT_EQ(read_text(root / "latest"), "step-000008\n");
 }
 
+// The checkpoint `latest` names is loaded without a separate verification pass: if it is
+// damaged — a chunk that fails its checksum, a truncated file — the resume fails in one line
+// naming the file and saying to delete `latest`; after that, --resume verifies, sets the damaged
+// checkpoint aside and continues from the newest one that verifies.
+TEST_F(Cluster, ADamagedLatestCheckpointIsRefusedWithTheWayOut) {
+  ASSERT_EQ(run_program(dir_.path(), args({"--steps", "4", "--ckpt-every", "2"})).status, 0);
+  const fs::path root = dir_ / "run/checkpoints";
+  const fs::path data = root / "step-000004/data-00000.safetensors";
+  const std::string intact = read_text(data);
+  const std::string advice =
+      "; to resume from the newest checkpoint that verifies, delete run/checkpoints/latest";
+  std::string flipped = intact;
+  flipped[flipped.size() / 2] = static_cast<char>(flipped[flipped.size() / 2] ^ 0x10);
+  for (const std::string& damaged : {flipped, intact.substr(0, intact.size() - 100)}) {
+    SCOPED_TRACE(damaged.size() == intact.size() ? "a flipped bit" : "a truncated file");
+    std::ofstream(data, std::ios::trunc | std::ios::binary) << damaged;
+    const ProgramRun refused =
+        run_program(dir_.path(), args({"--resume", "--steps", "6"}), "refused");
+    EXPECT_EQ(refused.status, 2) << refused.err;
+    EXPECT_EQ(lines_in(refused.err), 1u) << refused.err;
+    EXPECT_NE(refused.err.find("data-00000.safetensors"), std::string::npos) << refused.err;
+    EXPECT_NE(refused.err.find(advice + "\n"), std::string::npos) << refused.err;
+  }
+  fs::remove(root / "latest");
+  const ProgramRun resumed = run_program(dir_.path(), args({"--resume", "--steps", "6"}), "ok");
+  ASSERT_EQ(resumed.status, 0) << resumed.err;
+  EXPECT_NE(resumed.out.find("resumed      from run/checkpoints/step-000002 at step 2"),
+            std::string::npos)
+      << resumed.out;
+  EXPECT_NE(resumed.out.find("set aside    step-000004 -> .unverified-step-000004-"),
+            std::string::npos)
+      << resumed.out;
+}
+
 // A resumed copy of a run trained to step 6 in its own metrics file, `copy`, and left the
 // original's file as it was (`before`).
 void expect_copy_trained_apart(const ProgramRun& resumed, const fs::path& original,
