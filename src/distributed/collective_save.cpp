@@ -59,7 +59,7 @@ ckpt::SaveResult save_collectively(Communicator& comm, const std::filesystem::pa
   const bool committing = rank == 0;
   Committer committer;
 
-  // 1. prepare: plans from everyone; the writer and the staging directory on rank 0.
+  // 1. prepare: plans from everyone; then the writer and the staging directory on rank 0.
   const std::vector<std::string> prepared = detail::agree(comm, kSaveOp, [&] {
     if (failed) std::rethrow_exception(failed);
     std::vector<std::string> problems;
@@ -67,16 +67,10 @@ ckpt::SaveResult save_collectively(Communicator& comm, const std::filesystem::pa
     if (committing) ckpt::detail::check_common_state(mine.common);  // rank 0's is written
     const RankPlan plan = ckpt::detail::plan_rank(mine, static_cast<size_t>(rank), problems);
     mixprec::detail::check_no_problems(problems, "[mixprec::checkpoint::save] cannot save");
-    nlohmann::json out = {{"plan", detail::plan_to_json(plan)},
+    return nlohmann::json{{"plan", detail::plan_to_json(plan)},
                           {"name", name},
-                          {"options", detail::options_to_json(options)}};
-    if (committing) {
-      committer.writer = std::make_unique<ckpt::RootWriter>(
-          root, ckpt::WriterOptions{options.lock_timeout(), options.stale_staging_timeout()});
-      committer.staging = committer.writer->stage(name);
-      out["staging"] = committer.staging->dir().filename().string();
-    }
-    return out.dump();
+                          {"options", detail::options_to_json(options)}}
+        .dump();
   });
   std::vector<nlohmann::json> payloads;
   for (const std::string& text : prepared) payloads.push_back(nlohmann::json::parse(text));
@@ -102,7 +96,16 @@ ckpt::SaveResult save_collectively(Communicator& comm, const std::filesystem::pa
   }
   // Every rank checks the same plans alike: all throw, or none does.
   std::map<std::string, ckpt::KeyEntry> keys = ckpt::detail::merge_plans(plans);
-  const std::string staging_name = payloads[0].at("staging").get<std::string>();
+  // Opening the root may take rank 0 longer than the group's timeout: waiting for its lock
+  // (SaveOptions::lock_timeout), removing stale staging, verifying checkpoints newer than
+  // `latest`. The other ranks wait for it in slices of a quarter of the timeout.
+  const std::string staging_name =
+      detail::agree_on_one_ranks_part(comm, kSaveOp, /*worker=*/0, comm.timeout() / 4, [&] {
+        committer.writer = std::make_unique<ckpt::RootWriter>(
+            root, ckpt::WriterOptions{options.lock_timeout(), options.stale_staging_timeout()});
+        committer.staging = committer.writer->stage(name);
+        return committer.staging->dir().filename().string();
+      });
 
   // 2. write: each rank its own data file, fsynced.
   const std::vector<std::string> written = detail::agree(comm, kSaveOp, [&] {

@@ -19,12 +19,14 @@
 // Save, in three phases; each ends with one all-gather in which every rank learns every
 // rank's outcome, and goes on only if every rank succeeded: otherwise every rank throws the
 // same c10::Error, naming the first failing rank and its message.
-//   1. prepare: rank 0, the committing rank, opens the root as its one writer (it alone takes
-//      the lock, cleans stale staging and repairs `latest`: checkpoint/format/root_writer.h)
-//      and creates the staging directory; every rank plans its chunks. Every plan, with the
-//      rank's checkpoint name and SaveOptions, goes to every rank, and all are checked together
-//      (the same name and options on every rank, each key's dtype and global shape agree, its
-//      chunks tile it exactly) before anything is written.
+//   1. prepare: every rank plans its chunks. Every plan, with the rank's checkpoint name and
+//      SaveOptions, goes to every rank, and all are checked together (the same name and options
+//      on every rank, each key's dtype and global shape agree, its chunks tile it exactly)
+//      before anything is written. Then rank 0, the committing rank, opens the root as its one
+//      writer (it alone takes the lock, cleans stale staging and repairs `latest`:
+//      checkpoint/format/root_writer.h) and creates the staging directory, while the other
+//      ranks wait for its outcome in slices of a quarter of the communicator's timeout (a wait
+//      for the lock, or verifying a checkpoint newer than `latest`, may take longer than it).
 //   2. write: every rank writes only its own data file into the staging directory and fsyncs
 //      it; its checksums go to every rank (rank 0 puts them in the manifest).
 //   3. commit: rank 0 writes common.json and, last, manifest.json, commits the directory

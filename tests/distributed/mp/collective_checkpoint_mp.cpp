@@ -8,6 +8,7 @@
 #include "mixprec/checkpoint/format/box.h"
 #include "mixprec/checkpoint/format/error.h"
 #include "mixprec/checkpoint/format/manifest.h"
+#include "mixprec/checkpoint/format/root_writer.h"
 #include "mixprec/checkpoint/format/safetensors_reader.h"
 #include "mixprec/checkpoint/format/state_keys.h"
 #include "mixprec/checkpoint/format/verify.h"
@@ -22,6 +23,7 @@
 
 #include <cstdio>
 #include <fstream>
+#include <future>
 #include <set>
 #include <stdexcept>
 #include <thread>
@@ -697,6 +699,37 @@ TEST(CollectiveCheckpoint, RanksPassingDifferentSaveOptionsAreRefused) {
   EXPECT_FALSE(fs::exists(root.path() / "async"));
   EXPECT_EQ(read_latest(root.path()), "agreed");
   world().barrier();
+}
+
+// A collective save's rank 0 opens the root as its one writer while the other ranks wait for it
+// in slices: a save whose rank 0 waits for the root's lock (SaveOptions::lock_timeout) longer
+// than the group's timeout goes through on every rank. (Two ranks show it.)
+TEST(CollectiveCheckpoint, ASaveWaitingForTheRootsLockLongerThanTheTimeoutGoesThrough) {
+  if (world().size() != 2) GTEST_SKIP() << "runs on two ranks";
+  SharedTempDir root;
+  auto group = own_group("lock-wait", std::chrono::seconds(3));
+  std::thread holder;  // on rank 0: another writer of the root, for 7 s
+  if (world().rank() == 0) {
+    std::promise<void> held;
+    std::future<void> holding = held.get_future();
+    holder = std::thread([&root, held = std::move(held)]() mutable {
+      const checkpoint::RootWriter writer(root.path());
+      held.set_value();
+      std::this_thread::sleep_for(std::chrono::seconds(7));
+    });
+    holding.wait();
+  }
+  world().barrier();
+  const at::Tensor values = at::arange(12, at::kFloat);
+  EXPECT_EQ(
+      distributed::save_checkpoint(*group, root.path(), "waited", flat_share(values),
+                                   checkpoint::SaveOptions().lock_timeout(std::chrono::seconds(60)))
+          .dir,
+      root.path() / "waited");
+  if (holder.joinable()) holder.join();
+  world().barrier();
+  EXPECT_EQ(read_latest(root.path()), "waited");
+  EXPECT_TRUE(at::equal(checkpoint::read_checkpoint(root.path() / "waited").at("v").local, values));
 }
 
 // A collective load given a checkpoint root asks rank 0 which checkpoint to load, and rank 0
