@@ -707,15 +707,15 @@ TEST(CollectiveCheckpoint, RanksPassingDifferentSaveOptionsAreRefused) {
 TEST(CollectiveCheckpoint, ASaveWaitingForTheRootsLockLongerThanTheTimeoutGoesThrough) {
   if (world().size() != 2) GTEST_SKIP() << "runs on two ranks";
   SharedTempDir root;
-  auto group = own_group("lock-wait", std::chrono::seconds(3));
-  std::thread holder;  // on rank 0: another writer of the root, for 7 s
+  auto group = own_group("lock-wait", std::chrono::seconds(4));
+  std::thread holder;  // on rank 0: another writer of the root, for 6 s
   if (world().rank() == 0) {
     std::promise<void> held;
     std::future<void> holding = held.get_future();
     holder = std::thread([&root, held = std::move(held)]() mutable {
       const checkpoint::RootWriter writer(root.path());
       held.set_value();
-      std::this_thread::sleep_for(std::chrono::seconds(7));
+      std::this_thread::sleep_for(std::chrono::seconds(6));
     });
     holding.wait();
   }
@@ -738,7 +738,7 @@ TEST(CollectiveCheckpoint, ASaveWaitingForTheRootsLockLongerThanTheTimeoutGoesTh
 // instead of timing the group out. (Two ranks show it; the waits are paid once.)
 TEST(CollectiveCheckpoint, ALoadsLookupLongerThanTheTimeoutReachesEveryRank) {
   if (world().size() != 2) GTEST_SKIP() << "runs on two ranks";
-  auto group = own_group("slow-lookup", std::chrono::seconds(3));
+  auto group = own_group("slow-lookup", std::chrono::seconds(4));
   const auto lookup = [&](std::chrono::milliseconds takes, bool fails) {
     return distributed::detail::agree_on_one_ranks_part(
         *group, "lookup", /*worker=*/0, group->timeout() / 4, [=]() -> std::string {
@@ -747,8 +747,8 @@ TEST(CollectiveCheckpoint, ALoadsLookupLongerThanTheTimeoutReachesEveryRank) {
           return "step-000007";
         });
   };
-  EXPECT_EQ(lookup(std::chrono::seconds(7), /*fails=*/false), "step-000007");
-  const std::string message = error_of([&] { lookup(std::chrono::seconds(4), /*fails=*/true); });
+  EXPECT_EQ(lookup(std::chrono::seconds(6), /*fails=*/false), "step-000007");
+  const std::string message = error_of([&] { lookup(std::chrono::seconds(5), /*fails=*/true); });
   EXPECT_NE(message.find("[lookup] failed on rank 0 of 2 (1 rank(s) failed): no checkpoint in "
                          "the root verifies"),
             std::string::npos)
