@@ -228,5 +228,82 @@ TEST(TrainConfig, ResumeAloneCarriesEveryCourseSetting) {
   EXPECT_EQ(resumed.ckpt_timeout, 600);
 }
 
+// Every count is at least 1: 0 is refused, in one message naming the flag and the value.
+TEST(TrainConfig, EveryCountRefusesZeroNamingTheFlag) {
+  for (const char* flag : {"layers", "d-model", "heads", "experts", "top-k", "seq-len", "steps",
+                           "batch", "grad-accum", "eval-every", "eval-batches", "log-every",
+                           "ckpt-every", "keep-last", "staging-budget-mb"}) {
+    const std::string name = std::string("--") + flag;
+    EXPECT_EQ(usage_error({name, "0"}), name + " must be at least 1, got 0");
+  }
+}
+
+// Each range takes its bounds and refuses a value just beyond either, naming the flag ("" is
+// an accepted command line).
+TEST(TrainConfig, RangesTakeTheirBoundsAndRefuseJustBeyond) {
+  EXPECT_EQ(usage_error({"--threads", "0"}), "");
+  EXPECT_EQ(usage_error({"--threads", "1024"}), "");
+  EXPECT_EQ(usage_error({"--threads", "1025"}), "--threads must lie in [0, 1024], got 1025");
+  EXPECT_EQ(usage_error({"--threads", "-1"}), "--threads must lie in [0, 1024], got -1");
+  EXPECT_EQ(usage_error({"--wait-for-ckpt-dir", "0"}), "");
+  EXPECT_EQ(usage_error({"--wait-for-ckpt-dir", "31536000"}), "") << "a year";
+  EXPECT_EQ(usage_error({"--wait-for-ckpt-dir", "31536001"}),
+            "--wait-for-ckpt-dir must lie in [0, 31536000] seconds, got 31536001");
+  EXPECT_EQ(usage_error({"--wait-for-ckpt-dir", "-1"}),
+            "--wait-for-ckpt-dir must lie in [0, 31536000] seconds, got -1");
+  EXPECT_EQ(usage_error({"--ckpt-timeout", "1"}), "");
+  EXPECT_EQ(usage_error({"--ckpt-timeout", "31536000"}), "");
+  EXPECT_EQ(usage_error({"--ckpt-timeout", "31536001"}),
+            "--ckpt-timeout must lie in [1, 31536000] seconds, got 31536001");
+  EXPECT_EQ(usage_error({"--loss-scale", "1"}), "");
+  EXPECT_EQ(usage_error({"--loss-scale", "0.5"}), "--loss-scale must be at least 1");
+  EXPECT_EQ(usage_error({"--min-lr-ratio", "0"}), "");
+  EXPECT_EQ(usage_error({"--min-lr-ratio", "1"}), "");
+  EXPECT_EQ(usage_error({"--min-lr-ratio", "1.5"}), "--min-lr-ratio must lie in [0, 1]");
+  EXPECT_EQ(usage_error({"--min-lr-ratio", "-0.1"}), "--min-lr-ratio must lie in [0, 1]");
+  EXPECT_EQ(usage_error({"--val-fraction", "0.5"}), "");
+  EXPECT_EQ(usage_error({"--val-fraction", "1"}), "--val-fraction must lie in (0, 1)");
+  EXPECT_EQ(usage_error({"--val-fraction", "0"}), "--val-fraction must lie in (0, 1)");
+  EXPECT_EQ(usage_error({"--lr", "0"}), "--lr must be positive");
+  EXPECT_EQ(usage_error({"--seed", "0"}), "");
+  EXPECT_EQ(usage_error({"--seed", "-1"}), "--seed must not be negative");
+  EXPECT_EQ(usage_error({"--stop-at", "-1"}), "--stop-at must not be negative");
+  EXPECT_EQ(usage_error({"--temperature", "0"}), "") << "0 samples greedily";
+  EXPECT_EQ(usage_error({"--temperature", "-0.5"}), "--temperature must not be negative");
+  EXPECT_EQ(usage_error({"--sample-tokens", "0"}), "");
+  EXPECT_EQ(usage_error({"--sample-tokens", "-1"}), "--sample-tokens must not be negative");
+  EXPECT_EQ(usage_error({"--clip-grad", "0"}), "") << "0 turns clipping off";
+  for (const char* flag :
+       {"warmup", "weight-decay", "clip-grad", "aux-loss-coef", "bias-update-rate"}) {
+    const std::string message = usage_error({std::string("--") + flag, "-1"});
+    EXPECT_EQ(message.rfind(std::string("--") + flag + " must not be negative", 0), 0u) << message;
+  }
+}
+
+// Each flag with a set of values takes every one of them and refuses any other, naming it.
+TEST(TrainConfig, EveryChoiceIsTakenAndAnyOtherRefused) {
+  for (const char* v : {"bf16", "fp16"}) EXPECT_EQ(usage_error({"--precision", v}), "") << v;
+  for (const char* v : {"off", "e4m3", "hybrid"}) EXPECT_EQ(usage_error({"--fp8", v}), "") << v;
+  for (const char* v : {"auto", "bar", "lines", "none"})
+    EXPECT_EQ(usage_error({"--progress", v}), "") << v;
+  for (const char* v : {"auto", "active", "passive"})
+    EXPECT_EQ(usage_error({"--omp-wait", v}), "") << v;
+  for (const char* v : {"keep", "system"}) EXPECT_EQ(usage_error({"--malloc", v}), "") << v;
+  EXPECT_EQ(usage_error({"--fp8", "e5m2"}), "--fp8 must be off, e4m3 or hybrid, got 'e5m2'");
+  EXPECT_EQ(usage_error({"--progress", "fancy"}),
+            "--progress must be auto, bar, lines or none, got 'fancy'");
+  EXPECT_EQ(usage_error({"--omp-wait", "spin"}),
+            "--omp-wait must be auto, active or passive, not 'spin'");
+}
+
+// A number must be all of the value: trailing characters, infinities and NaN are refused.
+TEST(TrainConfig, ANumberIsTheWholeValueAndFinite) {
+  EXPECT_EQ(usage_error({"--steps", "12x"}), "--steps expects an integer, got '12x'");
+  EXPECT_EQ(usage_error({"--steps", ""}), "--steps expects an integer, got ''");
+  EXPECT_EQ(usage_error({"--lr", "1e-3x"}), "--lr expects a number, got '1e-3x'");
+  EXPECT_EQ(usage_error({"--clip-grad", "inf"}), "--clip-grad expects a number, got 'inf'");
+  EXPECT_EQ(usage_error({"--lr", "nan"}), "--lr expects a number, got 'nan'");
+}
+
 }  // namespace MIXPREC_UNITY_ID
 }  // namespace train
