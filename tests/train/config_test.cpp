@@ -42,6 +42,9 @@ TEST(TrainConfig, UnknownFlagSuggestsTheClosestOne) {
   EXPECT_NE(message.find("unknown flag '--layer'"), std::string::npos) << message;
   EXPECT_NE(message.find("did you mean --layers?"), std::string::npos) << message;
   EXPECT_EQ(usage_error({"--zzzzzzzzzz"}).find("did you mean"), std::string::npos);
+  // Three edits away is still a suggestion; four is none.
+  EXPECT_NE(usage_error({"--outdir", "x"}).find("(did you mean --out?)"), std::string::npos);
+  EXPECT_EQ(usage_error({"--max-steps", "9"}).find("did you mean"), std::string::npos);
 }
 
 TEST(TrainConfig, BadValuesNameTheFlag) {
@@ -303,6 +306,79 @@ TEST(TrainConfig, ANumberIsTheWholeValueAndFinite) {
   EXPECT_EQ(usage_error({"--lr", "1e-3x"}), "--lr expects a number, got '1e-3x'");
   EXPECT_EQ(usage_error({"--clip-grad", "inf"}), "--clip-grad expects a number, got 'inf'");
   EXPECT_EQ(usage_error({"--lr", "nan"}), "--lr expects a number, got 'nan'");
+}
+
+// Combinations at their limits: every expert per token, a trace ending at the last step. A
+// trace from step 0, or one ending before it starts, is refused; so is --init-from with
+// --resume.
+TEST(TrainConfig, CombinationsTakeTheirLimits) {
+  EXPECT_EQ(usage_error({"--top-k", "4", "--experts", "4"}), "");
+  EXPECT_EQ(usage_error({"--steps", "10", "--profile-steps", "10:10"}), "");
+  EXPECT_EQ(usage_error({"--steps", "10", "--profile-steps", "9:11"}),
+            "--profile-steps 9:11 ends after --steps 10");
+  EXPECT_EQ(parse_profile_steps("1:1").first, 1);
+  EXPECT_EQ(parse_profile_steps("1:1").last, 1);
+  for (const std::string bad : {"0:1", "3:2", "2", "2:x", ":3"}) {
+    EXPECT_EQ(usage_error({"--profile-steps", bad}),
+              "--profile-steps '" + bad + "': expected A:B, steps 1 <= A <= B");
+  }
+  EXPECT_EQ(usage_error({"--init-from", "export", "--resume"}),
+            "--init-from starts a new run from exported weights; --resume continues a run from its "
+            "checkpoint: give one of them");
+}
+
+// Every flag fixed on resume, given again with another value, is refused naming it and both
+// values, and --help says it is fixed.
+TEST(TrainConfig, ResumeRefusesEveryFixedFlagGivenAnotherValue) {
+  const nlohmann::json shape = run_shape(TrainConfig());
+  const std::string help = usage();
+  const std::vector<std::pair<std::string, std::string>> fixed = {
+      {"layers", "3"},     {"d-model", "64"},       {"heads", "8"},        {"experts", "8"},
+      {"top-k", "1"},      {"seq-len", "64"},       {"precision", "fp16"}, {"fp8", "off"},
+      {"loss-scale", "2"}, {"val-fraction", "0.2"}, {"batch", "32"},       {"grad-accum", "2"},
+      {"seed", "7"}};
+  for (const auto& [flag, value] : fixed) {
+    SCOPED_TRACE("--" + flag);
+    TrainConfig resumed = parse({"--resume", "--" + flag, value}).config;
+    try {
+      adopt_run_shape(resumed, shape, "checkpoint X");
+      ADD_FAILURE() << "another value is refused";
+    } catch (const UsageError& e) {
+      const std::string message = e.what();
+      EXPECT_EQ(message.rfind("checkpoint X was trained with --" + flag + " ", 0), 0u) << message;
+      EXPECT_NE(message.find("; this run asks for --" + flag + " " + value), std::string::npos)
+          << message;
+    }
+    const size_t at = help.find("  --" + flag + " ");
+    ASSERT_NE(at, std::string::npos);
+    const std::string line = help.substr(at, help.find('\n', at) - at);
+    EXPECT_NE(line.find("(fixed on resume)"), std::string::npos) << line;
+  }
+}
+
+// Once adopted, the run's settings are checked together: a trace past the saved --steps, or
+// ranks that do not split the saved --batch, is refused, and the config stays as it was.
+TEST(TrainConfig, ResumeChecksTheAdoptedSettingsTogether) {
+  const nlohmann::json shape = run_shape(parse({"--steps", "8", "--batch", "16"}).config);
+  TrainConfig traced = parse({"--resume", "--profile-steps", "9:10"}).config;
+  try {
+    adopt_run_shape(traced, shape, "checkpoint X");
+    ADD_FAILURE() << "a trace after the run's last step is refused";
+  } catch (const UsageError& e) {
+    EXPECT_STREQ(e.what(), "--profile-steps 9:10 ends after --steps 8");
+  }
+  EXPECT_EQ(traced.steps, TrainConfig().steps) << "a refused resume changes nothing";
+
+  TrainConfig three_ranks = parse({"--resume"}).config;
+  three_ranks.world_size = 3;
+  try {
+    adopt_run_shape(three_ranks, shape, "checkpoint X");
+    ADD_FAILURE() << "3 ranks do not split --batch 16";
+  } catch (const UsageError& e) {
+    EXPECT_NE(std::string(e.what()).find("--batch 16 does not split into 3 ranks"),
+              std::string::npos)
+        << e.what();
+  }
 }
 
 }  // namespace MIXPREC_UNITY_ID
