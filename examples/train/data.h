@@ -27,8 +27,8 @@ struct Corpus {
 };
 
 // Reads `path` ("" for the default corpus) and splits it. Throws UsageError naming the file if
-// it is missing, unreadable, empty, or too short for one sequence of `seq_len` + 1 bytes in
-// each split.
+// it is missing, unreadable, empty, or too short for `seq_len` + 2 bytes in each split (a
+// sequence, its shifted target, and a second start to draw).
 Corpus load_corpus(const std::string& path, double val_fraction, int64_t seq_len);
 
 struct Batch {

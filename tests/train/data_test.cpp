@@ -101,5 +101,48 @@ TEST(BatchSampler, BatchesAreAFunctionOfSeedStreamAndIndex) {
   EXPECT_TRUE(at::equal(a.batch(3, 8, 2, 3).inputs, b.inputs.narrow(0, 2, 3)));
 }
 
+// Each split must hold seq_len + 2 bytes (a sequence, its shifted target, and a second start
+// to draw): the validation tail and the training head are checked alike.
+TEST(Corpus, EachSplitHoldsOneSequenceAndASecondStart) {
+  Scratch dir;
+  std::ofstream(dir / "twenty.txt") << std::string(20, 'x');
+  EXPECT_EQ(load_corpus((dir / "twenty.txt").string(), 0.5, 8).val.numel(), 10);
+  std::ofstream(dir / "eighteen.txt") << std::string(18, 'x');
+  EXPECT_THROW(load_corpus((dir / "eighteen.txt").string(), 0.5, 8), UsageError)
+      << "9 bytes a split: a sequence and its target, but only one start";
+  // A large --val-fraction leaves the training split too short.
+  std::ofstream(dir / "hundred.txt") << std::string(100, 'x');
+  try {
+    load_corpus((dir / "hundred.txt").string(), 0.95, 8);
+    ADD_FAILURE() << "5 training bytes cannot hold a sequence";
+  } catch (const UsageError& e) {
+    EXPECT_NE(std::string(e.what()).find("has 100 bytes; --seq-len 8 needs at least"),
+              std::string::npos)
+        << e.what();
+  }
+}
+
+// The fingerprint a resume compares covers both splits: texts that differ in the validation
+// tail only are told apart.
+TEST(Corpus, TheFingerprintCoversTheValidationSplit) {
+  Scratch dir;
+  std::ofstream(dir / "b.txt") << std::string(900, 'a') << std::string(100, 'b');
+  std::ofstream(dir / "c.txt") << std::string(900, 'a') << std::string(100, 'c');
+  const Corpus b = load_corpus((dir / "b.txt").string(), 0.1, 8);
+  const Corpus c = load_corpus((dir / "c.txt").string(), 0.1, 8);
+  EXPECT_NE(b.fingerprint, c.fingerprint);
+  EXPECT_EQ(b.fingerprint, load_corpus((dir / "b.txt").string(), 0.1, 8).fingerprint);
+}
+
+// Every start is drawn, the last one too: a split of seq_len + 2 bytes has two.
+TEST(BatchSampler, EveryStartIncludingTheLastIsDrawn) {
+  const at::Tensor tokens = at::arange(6, at::kLong).to(at::kByte);
+  const Batch b = BatchSampler(tokens, 4, 5, 0).batch(0, 64, 0, 64);
+  const at::Tensor first = b.inputs.select(1, 0);
+  EXPECT_TRUE(at::any(first == 0).item<bool>());
+  EXPECT_TRUE(at::any(first == 1).item<bool>()) << "the last start, 1, never drawn";
+  EXPECT_TRUE(at::all(first <= 1).item<bool>());
+}
+
 }  // namespace MIXPREC_UNITY_ID
 }  // namespace train
