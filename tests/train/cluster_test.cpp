@@ -490,5 +490,101 @@ TEST_F(Cluster, ASavesWarningsArePrintedAndCounted) {
   }
 }
 
+// A plain --resume continues the newest run under runs/ that holds a checkpoint: an older run is
+// left alone, and a newer directory without a checkpoint (a run that ended before its first
+// save) is passed over.
+TEST_F(Cluster, APlainResumeContinuesTheNewestRunThatHoldsACheckpoint) {
+  const auto run_into = [&](const std::string& out) {
+    return run_program(
+        dir_.path(),
+        tiny_model() + std::vector<std::string>{"--data", (dir_ / "corpus.txt").string(),
+                                                "--eval-every", "1000", "--steps", "2", "--out",
+                                                out},
+        out.substr(5));
+  };
+  ASSERT_EQ(run_into("runs/20240101-000000").status, 0);
+  ASSERT_EQ(run_into("runs/20240102-000000").status, 0);
+  fs::create_directories(dir_ / "runs/20240103-000000/checkpoints");
+  const ProgramRun resumed = run_program(
+      dir_.path(), {"--resume", "--steps", "3", "--progress", "lines", "--threads", "1"});
+  ASSERT_EQ(resumed.status, 0) << resumed.err;
+  EXPECT_NE(
+      resumed.out.find("resumed      from runs/20240102-000000/checkpoints/step-000002 at step 2"),
+      std::string::npos)
+      << resumed.out;
+  EXPECT_EQ(count_lines(dir_ / "runs/20240102-000000/metrics.jsonl"), 3u);
+  EXPECT_EQ(count_lines(dir_ / "runs/20240101-000000/metrics.jsonl"), 2u);
+}
+
+// A copy of a run whose metrics went elsewhere (--metrics), resumed with --out, writes its
+// metrics in its own directory: the original's file is not appended to.
+TEST_F(Cluster, AResumedCopyLeavesTheOriginalsMetricsFileElsewhereAlone) {
+  ASSERT_EQ(run_program(dir_.path(), args({"--steps", "2", "--metrics", "elsewhere.jsonl"})).status,
+            0);
+  fs::copy(dir_ / "run", dir_ / "copy", fs::copy_options::recursive);
+  const std::string before = read_text(dir_ / "elsewhere.jsonl");
+  const ProgramRun resumed =
+      run_program(dir_.path(),
+                  tiny_model() + std::vector<std::string>{"--data", (dir_ / "corpus.txt").string(),
+                                                          "--out", "copy", "--resume", "--steps",
+                                                          "3", "--eval-every", "1000"},
+                  "copy");
+  ASSERT_EQ(resumed.status, 0) << resumed.err;
+  EXPECT_EQ(read_text(dir_ / "elsewhere.jsonl"), before);
+  const auto metrics = read_metrics(dir_ / "copy/metrics.jsonl");
+  ASSERT_FALSE(metrics.empty());
+  EXPECT_EQ(metrics.back().step, 3);
+}
+
+// A requeued --auto-resume job continues from its checkpoint: the --init-from of its command
+// line chose the first launch's weights, and is neither used nor refused (as it is with
+// --resume) on the requeue.
+TEST_F(Cluster, AnAutoResumeRequeueLeavesInitFromToTheFirstLaunch) {
+  ASSERT_EQ(run_program(dir_.path(), args({"--steps", "2"}), "first").status, 0);
+  const ProgramRun requeued = run_program(
+      dir_.path(),
+      args({"--steps", "3", "--auto-resume", "--init-from", (dir_ / "export").string()}),
+      "requeued");
+  ASSERT_EQ(requeued.status, 0) << requeued.err;
+  EXPECT_NE(requeued.out.find("resumed      from run/checkpoints/step-000002 at step 2"),
+            std::string::npos)
+      << requeued.out;
+  EXPECT_EQ(count_lines(dir_ / "run/metrics.jsonl"), 3u);
+}
+
+// A `latest` that is unusable (not a checkpoint name) makes the root damaged for a resume: an
+// error naming the root, not a guess at which checkpoint to continue.
+TEST(NewestCheckpoint, AnUnusableLatestIsAnErrorNamingTheRoot) {
+  Scratch dir;
+  const fs::path root = dir / "checkpoints";
+  mixprec::ShardedStateDict state;
+  state.tensors.emplace("x", mixprec::ShardedTensor::whole(at::arange(4, at::kFloat)));
+  mixprec::checkpoint::save_checkpoint(root, "step-000001", state);
+  ASSERT_EQ(newest_checkpoint(root), root / "step-000001");
+  std::ofstream(root / "latest", std::ios::trunc) << "../elsewhere\n";
+  try {
+    newest_checkpoint(root);
+    ADD_FAILURE() << "an unusable latest is refused";
+  } catch (const UsageError& e) {
+    EXPECT_EQ(std::string(e.what()).rfind("checkpoint root " + root.string() + " is damaged: ", 0),
+              0u)
+        << e.what();
+  }
+}
+
+// --keep-last N keeps the N newest checkpoints; older ones are removed as newer ones commit.
+TEST_F(Cluster, KeepLastKeepsThatManyNewestCheckpoints) {
+  ASSERT_EQ(
+      run_program(dir_.path(), args({"--steps", "4", "--ckpt-every", "1", "--keep-last", "2"}))
+          .status,
+      0);
+  std::set<std::string> kept;
+  for (const auto& entry : fs::directory_iterator(dir_ / "run/checkpoints")) {
+    const std::string name = entry.path().filename().string();
+    if (name.starts_with("step-")) kept.insert(name);
+  }
+  EXPECT_EQ(kept, (std::set<std::string>{"step-000003", "step-000004"}));
+}
+
 }  // namespace MIXPREC_UNITY_ID
 }  // namespace train
