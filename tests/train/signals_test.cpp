@@ -79,5 +79,18 @@ TEST(StopRequest, SigtermStaysHandledAndANewRequestStartsUnasked) {
   EXPECT_EQ(again.signal_number(), 0);
 }
 
+// A SIGTERM the process started with ignored stays ignored: the launcher meant it so.
+TEST(StopRequest, ASigtermIgnoredAtStartStaysIgnored) {
+  const KeepSignalActions keep;
+  struct sigaction ignore {};
+  ignore.sa_handler = SIG_IGN;
+  sigemptyset(&ignore.sa_mask);
+  ASSERT_EQ(sigaction(SIGTERM, &ignore, nullptr), 0);
+  const StopRequest stop;
+  EXPECT_EQ(handler_of(SIGTERM), SIG_IGN);
+  ASSERT_EQ(std::raise(SIGTERM), 0);
+  EXPECT_FALSE(stop.requested());
+}
+
 }  // namespace MIXPREC_UNITY_ID
 }  // namespace train
