@@ -135,6 +135,11 @@ TEST_F(Cluster, ResumeContinuesFromTheNewestCompleteCheckpoint) {
   EXPECT_NE(resumed.out.find("resumed      from run/checkpoints/step-000004 at step 4"),
             std::string::npos)
       << resumed.out;
+  EXPECT_NE(resumed.out.find("('latest' names 'step-000002', but 'step-000004' is newer and "
+                             "complete"),
+            std::string::npos)
+      << "says why\n"
+      << resumed.out;
   const auto metrics = read_metrics(dir_ / "run/metrics.jsonl");
   ASSERT_EQ(metrics.size(), 6u);
   for (size_t i = 0; i < metrics.size(); ++i) EXPECT_EQ(metrics[i].step, int64_t(i + 1));
@@ -145,6 +150,10 @@ TEST_F(Cluster, ResumeContinuesFromTheNewestCompleteCheckpoint) {
       run_program(dir_.path(), args({"--resume", "--steps", "7", "--ckpt-every", "2"}), "none");
   ASSERT_EQ(without.status, 0) << without.err;
   EXPECT_NE(without.out.find("resumed      from run/checkpoints/step-000006 at step 6"),
+            std::string::npos)
+      << without.out;
+  EXPECT_NE(without.out.find("(there is no 'latest'; 'step-000006' is the newest complete "
+                             "checkpoint"),
             std::string::npos)
       << without.out;
   EXPECT_EQ(read_text(root / "latest"), "step-000007\n");
