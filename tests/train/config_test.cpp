@@ -381,5 +381,16 @@ TEST(TrainConfig, ResumeChecksTheAdoptedSettingsTogether) {
   }
 }
 
+// A setting given anew on resume whose saved value was the default empty one (the built-in
+// corpus) is reported as "(default)", not as a flag without a value.
+TEST(TrainConfig, ResumeReportsAnEmptySavedValueAsTheDefault) {
+  TrainConfig resumed = parse({"--resume", "--data", "corpus.txt"}).config;
+  const std::vector<ResumeChange> changes =
+      adopt_run_shape(resumed, run_shape(TrainConfig()), "checkpoint X");
+  ASSERT_EQ(changes.size(), 1u);
+  EXPECT_EQ(changes[0].saved, "--data (default)");
+  EXPECT_EQ(changes[0].now, "--data corpus.txt");
+}
+
 }  // namespace MIXPREC_UNITY_ID
 }  // namespace train
