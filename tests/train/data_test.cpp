@@ -144,5 +144,22 @@ TEST(BatchSampler, EveryStartIncludingTheLastIsDrawn) {
   EXPECT_TRUE(at::all(first <= 1).item<bool>());
 }
 
+// A default corpus the decoder reads little of (another Python's layout; here a long preamble
+// and one short value) is trained on as it is, not cut down to the few bytes decoded.
+TEST(PydocTopics, ADefaultCorpusMostlyUndecodedIsTakenAsItIs) {
+  Scratch dir;
+  const std::filesystem::path topics = dir / "topics.py";
+  const std::string text = "# " + std::string(2000, 'x') + "\ntopics = {'a': 'short'}\n";
+  std::ofstream(topics) << text;
+  ASSERT_EQ(decode_pydoc_topics(text), "short");
+  const std::filesystem::path python = dir / "python";  // answers where its topics are
+  std::ofstream(python) << "#!/bin/sh\necho " << topics.string() << "\n";
+  std::filesystem::permissions(python, std::filesystem::perms::owner_all);
+  const mixprec::test::ScopedEnvironmentVariable use("MIXPREC_PYTHON", python.c_str());
+  const Corpus corpus = load_corpus("", 0.1, 8);
+  EXPECT_EQ(corpus.source, topics.string());
+  EXPECT_EQ(corpus.train.numel() + corpus.val.numel(), static_cast<int64_t>(text.size()));
+}
+
 }  // namespace MIXPREC_UNITY_ID
 }  // namespace train
