@@ -354,6 +354,12 @@ TEST(TrainConfig, ResumeRefusesEveryFixedFlagGivenAnotherValue) {
     const std::string line = help.substr(at, help.find('\n', at) - at);
     EXPECT_NE(line.find("(fixed on resume)"), std::string::npos) << line;
   }
+  for (const char* carried : {"steps", "lr", "data", "ckpt-every", "keep-last"}) {
+    const size_t at = help.find(std::string("  --") + carried + " ");
+    ASSERT_NE(at, std::string::npos) << carried;
+    const std::string line = help.substr(at, help.find('\n', at) - at);
+    EXPECT_EQ(line.find("(fixed on resume)"), std::string::npos) << line;
+  }
 }
 
 // Once adopted, the run's settings are checked together: a trace past the saved --steps, or
@@ -390,6 +396,19 @@ TEST(TrainConfig, ResumeReportsAnEmptySavedValueAsTheDefault) {
   ASSERT_EQ(changes.size(), 1u);
   EXPECT_EQ(changes[0].saved, "--data (default)");
   EXPECT_EQ(changes[0].now, "--data corpus.txt");
+}
+
+// A saved configuration that is not a JSON object is refused naming its source.
+TEST(TrainConfig, ResumeRefusesASavedConfigurationThatIsNoObject) {
+  for (const nlohmann::json& shape : {nlohmann::json::array({1, 2}), nlohmann::json("layers")}) {
+    TrainConfig resumed = parse({"--resume"}).config;
+    try {
+      adopt_run_shape(resumed, shape, "checkpoint X");
+      ADD_FAILURE() << shape.dump();
+    } catch (const UsageError& e) {
+      EXPECT_STREQ(e.what(), "checkpoint X holds no mixprec-train configuration");
+    }
+  }
 }
 
 }  // namespace MIXPREC_UNITY_ID
