@@ -595,5 +595,52 @@ TEST_F(Cluster, KeepLastKeepsThatManyNewestCheckpoints) {
   EXPECT_EQ(kept, (std::set<std::string>{"step-000003", "step-000004"}));
 }
 
+// --resume with --ckpt-dir (no --out) continues that root, not the newest run under runs/.
+TEST_F(Cluster, AResumeWithCkptDirContinuesThatRoot) {
+  const auto flags = [&](const std::string& steps) {
+    return tiny_model() + std::vector<std::string>{"--data",     (dir_ / "corpus.txt").string(),
+                                                   "--ckpt-dir", "mine/ckpt",
+                                                   "--steps",    steps};
+  };
+  ASSERT_EQ(run_program(dir_.path(), flags("2"), "first").status, 0);
+  const ProgramRun resumed =
+      run_program(dir_.path(), flags("3") + std::vector<std::string>{"--resume"}, "resumed");
+  ASSERT_EQ(resumed.status, 0) << resumed.err;
+  EXPECT_NE(resumed.out.find("resumed      from mine/ckpt/step-000002 at step 2"),
+            std::string::npos)
+      << resumed.out;
+  EXPECT_EQ(count_lines(dir_ / "mine/metrics.jsonl"), 3u);
+}
+
+// A run's directory holds its checkpoints and metrics and nothing else in sight: the metrics
+// file's run lock is a hidden file.
+TEST_F(Cluster, TheMetricsLockIsHiddenBesideTheMetrics) {
+  ASSERT_EQ(run_program(dir_.path(), args({"--steps", "1"})).status, 0);
+  std::set<std::string> visible;
+  for (const auto& entry : fs::directory_iterator(dir_ / "run")) {
+    const std::string name = entry.path().filename().string();
+    if (!name.starts_with(".")) visible.insert(name);
+  }
+  EXPECT_EQ(visible, (std::set<std::string>{"checkpoints", "metrics.jsonl"}));
+  EXPECT_TRUE(fs::exists(dir_ / "run/.metrics.jsonl.run-lock"));
+}
+
+// The steps a resume would meet again are directories only: a file or a link named like a
+// step is not set aside; a directory without a committed manifest is, and one at or before the
+// resume step is not.
+TEST(UncommittedSteps, OnlyDirectoriesAfterTheResumeStep) {
+  Scratch dir;
+  const fs::path root = dir / "checkpoints";
+  mixprec::ShardedStateDict state;
+  state.tensors.emplace("x", mixprec::ShardedTensor::whole(at::arange(4, at::kFloat)));
+  mixprec::checkpoint::save_checkpoint(root, "step-000002", state);
+  fs::create_directories(root / "step-000001");
+  fs::create_directories(root / "step-000007");
+  std::ofstream(root / "step-000005") << "a file";
+  fs::create_directory_symlink(root / "step-000007", root / "step-000006");
+  EXPECT_EQ(uncommitted_steps_after(root, "step-000002"), std::vector<std::string>{"step-000007"});
+  EXPECT_TRUE(uncommitted_steps_after(root, "latest").empty());
+}
+
 }  // namespace MIXPREC_UNITY_ID
 }  // namespace train
