@@ -99,6 +99,7 @@ TEST(TrainConfig, ABatchTheRanksDoNotSplitSaysRanksTimesGradAccumMustDivideIt) {
 
 TEST(TrainConfig, HelpListsEveryFlagWithItsDefault) {
   EXPECT_TRUE(parse({"--help"}).help);
+  EXPECT_TRUE(parse({"--layers", "0", "--help"}).help) << "--help answers whatever else is given";
   const std::string text = usage();
   for (const char* flag :
        {"--layers", "--d-model", "--heads", "--steps", "--batch", "--seq-len", "--experts",
