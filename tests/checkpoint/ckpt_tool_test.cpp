@@ -105,6 +105,10 @@ class CkptTool : public ::testing::Test {
     return save_training_state(dir_.path() / "root", name, *model_, *optimizer_, {{"epoch", 1}})
         .dir;
   }
+  // A hand-made state, saved as the checkpoint <name>/<name> of the scratch directory.
+  fs::path save_state(const std::string& name, const ShardedStateDict& state) {
+    return save_checkpoint(dir_.path() / name, name, state).dir;
+  }
   ToolRun tool(const std::vector<std::string>& args, const fs::path& cwd = {}) {
     return run_tool(dir_.path(), args, cwd);
   }
@@ -232,10 +236,14 @@ TEST_F(CkptTool, DiffReportsMissingKeysAndMismatches) {
   b.tensors["new"] = ShardedTensor::whole(at::ones({1}, at::kBool));
   a.common = {{"step", 1}, {"list", {1}}};
   b.common = {{"step", 1}, {"note", "x"}, {"list", {1, 2}}};
-  const fs::path pa = save_checkpoint(dir_.path() / "ra", "a", a).dir;
-  const fs::path pb = save_checkpoint(dir_.path() / "rb", "b", b).dir;
+  const fs::path pa = save_state("a", a);
+  const fs::path pb = save_state("b", b);
   const ToolRun run = tool({"diff", pa.string(), pb.string()});
   EXPECT_EQ(run.status, 1) << run.err;
+  EXPECT_TRUE(
+      run.has_line("^tensors in both: 3 compared, 2 differ, 2 dtype/shape mismatches; 1 "
+                   "only in A, 1 only in B$"))
+      << run.out;
   EXPECT_TRUE(run.has_line("^  same_nan +F32 +\\[3\\] +0 +0/3$")) << run.out;
   EXPECT_TRUE(run.has_line("^  changed +F32 +\\[4\\] +1 +2/4$")) << run.out;
   EXPECT_TRUE(run.has_line("^  big +I64 +\\[2\\] +1 +2/2$")) << run.out;
@@ -250,6 +258,42 @@ TEST_F(CkptTool, DiffReportsMissingKeysAndMismatches) {
   const ToolRun inspect = tool({"inspect", pa.string()});
   EXPECT_EQ(inspect.status, 0) << inspect.err;
   EXPECT_TRUE(inspect.has_line("^optimizer +none")) << inspect.out;
+}
+
+// Any one difference alone makes two checkpoints different (status 1), and is shown: one element
+// (+0 against -0 too: the bits differ, max |A-B| 0; a NaN against a number: max nan), a dtype, a
+// shape, a key only in A or only in B, a field of the common state.
+TEST_F(CkptTool, DiffCallsAnyOneDifferenceDifferent) {
+  const at::Tensor w = at::tensor({0.0f, 1.0f, 2.0f});
+  const auto state = [](const at::Tensor& w, int64_t step = 1) {
+    ShardedStateDict s;
+    s.tensors["w"] = ShardedTensor::whole(w);
+    s.tensors["n"] = ShardedTensor::whole(at::arange(3, at::kInt));
+    s.common = {{"step", step}};
+    return s;
+  };
+  const fs::path base = save_state("base", state(w));
+  EXPECT_EQ(tool({"diff", base.string(), base.string()}).status, 0);
+  ShardedStateDict without_n = state(w), with_x = state(w);
+  without_n.tensors.erase("n");
+  with_x.tensors["x"] = ShardedTensor::whole(at::ones({1}));
+  const std::pair<ShardedStateDict, std::string> cases[] = {
+      {state(at::tensor({0.0f, 1.0f, 3.0f})), "^  w +F32 +\\[3\\] +1 +1/3$"},
+      {state(at::tensor({-0.0f, 1.0f, 2.0f})), "^  w +F32 +\\[3\\] +0 +1/3$"},
+      {state(at::tensor({std::nanf(""), 1.0f, 2.0f})), "^  w +F32 +\\[3\\] +nan +1/3$"},
+      {state(w.to(at::kBFloat16)), "^mismatch: w: A F32 \\[3\\], B BF16 \\[3\\]$"},
+      {state(w.reshape({3, 1})), "^mismatch: w: A F32 \\[3\\], B F32 \\[3, 1\\]$"},
+      {without_n, "^only in A: n \\(I32 \\[3\\]\\)$"},
+      {with_x, "^only in B: x \\(F32 \\[1\\]\\)$"},
+      {state(w, 2), "^  /step: 1 -> 2$"}};
+  for (size_t i = 0; i < std::size(cases); ++i) {
+    SCOPED_TRACE(cases[i].second);
+    const fs::path other = save_state("case-" + std::to_string(i), cases[i].first);
+    const ToolRun run = tool({"diff", base.string(), other.string()});
+    EXPECT_EQ(run.status, 1) << run.out << run.err;
+    EXPECT_TRUE(run.has_line("^result: different$")) << run.out;
+    EXPECT_TRUE(run.has_line(cases[i].second)) << run.out;
+  }
 }
 
 // A report that cannot be written is a failure, not a silent success; a checkpoint of a newer
