@@ -129,7 +129,12 @@ TEST_F(CkptTool, InspectListsRolesDtypesAndTotals) {
   EXPECT_TRUE(run.has_line("^optimizer +adamw, step 2$")) << run.out;
   EXPECT_TRUE(run.has_line("^scaler +dynamic=false .*scale=1(\\.0)?( |$)")) << run.out;
   EXPECT_TRUE(run.has_line("^user +\\{\"epoch\":1\\}$")) << run.out;
+  EXPECT_TRUE(run.has_line("^group 0 +.*lr=0\\.01 .*weight_decay=0\\.1$")) << run.out;
+  EXPECT_TRUE(
+      run.has_line("^files +common\\.json \\([0-9.]+ (B|KiB)\\), data-00000\\.safetensors \\("))
+      << run.out;
   // Key table: dtype, shape, bytes, chunks.
+  EXPECT_TRUE(run.has_line("^tensors: 13 keys, [1-9][0-9]* bytes \\(")) << run.out;
   EXPECT_TRUE(
       run.has_line("^  optimizer\\.state\\.fp32_param\\.pre\\.weight +F32 +\\[8, 8\\] +256 +1$"))
       << run.out;
@@ -146,6 +151,7 @@ TEST_F(CkptTool, InspectListsRolesDtypesAndTotals) {
   EXPECT_TRUE(run.has_line("^  fp32 master +2 +128 +256 +1536$")) << run.out;
   EXPECT_TRUE(run.has_line("^  native fp32 +1 +24 +96 +192$")) << run.out;
   EXPECT_TRUE(run.has_line("^  frozen +1 +64 +128 +0$")) << run.out;
+  EXPECT_TRUE(run.has_line("^  total +4 +216 +480 +1728$")) << run.out;
   // Why gate is FP32: the model's conversion kept it for its keep_in_fp32 mark.
   EXPECT_TRUE(run.has_line("^kept fp32 by the precision plan: 1 tensor$")) << run.out;
   EXPECT_TRUE(run.has_line("^  gate +F32 +mark$")) << run.out;
@@ -165,6 +171,68 @@ TEST_F(CkptTool, InspectShowsWhichPlanRuleKeptEachTensor) {
   EXPECT_TRUE(run.has_line("^  post\\.weight +F32 +name post\\.weight$")) << run.out;
   EXPECT_TRUE(run.has_line("^  pre\\.weight +F32 +pattern pre\\.\\*$")) << run.out;
   EXPECT_FALSE(run.has_line("^warning:")) << run.out;
+}
+
+// A hand-written optimizer state: a parameter's own step, a parameter without state, a second
+// group; and what does not add up is warned about: a parameter without a model tensor, state of
+// a parameter in no group, a tensor kept FP32 that the checkpoint lacks.
+TEST_F(CkptTool, InspectShowsHandWrittenOptimizerStateAndWarnsWhatDoesNotAddUp) {
+  const auto fqns = [](std::initializer_list<const char*> names) {
+    return nlohmann::json::array_t(names.begin(), names.end());
+  };
+  ShardedStateDict state;
+  state.tensors["a"] = ShardedTensor::whole(at::zeros({2}));
+  state.tensors["b"] = ShardedTensor::whole(at::zeros({2}, at::kBFloat16));
+  state.tensors["optimizer.state.exp_avg.a"] = ShardedTensor::whole(at::zeros({2}));
+  state.tensors["optimizer.state.exp_avg.gone"] = ShardedTensor::whole(at::zeros({2}));
+  nlohmann::json groups = nlohmann::json::array();
+  groups.push_back({{"lr", 0.1}, {"params", fqns({"a"})}});
+  groups.push_back({{"lr", 0.2}, {"params", fqns({"b", "c"})}});
+  state.common["optimizer"] = {{"algorithm", "adamw"},
+                               {"step", 5},
+                               {"steps", {{"a", 3}}},
+                               {"without_state", fqns({"b"})},
+                               {"param_groups", groups}};
+  state.common["precision"] = {{"a", "mark"}, {"missing", "name missing"}};
+  const ToolRun run = tool({"inspect", save_state("hand", state).string()});
+  ASSERT_EQ(run.status, 0) << run.err;
+  EXPECT_TRUE(run.has_line("^group 1 +lr=0\\.2$")) << run.out;
+  EXPECT_TRUE(run.has_line("^  a +native fp32 +F32 +\\[2\\] +0 +3 +exp_avg$")) << run.out;
+  EXPECT_TRUE(run.has_line("^  b +native fp32 +BF16 +\\[2\\] +1 +- +-$")) << run.out;
+  EXPECT_TRUE(run.has_line("^  c +native fp32 +- +- +1 +5 +-$")) << run.out;
+  EXPECT_TRUE(run.has_line("^warning: c: no model tensor under this key$")) << run.out;
+  EXPECT_TRUE(
+      run.has_line("^warning: optimizer\\.state\\.exp_avg\\.gone: optimizer state for a "
+                   "parameter in no param group$"))
+      << run.out;
+  EXPECT_TRUE(run.has_line("^  missing +- +name missing$")) << run.out;
+  EXPECT_TRUE(run.has_line("^warning: missing: kept fp32 but not in the checkpoint$")) << run.out;
+}
+
+// A malformed optimizer or precision field is a one-line error naming the file and the field.
+TEST_F(CkptTool, InspectNamesTheMalformedFieldOfTheCommonState) {
+  const auto with_groups = [](int64_t step, nlohmann::json params) {
+    nlohmann::json groups = nlohmann::json::array();
+    groups.push_back({{"params", std::move(params)}});
+    return nlohmann::json{{"optimizer", {{"step", step}, {"param_groups", groups}}}};
+  };
+  const std::pair<nlohmann::json, std::string> cases[] = {
+      {with_groups(-1, nlohmann::json::array()),
+       "optimizer.step: missing or not a non-negative integer"},
+      {with_groups(1, nlohmann::json::array({"w", "w"})),
+       "optimizer.param_groups[0].params: 'w' listed twice"},
+      {with_groups(1, nlohmann::json::array({3})),
+       "optimizer.param_groups[0].params[0]: expected a string"},
+      {nlohmann::json{{"precision", {{"w", 3}}}}, "precision.w: expected a string"}};
+  for (size_t i = 0; i < std::size(cases); ++i) {
+    SCOPED_TRACE(cases[i].second);
+    ShardedStateDict state;
+    state.tensors["w"] = ShardedTensor::whole(at::zeros({2}));
+    state.common = cases[i].first;
+    const fs::path ckpt = save_state("bad-" + std::to_string(i), state);
+    expect_one_line_error(tool({"inspect", ckpt.string()}), 2,
+                          (ckpt / "common.json").string() + ": " + cases[i].second);
+  }
 }
 
 TEST_F(CkptTool, VerifyPassesAndCatchesAFlippedByte) {
