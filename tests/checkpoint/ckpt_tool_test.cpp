@@ -240,6 +240,9 @@ TEST_F(CkptTool, VerifyPassesAndCatchesAFlippedByte) {
   const ToolRun good = tool({"verify", ckpt.string()});
   EXPECT_EQ(good.status, 0) << good.err;
   EXPECT_EQ(good.out.rfind("OK " + ckpt.string() + ": ", 0), 0u) << good.out;
+  // 13 keys of one chunk each, in data-00000.safetensors and common.json.
+  EXPECT_TRUE(good.has_line(": 13 keys, 13 chunks, 2 files, [1-9][0-9]* bytes \\(.*\\) verified$"))
+      << good.out;
 
   flip_last_byte(ckpt / "data-00000.safetensors");
   expect_one_line_error(tool({"verify", ckpt.string()}), 1, "data-00000.safetensors");
@@ -510,6 +513,8 @@ TEST_F(CkptTool, BadArgumentsAndPathsAreOneLineErrors) {
   expect_one_line_error(tool({"frobnicate", ckpt.string()}), 2, "unknown command 'frobnicate'");
   expect_one_line_error(tool({"inspect"}), 2, "expected 1 argument, got 0");
   expect_one_line_error(tool({"diff", ckpt.string()}), 2, "expected 2 arguments, got 1");
+  expect_one_line_error(tool({"inspect", ckpt.string(), ckpt.string()}), 2,
+                        "expected 1 argument, got 2");
   expect_one_line_error(tool({"verify", "--fast", ckpt.string()}), 2, "unknown option '--fast'");
   const std::string missing = (dir_.path() / "no-such-dir").string();
   expect_one_line_error(tool({"inspect", missing}), 2, missing + ": no such file or directory");
@@ -518,7 +523,8 @@ TEST_F(CkptTool, BadArgumentsAndPathsAreOneLineErrors) {
   expect_one_line_error(tool({"inspect", dir_.path().string()}), 2, "neither a checkpoint");
   expect_one_line_error(tool({"inspect", (ckpt / "common.json").string()}), 2, "not a directory");
   // Control characters are shown escaped, not dropped: "no\rsuch" must not read "nosuch".
-  expect_one_line_error(tool({"inspect", missing + "\r\x01"}), 2, missing + "\\r\\x01: no such");
+  expect_one_line_error(tool({"inspect", missing + "\r\x01\x7f"}), 2,
+                        missing + "\\r\\x01\\x7f: no such");
   testing::write_file(ckpt.parent_path() / "latest", "step-2\r\n");
   expect_one_line_error(tool({"inspect", ckpt.parent_path().string()}), 2,
                         "'step-2\\r' is not a valid checkpoint name");
