@@ -518,6 +518,9 @@ TEST_F(CkptTool, BadArgumentsAndPathsAreOneLineErrors) {
   expect_one_line_error(tool({"verify", "--fast", ckpt.string()}), 2, "unknown option '--fast'");
   const std::string missing = (dir_.path() / "no-such-dir").string();
   expect_one_line_error(tool({"inspect", missing}), 2, missing + ": no such file or directory");
+  // A name is shown as it is, runs of spaces too: "dir  x" is not "dir x".
+  expect_one_line_error(tool({"inspect", missing + "  x"}), 2,
+                        missing + "  x: no such file or directory");
   expect_one_line_error(tool({"verify", missing}), 2, missing);
   expect_one_line_error(tool({"diff", ckpt.string(), missing}), 2, missing);
   expect_one_line_error(tool({"inspect", dir_.path().string()}), 2, "neither a checkpoint");

@@ -53,10 +53,16 @@ std::string one_line(std::string_view message) {
   static constexpr char kHex[] = "0123456789abcdef";
   std::string out;
   out.reserve(message.size());
+  // Only the indentation of a list's lines ("...:\n  - a\n  - b" → "...:; - a; - b") is dropped:
+  // spaces inside a line may be part of a name ("my  run"), which is shown as it is.
+  bool line_start = false;
   for (char c : message) {
     const auto byte = static_cast<unsigned char>(c);
+    if (line_start && c == ' ') continue;
+    line_start = false;
     if (c == '\n') {
       out += "; ";
+      line_start = true;
     } else if (c == '\r') {
       // Shown, not dropped: a name read as "step-10\r" must not print as the valid "step-10".
       out += "\\r";
@@ -68,16 +74,10 @@ std::string one_line(std::string_view message) {
       out += c;
     }
   }
-  // Collapse the "; " runs that indented multi-line lists leave ("...:;   - a;   - b").
-  std::string squeezed;
-  for (char c : out) {
-    if (c == ' ' && !squeezed.empty() && squeezed.back() == ' ') continue;
-    squeezed += c;
-  }
-  const auto first = squeezed.find_first_not_of(" ;");
+  const auto first = out.find_first_not_of(" ;");
   if (first == std::string::npos) return "unknown error";
-  const auto last = squeezed.find_last_not_of(" ;");
-  return squeezed.substr(first, last - first + 1);
+  const auto last = out.find_last_not_of(" ;");
+  return out.substr(first, last - first + 1);
 }
 
 }  // namespace mixprec::tools
