@@ -468,14 +468,34 @@ TEST_F(Export, AnOutNameOfTheLongestLengthIsExportedAndReplaced) {
   EXPECT_EQ(std::distance(fs::directory_iterator(parent), fs::directory_iterator()), 1);
 }
 
+// A hand-made checkpoint: `tensors` and `common` saved as <dir>/root/step-1.
+fs::path save_state(const Scratch& dir, const std::map<std::string, at::Tensor>& tensors,
+                    const nlohmann::json& common = nlohmann::json::object()) {
+  mixprec::ShardedStateDict state;
+  for (const auto& [name, value] : tensors) {
+    state.tensors.emplace(name, mixprec::ShardedTensor::whole(value));
+  }
+  state.common = common;
+  return mixprec::checkpoint::save_checkpoint(dir / "root", "step-1", state).dir;
+}
+
+// The tensors of each file of an export, in the files' order: file → names.
+std::map<std::string, std::vector<std::string>> shard_layout(const fs::path& out) {
+  std::map<std::string, std::vector<std::string>> layout;
+  for (const auto& entry : fs::directory_iterator(out)) {
+    if (entry.path().extension() != ".safetensors") continue;
+    auto& names = layout[entry.path().filename().string()];
+    const SafetensorsReader reader(entry.path());  // owns the header the loop reads
+    for (const auto& t : reader.header().tensors) names.push_back(t.name);
+  }
+  return layout;
+}
+
 // A zero-size tensor (an empty expert, a [0, d] parameter) is exported like any other, with
 // its shape.
 TEST(ExportZeroSize, AZeroSizeTensorIsExportedWithItsShape) {
   Scratch dir;
-  mixprec::ShardedStateDict state;
-  state.tensors.emplace("w", mixprec::ShardedTensor::whole(at::arange(4, at::kFloat)));
-  state.tensors.emplace("empty", mixprec::ShardedTensor::whole(at::zeros({0, 8}, at::kBFloat16)));
-  mixprec::checkpoint::save_checkpoint(dir / "root", "step-1", state);
+  save_state(dir, {{"w", at::arange(4, at::kFloat)}, {"empty", at::zeros({0, 8}, at::kBFloat16)}});
   const ProgramRun run =
       export_tool(dir.path(), {(dir / "root/step-1").string(), (dir / "out").string()});
   ASSERT_EQ(run.status, 0) << run.err;
@@ -483,6 +503,71 @@ TEST(ExportZeroSize, AZeroSizeTensorIsExportedWithItsShape) {
   ASSERT_NE(reader.header().find("empty"), nullptr) << run.out;
   EXPECT_EQ(reader.header().find("empty")->shape, (std::vector<int64_t>{0, 8}));
   ASSERT_NE(reader.header().find("w"), nullptr);
+}
+
+// --dtype converts the floating tensors only: integer and bool tensors keep theirs. The metadata
+// names the checkpoint (not its path), and the step is the optimizer's when the run recorded none.
+TEST(ExportHandMade, DtypeConvertsOnlyFloatingTensors) {
+  Scratch dir;
+  save_state(dir,
+             {{"w", at::ones({4})},
+              {"h", at::ones({2}, at::kBFloat16)},
+              {"count", at::arange(3, at::kLong)},
+              {"mask", at::ones({2}, at::kBool)}},
+             {{"optimizer", {{"step", 7}}}});
+  const ProgramRun run =
+      export_tool(dir.path(), {(dir / "root").string(), (dir / "out").string(), "--dtype", "fp16"});
+  ASSERT_EQ(run.status, 0) << run.err;
+  EXPECT_NE(run.out.find("4 model tensors, 38 bytes (38 B), dtype fp16 (2 converted), step 7\n"),
+            std::string::npos)
+      << run.out;
+  const SafetensorsReader reader(dir / "out/model.safetensors");
+  using mixprec::checkpoint::Dtype;
+  const std::map<std::string, Dtype> expected = {
+      {"w", Dtype::F16}, {"h", Dtype::F16}, {"count", Dtype::I64}, {"mask", Dtype::BOOL}};
+  for (const auto& [name, dtype] : expected) {
+    ASSERT_NE(reader.header().find(name), nullptr) << name;
+    EXPECT_EQ(reader.header().find(name)->dtype, dtype) << name;
+  }
+  EXPECT_EQ(reader.header().metadata.at("mixprec.checkpoint"), "step-1");
+  EXPECT_EQ(reader.header().metadata.at("mixprec.step"), "7");
+}
+
+// --max-shard-size counts tensor bytes, KB as 1000 and KiB as 1024: a shard may be exactly that
+// large, and a tensor larger than it gets a shard of its own (no empty shard before it).
+TEST(ExportHandMade, ShardsAreCutAtMaxShardSize) {
+  Scratch dir;
+  // Three tensors of 512 bytes.
+  const fs::path ckpt =
+      save_state(dir, {{"a", at::zeros({128})}, {"b", at::zeros({128})}, {"c", at::zeros({128})}});
+  using Names = std::vector<std::string>;
+  using Layout = std::map<std::string, Names>;
+  const Layout one = {{"model.safetensors", Names{"a", "b", "c"}}};
+  const Layout two = {{"model-00001-of-00002.safetensors", Names{"a", "b"}},
+                      {"model-00002-of-00002.safetensors", Names{"c"}}};
+  const Layout three = {{"model-00001-of-00003.safetensors", Names{"a"}},
+                        {"model-00002-of-00003.safetensors", Names{"b"}},
+                        {"model-00003-of-00003.safetensors", Names{"c"}}};
+  const std::pair<std::string, Layout> cases[] = {{"1KiB", two},  {"1024", two},  {"1023B", three},
+                                                  {"1KB", three}, {"100", three}, {"2kb", one}};
+  for (const auto& [size, layout] : cases) {
+    SCOPED_TRACE(size);
+    const fs::path out = dir / ("out-" + size);
+    const ProgramRun run =
+        export_tool(dir.path(), {ckpt.string(), out.string(), "--max-shard-size", size});
+    ASSERT_EQ(run.status, 0) << run.err;
+    EXPECT_EQ(shard_layout(out), layout);
+  }
+}
+
+// A checkpoint with optimizer and RNG state only has nothing to export.
+TEST(ExportHandMade, ACheckpointWithoutModelTensorsIsRefused) {
+  Scratch dir;
+  const fs::path ckpt = save_state(
+      dir, {{"optimizer.state.exp_avg.w", at::zeros({2})}, {"rng.cpu", at::zeros({8}, at::kByte)}});
+  expect_one_line_error(export_tool(dir.path(), {ckpt.string(), (dir / "out").string()}),
+                        "mixprec-ckpt", "holds no model tensors (only optimizer or RNG state)");
+  EXPECT_FALSE(fs::exists(dir / "out"));
 }
 
 // Starts `mixprec-ckpt export <args>`, stdout and stderr to files in `scratch` (wait_program
