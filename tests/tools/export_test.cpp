@@ -298,11 +298,15 @@ TEST_F(Export, BadArgumentsAreOneLineAndLeaveOutAsItWas) {
                         "unknown --dtype 'int8' (one of bf16, fp16, fp32, keep)");
   expect_one_line_error(export_tool(scratch(), {root().string()}), ckpt,
                         "export: expected 2 arguments, got 1");
+  expect_one_line_error(export_tool(scratch(), {root().string(), x, "extra"}), ckpt,
+                        "export: expected 2 arguments, got 3");
   expect_one_line_error(export_tool(scratch(), {root().string(), x, "--max-shard-size", "lots"}),
                         ckpt, "--max-shard-size 'lots'");
   expect_one_line_error(
       export_tool(scratch(), {root().string(), x, "--max-shard-size", "1" + std::string(400, '0')}),
       ckpt, "below 2^63");
+  expect_one_line_error(export_tool(scratch(), {root().string(), x, "--max-shard-size", "0"}), ckpt,
+                        "--max-shard-size '0' must be at least 1 byte");
   expect_one_line_error(export_tool(scratch(), {root().string(), x, "--frobnicate"}), ckpt,
                         "unknown option '--frobnicate'");
   EXPECT_FALSE(fs::exists(x));
@@ -312,13 +316,26 @@ TEST_F(Export, BadArgumentsAreOneLineAndLeaveOutAsItWas) {
                         ckpt, out.string() + ": already exists");
   EXPECT_EQ(snapshot(out), before);
 
-  // --force never replaces what is not an export.
+  // --force never replaces what is not an export: a file,
+  const fs::path file = scratch() / "file";
+  std::ofstream(file) << "mine\n";
+  expect_one_line_error(export_tool(scratch(), {root().string(), file.string(), "--force"}), ckpt,
+                        file.string() + ": exists and is not a directory");
+  EXPECT_EQ(read_text(file), "mine\n");
+  // a directory holding another file,
   const fs::path other = scratch() / "other";
   fs::create_directories(other);
   std::ofstream(other / "notes.txt") << "mine\n";
   expect_one_line_error(export_tool(scratch(), {root().string(), other.string(), "--force"}), ckpt,
                         "holds 'notes.txt'");
   EXPECT_EQ(read_text(other / "notes.txt"), "mine\n");
+  // or a directory that only bears an export file's name.
+  const fs::path nested = scratch() / "nested";
+  fs::create_directories(nested / "model.safetensors");
+  std::ofstream(nested / "model.safetensors" / "notes.txt") << "mine\n";
+  expect_one_line_error(export_tool(scratch(), {root().string(), nested.string(), "--force"}), ckpt,
+                        "holds 'model.safetensors'");
+  EXPECT_EQ(read_text(nested / "model.safetensors" / "notes.txt"), "mine\n");
 
   // A corrupt model tensor (tok_emb.weight: written last) fails the export half-way through
   // the writing: OUT is as it was.
