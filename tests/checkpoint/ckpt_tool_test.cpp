@@ -528,6 +528,8 @@ TEST_F(CkptTool, BadArgumentsAndPathsAreOneLineErrors) {
   // Control characters are shown escaped, not dropped: "no\rsuch" must not read "nosuch".
   expect_one_line_error(tool({"inspect", missing + "\r\x01\x7f"}), 2,
                         missing + "\\r\\x01\\x7f: no such");
+  // A newline in a name does not break the one line either.
+  expect_one_line_error(tool({"inspect", missing + "\nx"}), 2, missing);
   testing::write_file(ckpt.parent_path() / "latest", "step-2\r\n");
   expect_one_line_error(tool({"inspect", ckpt.parent_path().string()}), 2,
                         "'step-2\\r' is not a valid checkpoint name");
