@@ -57,6 +57,17 @@ void wait_for_text(const fs::path& file, const std::string& text) {
   }
 }
 
+// `run` succeeded having resumed from `checkpoint` (as its start-up line names it) at `step`,
+// and `metrics` holds `steps` steps.
+void expect_resumed(const ProgramRun& run, const std::string& checkpoint, int step,
+                    const fs::path& metrics, size_t steps) {
+  ASSERT_EQ(run.status, 0) << run.err;
+  EXPECT_NE(run.out.find("resumed      from " + checkpoint + " at step " + std::to_string(step)),
+            std::string::npos)
+      << run.out;
+  EXPECT_EQ(count_lines(metrics), steps);
+}
+
 // A second run on a directory in use, even one that has not saved yet, is refused in one line
 // naming the directory and its holder (even once the holder has saved: the holder, not its
 // checkpoints, is the reason); with --wait-for-ckpt-dir a requeued --resume waits for the
@@ -516,12 +527,8 @@ TEST_F(Cluster, APlainResumeContinuesTheNewestRunThatHoldsACheckpoint) {
   fs::create_directories(dir_ / "runs/20240103-000000/checkpoints");
   const ProgramRun resumed = run_program(
       dir_.path(), {"--resume", "--steps", "3", "--progress", "lines", "--threads", "1"});
-  ASSERT_EQ(resumed.status, 0) << resumed.err;
-  EXPECT_NE(
-      resumed.out.find("resumed      from runs/20240102-000000/checkpoints/step-000002 at step 2"),
-      std::string::npos)
-      << resumed.out;
-  EXPECT_EQ(count_lines(dir_ / "runs/20240102-000000/metrics.jsonl"), 3u);
+  expect_resumed(resumed, "runs/20240102-000000/checkpoints/step-000002", 2,
+                 dir_ / "runs/20240102-000000/metrics.jsonl", 3);
   EXPECT_EQ(count_lines(dir_ / "runs/20240101-000000/metrics.jsonl"), 2u);
 }
 
@@ -554,11 +561,7 @@ TEST_F(Cluster, AnAutoResumeRequeueLeavesInitFromToTheFirstLaunch) {
       dir_.path(),
       args({"--steps", "3", "--auto-resume", "--init-from", (dir_ / "export").string()}),
       "requeued");
-  ASSERT_EQ(requeued.status, 0) << requeued.err;
-  EXPECT_NE(requeued.out.find("resumed      from run/checkpoints/step-000002 at step 2"),
-            std::string::npos)
-      << requeued.out;
-  EXPECT_EQ(count_lines(dir_ / "run/metrics.jsonl"), 3u);
+  expect_resumed(requeued, "run/checkpoints/step-000002", 2, dir_ / "run/metrics.jsonl", 3);
 }
 
 // A `latest` that is unusable (not a checkpoint name) makes the root damaged for a resume: an
@@ -605,11 +608,7 @@ TEST_F(Cluster, AResumeWithCkptDirContinuesThatRoot) {
   ASSERT_EQ(run_program(dir_.path(), flags("2"), "first").status, 0);
   const ProgramRun resumed =
       run_program(dir_.path(), flags("3") + std::vector<std::string>{"--resume"}, "resumed");
-  ASSERT_EQ(resumed.status, 0) << resumed.err;
-  EXPECT_NE(resumed.out.find("resumed      from mine/ckpt/step-000002 at step 2"),
-            std::string::npos)
-      << resumed.out;
-  EXPECT_EQ(count_lines(dir_ / "mine/metrics.jsonl"), 3u);
+  expect_resumed(resumed, "mine/ckpt/step-000002", 2, dir_ / "mine/metrics.jsonl", 3);
 }
 
 // A run's directory holds its checkpoints and metrics and nothing else in sight: the metrics
