@@ -241,8 +241,9 @@ int free_port() {
 
 // Two torchrun agents on this machine stand in for two nodes: 2 processes on one, 1 on the
 // other, joined by c10d rendezvous on localhost, as on a cluster (README: "On a cluster:
-// several nodes, background saves, signals"). Three ranks over two nodes train exactly as three on one node do (bitwise: the
-// same algorithm on the same rows), save, and the run resumes on one node with 2 processes.
+// several nodes, background saves, signals"). Three ranks over two nodes train exactly as three on
+// one node do (bitwise: the same algorithm on the same rows), save, and the run resumes on one node
+// with 2 processes.
 TEST(DataParallel, TwoNodesTrainAsThreeRanksOnOneAndResumeOnOneNode) {
   if (mixprec::test::torchrun().empty()) GTEST_SKIP() << "no torchrun beside MIXPREC_PYTHON";
   Scratch dir;
