@@ -41,6 +41,32 @@ std::string fingerprint(const Corpus& corpus) {
          " bytes, xxh3 " + hash(corpus.train) + "/" + hash(corpus.val);
 }
 
+// The validation tail of an n-byte text: the fraction's share, rounded down.
+int64_t validation_bytes(int64_t n, double val_fraction) {
+  return static_cast<int64_t>(static_cast<double>(n) * val_fraction);
+}
+
+// Whether an n-byte text splits into two parts of at least `need` bytes each.
+bool splits_into(int64_t n, double val_fraction, int64_t need) {
+  const int64_t n_val = validation_bytes(n, val_fraction);
+  return n - n_val >= need && n_val >= need;
+}
+
+// The shortest text that does, for the error message. Both parts grow with n (the validation
+// tail by at most one byte per byte), so a bisection finds it; need / min(f, 1 - f) bytes are
+// enough, up to rounding.
+int64_t smallest_that_splits(double val_fraction, int64_t need) {
+  const double share = std::min(val_fraction, 1 - val_fraction);
+  int64_t enough = static_cast<int64_t>(static_cast<double>(need) / share) + 2;
+  while (!splits_into(enough, val_fraction, need)) enough *= 2;
+  int64_t too_few = 2 * need - 1;  // each part holds need bytes at the least
+  while (enough - too_few > 1) {
+    const int64_t middle = too_few + (enough - too_few) / 2;
+    (splits_into(middle, val_fraction, need) ? enough : too_few) = middle;
+  }
+  return enough;
+}
+
 }  // namespace
 
 Corpus load_corpus(const std::string& path, double val_fraction, int64_t seq_len) {
@@ -62,15 +88,14 @@ Corpus load_corpus(const std::string& path, double val_fraction, int64_t seq_len
     corpus.source = fs::absolute(path).lexically_normal().string();
   }
   const int64_t n = static_cast<int64_t>(bytes.size());
-  const int64_t n_val = static_cast<int64_t>(static_cast<double>(n) * val_fraction);
   const int64_t need = seq_len + 2;  // one sequence plus its shifted target, plus a start choice
-  if (n - n_val < need || n_val < need) {
-    throw UsageError(
-        "data file " + corpus.source + " has " + std::to_string(n) + " bytes; --seq-len " +
-        std::to_string(seq_len) + " needs at least " +
-        std::to_string(static_cast<int64_t>(need / std::min(val_fraction, 1 - val_fraction)) + 1) +
-        " (each split must hold one sequence)");
+  if (!splits_into(n, val_fraction, need)) {
+    throw UsageError("data file " + corpus.source + " has " + std::to_string(n) +
+                     " bytes; --seq-len " + std::to_string(seq_len) + " needs at least " +
+                     std::to_string(smallest_that_splits(val_fraction, need)) +
+                     " (each split must hold one sequence)");
   }
+  const int64_t n_val = validation_bytes(n, val_fraction);
   at::Tensor all = at::empty({n}, at::kByte);
   std::memcpy(all.data_ptr(), bytes.data(), bytes.size());
   corpus.train = all.narrow(0, 0, n - n_val);

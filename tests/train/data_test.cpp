@@ -116,9 +116,31 @@ TEST(Corpus, EachSplitHoldsOneSequenceAndASecondStart) {
     load_corpus((dir / "hundred.txt").string(), 0.95, 8);
     ADD_FAILURE() << "5 training bytes cannot hold a sequence";
   } catch (const UsageError& e) {
-    EXPECT_NE(std::string(e.what()).find("has 100 bytes; --seq-len 8 needs at least"),
+    EXPECT_NE(std::string(e.what()).find("has 100 bytes; --seq-len 8 needs at least 181 "),
               std::string::npos)
         << e.what();
+  }
+}
+
+// The length a refused text is told it needs is the least that loads: one byte less is refused.
+TEST(Corpus, TheLengthAShortTextIsToldItNeedsIsTheLeastThatLoads) {
+  Scratch dir;
+  for (const double fraction : {0.1, 0.3, 0.5, 0.95, 0.001}) {
+    SCOPED_TRACE(fraction);
+    std::ofstream(dir / "short.txt", std::ios::trunc) << std::string(15, 'x');
+    std::string message;
+    try {
+      load_corpus((dir / "short.txt").string(), fraction, 8);
+    } catch (const UsageError& e) {
+      message = e.what();
+    }
+    const std::string said = "needs at least ";
+    ASSERT_NE(message.find(said), std::string::npos) << message;
+    const int64_t least = std::stoll(message.substr(message.find(said) + said.size()));
+    std::ofstream(dir / "least.txt", std::ios::trunc) << std::string(least, 'x');
+    EXPECT_NO_THROW(load_corpus((dir / "least.txt").string(), fraction, 8));
+    std::ofstream(dir / "less.txt", std::ios::trunc) << std::string(least - 1, 'x');
+    EXPECT_THROW(load_corpus((dir / "less.txt").string(), fraction, 8), UsageError);
   }
 }
 
