@@ -119,44 +119,45 @@ ckpt::SaveResult save_collectively(Communicator& comm, const std::filesystem::pa
     return nlohmann::json{{"bytes", bytes}, {"tensors", detail::written_to_json(checksums)}}.dump();
   });
 
-  // 3. commit, on rank 0; everyone returns its result.
-  const std::vector<std::string> committed = detail::agree(comm, kSaveOp, [&]() -> std::string {
-    if (!committing) return {};
-    ckpt::SaveResult result;
-    const ckpt::OpenReport& report = committer.writer->report();
-    result.cleaned_staging = report.cleaned_staging;
-    result.repaired_latest = report.repaired_latest;
-    result.warnings = report.warnings;
-    std::map<std::string, std::map<std::string, ckpt::WrittenTensor>> by_file;
-    for (size_t r = 0; r < written.size(); ++r) {
-      const nlohmann::json w = nlohmann::json::parse(written[r]);
-      result.tensor_bytes += w.at("bytes").get<uint64_t>();
-      auto tensors = detail::written_from_json(w.at("tensors"));
-      if (tensors.empty()) continue;
-      by_file[ckpt::detail::data_file_name(r)] = std::move(tensors);
-      ++result.files;
-    }
-    ckpt::Manifest manifest;
-    manifest.sequence = committer.writer->next_sequence();
-    manifest.block_bytes = options.checksum_block_bytes();
-    ckpt::detail::fill_checksums(keys, by_file);
-    manifest.keys = std::move(keys);
-    const std::string common = mine.common.dump(2) + "\n";
-    committer.staging->write_file("common.json", common);
-    manifest.common_file = ckpt::CommonFileRef{
-        "common.json", common.size(),
-        ckpt::xxh3_64({reinterpret_cast<const std::byte*>(common.data()), common.size()})};
-    committer.staging->write_file(ckpt::kManifestFileName, ckpt::manifest_to_json(manifest));
-    ckpt::PublishReport published = committer.writer->publish(
-        *committer.staging,
-        ckpt::PublishOptions{options.update_latest(), options.keep_last(), options.in_use()});
-    result.dir = std::move(published.dir);
-    result.deleted = std::move(published.deleted);
-    result.warnings.insert(result.warnings.end(), published.warnings.begin(),
-                           published.warnings.end());
-    return detail::result_to_json(result).dump();
-  });
-  return detail::result_from_json(nlohmann::json::parse(committed[0]));
+  // 3. commit, on rank 0; everyone returns its result. Rank 0's fsyncs and retention's deletes
+  // may outlast the group's timeout on slow storage: the others wait in slices, as in phase 1.
+  const std::string committed = detail::agree_on_one_ranks_part(
+      comm, kSaveOp, /*worker=*/0, comm.timeout() / 4, [&]() -> std::string {
+        ckpt::SaveResult result;
+        const ckpt::OpenReport& report = committer.writer->report();
+        result.cleaned_staging = report.cleaned_staging;
+        result.repaired_latest = report.repaired_latest;
+        result.warnings = report.warnings;
+        std::map<std::string, std::map<std::string, ckpt::WrittenTensor>> by_file;
+        for (size_t r = 0; r < written.size(); ++r) {
+          const nlohmann::json w = nlohmann::json::parse(written[r]);
+          result.tensor_bytes += w.at("bytes").get<uint64_t>();
+          auto tensors = detail::written_from_json(w.at("tensors"));
+          if (tensors.empty()) continue;
+          by_file[ckpt::detail::data_file_name(r)] = std::move(tensors);
+          ++result.files;
+        }
+        ckpt::Manifest manifest;
+        manifest.sequence = committer.writer->next_sequence();
+        manifest.block_bytes = options.checksum_block_bytes();
+        ckpt::detail::fill_checksums(keys, by_file);
+        manifest.keys = std::move(keys);
+        const std::string common = mine.common.dump(2) + "\n";
+        committer.staging->write_file("common.json", common);
+        manifest.common_file = ckpt::CommonFileRef{
+            "common.json", common.size(),
+            ckpt::xxh3_64({reinterpret_cast<const std::byte*>(common.data()), common.size()})};
+        committer.staging->write_file(ckpt::kManifestFileName, ckpt::manifest_to_json(manifest));
+        ckpt::PublishReport published = committer.writer->publish(
+            *committer.staging,
+            ckpt::PublishOptions{options.update_latest(), options.keep_last(), options.in_use()});
+        result.dir = std::move(published.dir);
+        result.deleted = std::move(published.deleted);
+        result.warnings.insert(result.warnings.end(), published.warnings.begin(),
+                               published.warnings.end());
+        return detail::result_to_json(result).dump();
+      });
+  return detail::result_from_json(nlohmann::json::parse(committed));
 }
 
 }  // namespace

@@ -31,7 +31,8 @@
 //      it; its checksums go to every rank (rank 0 puts them in the manifest).
 //   3. commit: rank 0 writes common.json and, last, manifest.json, commits the directory
 //      (rename, root fsync: checkpoint/format/commit.h), points `latest` at it and applies
-//      retention; every rank returns rank 0's SaveResult.
+//      retention, while the other ranks wait in slices as in phase 1 (fsyncs and deletes may
+//      be slow); every rank returns rank 0's SaveResult.
 // A rank that dies mid-save. The survivors' next all-gather fails — at once when the dead
 // peer's connections close (Gloo: "Connection closed by peer"), at the latest after the
 // communicator's timeout — and throws on each of them:

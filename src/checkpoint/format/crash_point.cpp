@@ -1,25 +1,39 @@
 #include "mixprec/checkpoint/format/crash_point.h"
 
 #include <atomic>
+#include <chrono>
 #include <csignal>
 #include <cstdio>
 #include <cstdlib>
 #include <cstring>
 #include <mutex>
+#include <string>
+#include <string_view>
+#include <thread>
 
 namespace mixprec::checkpoint::detail {
 namespace {
 
-// kill_at: 0 = off, -1 = list, n > 0 = kill at the n-th point.
+// kill_at: 0 = off, -1 = list, -2 = slow, n > 0 = kill at the n-th point.
 std::atomic<long long> kill_at{0};
 std::atomic<std::uint64_t> reached{0};
 std::once_flag configured;
+// "slow:<label>:<ms>": the label and the pause (written before kill_at says -2).
+std::string slow_label;
+std::chrono::milliseconds slow_pause{0};
 
 void configure() {
   const char* value = std::getenv("MIXPREC_CRASH_POINT");
   long long mode = 0;
-  if (value != nullptr && std::strcmp(value, "list") == 0) {
+  const std::string_view text = value != nullptr ? value : "";
+  const size_t last_colon = text.rfind(':');
+  if (text == "list") {
     mode = -1;
+  } else if (text.starts_with("slow:") && last_colon > 4 && last_colon + 1 < text.size() &&
+             text.find_first_not_of("0123456789", last_colon + 1) == std::string_view::npos) {
+    slow_label = std::string(text.substr(5, last_colon - 5));
+    slow_pause = std::chrono::milliseconds(std::atoll(value + last_colon + 1));
+    mode = -2;
   } else if (value != nullptr && *value != '\0') {
     char* end = nullptr;
     long long n = std::strtoll(value, &end, 10);
@@ -43,6 +57,10 @@ void crash_point(const char* label) {
   if (mode == -1) {
     std::fprintf(stderr, "mixprec crash point %llu: %s\n", static_cast<unsigned long long>(n),
                  label);
+    return;
+  }
+  if (mode == -2) {
+    if (slow_label == label) std::this_thread::sleep_for(slow_pause);
     return;
   }
   if (n == static_cast<std::uint64_t>(mode)) {

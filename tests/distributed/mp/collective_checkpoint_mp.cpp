@@ -6,6 +6,7 @@
 #include "distributed/mp/zero_support.h"
 #include "mixprec/checkpoint/async_save.h"
 #include "mixprec/checkpoint/format/box.h"
+#include "mixprec/checkpoint/format/crash_point.h"
 #include "mixprec/checkpoint/format/error.h"
 #include "mixprec/checkpoint/format/manifest.h"
 #include "mixprec/checkpoint/format/root_writer.h"
@@ -730,6 +731,35 @@ TEST(CollectiveCheckpoint, ASaveWaitingForTheRootsLockLongerThanTheTimeoutGoesTh
   world().barrier();
   EXPECT_EQ(read_latest(root.path()), "waited");
   EXPECT_TRUE(at::equal(checkpoint::read_checkpoint(root.path() / "waited").at("v").local, values));
+}
+
+// Rank 0 commits alone (fsyncs, the rename, `latest`, retention's deletes) while the other ranks
+// wait for it in slices: a commit slower than the group's timeout (storage slow at the rename,
+// format/crash_point.h) goes through on every rank.
+TEST(CollectiveCheckpoint, ACommitSlowerThanTheTimeoutGoesThrough) {
+  if (world().size() != 2) GTEST_SKIP() << "runs on two ranks";
+  SharedTempDir root;
+  auto group = own_group("slow-commit", std::chrono::seconds(4));
+  const bool slow = world().rank() == 0;
+  if (slow) {
+    ::setenv("MIXPREC_CRASH_POINT", "slow:commit: before rename:6000", 1);
+    checkpoint::detail::reset_crash_points();
+  }
+  const at::Tensor values = at::arange(12, at::kFloat);
+  std::string message;
+  try {
+    distributed::save_checkpoint(*group, root.path(), "slow", flat_share(values));
+  } catch (const std::exception& e) {
+    message = e.what();
+  }
+  if (slow) {
+    ::unsetenv("MIXPREC_CRASH_POINT");
+    checkpoint::detail::reset_crash_points();
+  }
+  EXPECT_EQ(message, "");
+  world().barrier();
+  EXPECT_EQ(read_latest(root.path()), "slow");
+  EXPECT_TRUE(at::equal(checkpoint::read_checkpoint(root.path() / "slow").at("v").local, values));
 }
 
 // A collective load given a checkpoint root asks rank 0 which checkpoint to load, and rank 0

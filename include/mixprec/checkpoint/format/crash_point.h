@@ -7,10 +7,12 @@
 //   "<n>"                the n-th call (counting from 1) raises SIGKILL — no destructors, no
 //                        flushing, exactly like a power cut from the process's point of view
 //                        (the page cache survives, which the fsync ordering already covers);
-//   "list"               every call prints "mixprec crash point <n>: <label>" to stderr.
+//   "list"               every call prints "mixprec crash point <n>: <label>" to stderr;
+//   "slow:<label>:<ms>"  every call with that label sleeps <ms> milliseconds first: storage
+//                        that is slow at that step (a commit's fsync, retention's deletes).
 // The variable is read at the first call, or again by reset_crash_points().
 // Not for production use; it exists so tests can prove that every prefix of a commit leaves
-// a loadable checkpoint root.
+// a loadable checkpoint root, and that a slow step does not time a collective save out.
 #pragma once
 
 #include <cstdint>
