@@ -68,6 +68,17 @@ void expect_resumed(const ProgramRun& run, const std::string& checkpoint, int st
   EXPECT_EQ(count_lines(metrics), steps);
 }
 
+// `run` succeeded having resumed from step 2, past a step-000004 that does not verify, which it
+// set aside.
+void expect_resumed_past_damaged_step_4(const ProgramRun& run) {
+  ASSERT_EQ(run.status, 0) << run.err;
+  EXPECT_NE(run.out.find("resumed      from run/checkpoints/step-000002 at step 2"),
+            std::string::npos)
+      << run.out;
+  EXPECT_NE(run.out.find("set aside    step-000004 -> .unverified-step-000004-"), std::string::npos)
+      << run.out;
+}
+
 // A second run on a directory in use, even one that has not saved yet, is refused in one line
 // naming the directory and its holder (even once the holder has saved: the holder, not its
 // checkpoints, is the reason); with --wait-for-ckpt-dir a requeued --resume waits for the
@@ -235,13 +246,7 @@ TEST_F(Cluster, AResumePastACheckpointThatDoesNotVerifySetsItAside) {
 
   const ProgramRun resumed =
       run_program(dir_.path(), args({"--resume", "--steps", "6", "--ckpt-every", "2"}), "past");
-  ASSERT_EQ(resumed.status, 0) << resumed.err;
-  EXPECT_NE(resumed.out.find("resumed      from run/checkpoints/step-000002 at step 2"),
-            std::string::npos)
-      << resumed.out;
-  EXPECT_NE(resumed.out.find("set aside    step-000004 -> .unverified-step-000004-"),
-            std::string::npos)
-      << resumed.out;
+  expect_resumed_past_damaged_step_4(resumed);
   EXPECT_EQ(read_text(root / "latest"), "step-000006\n");
   EXPECT_TRUE(fs::exists(root / "step-000004/manifest.json"));  // saved again
   size_t kept = 0;
@@ -288,13 +293,7 @@ TEST_F(Cluster, ADamagedLatestCheckpointIsRefusedWithTheWayOut) {
   }
   fs::remove(root / "latest");
   const ProgramRun resumed = run_program(dir_.path(), args({"--resume", "--steps", "6"}), "ok");
-  ASSERT_EQ(resumed.status, 0) << resumed.err;
-  EXPECT_NE(resumed.out.find("resumed      from run/checkpoints/step-000002 at step 2"),
-            std::string::npos)
-      << resumed.out;
-  EXPECT_NE(resumed.out.find("set aside    step-000004 -> .unverified-step-000004-"),
-            std::string::npos)
-      << resumed.out;
+  expect_resumed_past_damaged_step_4(resumed);
 }
 
 // A resumed copy of a run trained to step 6 in its own metrics file, `copy`, and left the
