@@ -504,6 +504,15 @@ TEST(GradStats, SumOfSquaresAndFiniteness) {
   }
 }
 
+// all_finite judges the gradient's elements, not the scaled sum: a large grad_scale_inv may make
+// the sum overflow a double while every element is finite.
+TEST(GradStats, FiniteElementsStayFiniteWhenTheScaledSumOverflows) {
+  const at::Tensor g = at::full({5}, 1e30f);
+  const GradStats stats = grad_stats(g, 1e200);
+  EXPECT_TRUE(std::isinf(stats.sum_of_squares)) << stats.sum_of_squares;
+  EXPECT_TRUE(stats.all_finite);
+}
+
 // ---------------------------------------------------------------- argument checks
 
 // All arguments of one fused_adam_step call, valid until a test breaks one of them.
@@ -588,6 +597,35 @@ TEST(FusedSgdErrors, MomentumBufferAndHyperParams) {
   at::Tensor fp32_model = at::empty({n});
   expect_rejected([&] { copy_master_to_model(g, fp32_model); }, {fp32_model},
                   "copy_master_to_model", "model_param must be bfloat16 or float16");
+}
+
+// Every tensor a CPU kernel writes has its version counter bumped, as an in-place ATen op's
+// would be (the optimizer tells its own writes from outside ones by them); what it only reads
+// keeps its version.
+std::vector<bool> bumped_by(const std::function<void()>& call, const std::vector<at::Tensor>& ts) {
+  std::vector<uint32_t> before;
+  for (const at::Tensor& t : ts) before.push_back(t._version());
+  call();
+  std::vector<bool> out;
+  for (size_t i = 0; i < ts.size(); ++i) out.push_back(ts[i]._version() != before[i]);
+  return out;
+}
+
+TEST(FusedKernels, CpuKernelsBumpTheVersionOfWhatTheyWriteOnly) {
+  const AdamCall adam;
+  EXPECT_EQ(bumped_by([&] { adam.run(); }, {adam.param, adam.exp_avg, adam.exp_avg_sq, adam.max_sq,
+                                            adam.model, adam.grad}),
+            (std::vector<bool>{true, true, true, true, true, false}));
+  const int64_t n = 33;
+  const at::Tensor param = at::randn({n}), grad = at::randn({n}), buf = at::zeros({n});
+  const at::Tensor model = at::empty({n}, at::TensorOptions(at::kHalf));
+  SgdHyperParams sgd;
+  sgd.momentum = 0.9;
+  EXPECT_EQ(bumped_by([&] { fused_sgd_step(param, grad, buf, model, true, sgd); },
+                      {param, buf, model, grad}),
+            (std::vector<bool>{true, true, true, false}));
+  EXPECT_EQ(bumped_by([&] { copy_master_to_model(param, model); }, {param, model}),
+            (std::vector<bool>{false, true}));
 }
 
 // ---------------------------------------------------------------- non-CPU fallback

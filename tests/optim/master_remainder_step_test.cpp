@@ -307,6 +307,37 @@ TEST(RemainderErrors, SgdMomentumBuffer) {
                   {param, rem}, "fused_sgd_step_remainder", "momentum_buffer must be float32");
 }
 
+// Every tensor a CPU kernel writes has its version counter bumped, as an in-place ATen op's
+// would be; what it only reads keeps its version.
+std::vector<bool> bumped_by(const std::function<void()>& call, const std::vector<at::Tensor>& ts) {
+  std::vector<uint32_t> before;
+  for (const at::Tensor& t : ts) before.push_back(t._version());
+  call();
+  std::vector<bool> out;
+  for (size_t i = 0; i < ts.size(); ++i) out.push_back(ts[i]._version() != before[i]);
+  return out;
+}
+
+TEST(RemainderKernels, CpuKernelsBumpTheVersionOfWhatTheyWriteOnly) {
+  const RemainderAdamCall adam;
+  EXPECT_EQ(bumped_by([&] { adam.run(); }, adam.all()),
+            (std::vector<bool>{true, true, false, true, true, true}));
+  const int64_t n = 33;
+  const at::Tensor master = at::randn({n});
+  const at::Tensor param = at::empty({n}, at::kBFloat16), rem = at::empty({n}, at::kShort);
+  EXPECT_EQ(bumped_by([&] { split_master_out(master, param, rem); }, {master, param, rem}),
+            (std::vector<bool>{false, true, true}));
+  const at::Tensor out = at::empty({n});
+  EXPECT_EQ(bumped_by([&] { join_master_out(param, rem, out); }, {param, rem, out}),
+            (std::vector<bool>{false, false, true}));
+  const at::Tensor grad = at::randn({n}), buf = at::zeros({n});
+  SgdHyperParams sgd;
+  sgd.momentum = 0.9;
+  EXPECT_EQ(bumped_by([&] { fused_sgd_step_remainder(param, rem, grad, buf, true, sgd); },
+                      {param, rem, buf, grad}),
+            (std::vector<bool>{true, true, true, false}));
+}
+
 // ---------------------------------------------------------------- SIMD targets, other devices
 
 TEST(RemainderSimdTargets, EveryTargetSplitsJoinsAndStepsAlike) {
