@@ -167,6 +167,17 @@ TEST(SplitJoinMaster, ShapesAndAtenFallbackAgree) {
   EXPECT_TRUE(same_bits(join_master(split.param, split.remainder).reshape({-1}), joined));
 }
 
+// join_master takes halves of any strides (split_master's outputs transposed, say) and returns
+// their master in the param's shape.
+TEST(SplitJoinMaster, JoinTakesNonContiguousHalves) {
+  at::manual_seed(32);
+  const at::Tensor master = at::randn({3, 5});
+  const MasterSplit split = split_master(master);
+  const at::Tensor joined = join_master(split.param.t(), split.remainder.t());
+  ASSERT_EQ(joined.sizes(), master.t().sizes());
+  EXPECT_TRUE(same_bits(joined.contiguous(), master.t().contiguous()));
+}
+
 TEST(SplitJoinMaster, EachBadArgumentIsNamedAndNothingIsWritten) {
   const int64_t n = 9;
   const at::Tensor param = at::randn({n}).to(at::kBFloat16), rem = at::zeros({n}, at::kShort);
