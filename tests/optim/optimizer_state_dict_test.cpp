@@ -202,6 +202,39 @@ TEST(OptimizerStateDict, ShardedRoundTripResumesBitwise) {
   expect_same_state(*ma, a, *mb, b);
 }
 
+// Parameters stepped unevenly: the sharded form records each step that differs from the common
+// one, and lists a parameter never stepped as without state; both load strictly and resume
+// bitwise (a lost step would change Adam's bias correction).
+TEST(OptimizerStateDict, ShardedRoundTripKeepsUnevenStepsAndUnsteppedParameters) {
+  auto train_uneven = [](Interleaved& m, Float16Optimizer& opt) {
+    for (int s = 0; s < 2; ++s) {
+      set_grads(*m, s);
+      m->post->weight.mutable_grad() = at::Tensor();      // never stepped
+      if (s == 1) m->gate.mutable_grad() = at::Tensor();  // stepped once
+      ASSERT_TRUE(opt.update().success);
+    }
+  };
+  Interleaved ma;
+  auto a = mixprec::testing::make_optimizer(ma, torch::optim::AdamWOptions(1e-2));
+  train_uneven(ma, *a);
+  ShardedStateDict saved = model_sharded_state_dict(*ma);
+  saved.merge(a->sharded_state_dict());
+  const nlohmann::json& common = saved.common["optimizer"];
+  EXPECT_EQ(common["step"], 2);
+  EXPECT_EQ(common["steps"], nlohmann::json({{"gate", 1}}));
+  EXPECT_EQ(common["without_state"], nlohmann::json({"post.weight"}));
+
+  Interleaved mb;
+  auto b = mixprec::testing::make_optimizer(mb, torch::optim::AdamWOptions(1e-2));
+  load_model_sharded_state_dict(*mb, model_sharded_state_dict(*ma));
+  const LoadReport report = b->load_sharded_state_dict(saved);
+  EXPECT_TRUE(report.clean()) << report.to_string();
+  expect_same_state(*ma, *a, *mb, *b);
+  train(*ma, *a, 2, 4);
+  train(*mb, *b, 2, 4);
+  expect_same_state(*ma, *a, *mb, *b);
+}
+
 TEST(OptimizerStateDict, PositionalRoundTripResumesBitwise) {
   Interleaved ma;
   LossScalerOptions scaler = LossScalerOptions::fp16_dynamic();
@@ -432,6 +465,21 @@ TEST(OptimizerStateDictErrors, PositionalMainCopyOfAFrozenOrUnknownIdIsUnexpecte
   EXPECT_NE(msg.find("unexpected fp32_params[4]"), std::string::npos) << msg;
   const LoadReport report = opt->load_state_dict(bad, LoadOptions().strict(false));
   EXPECT_EQ(report.unexpected_keys, (std::vector<std::string>{"fp32_params[1]", "fp32_params[4]"}));
+}
+
+// A positional state entry of a parameter frozen now is unexpected, and the key says which
+// parameter it is and why.
+TEST(OptimizerStateDictErrors, PositionalStateOfAFrozenIdNamesTheParameter) {
+  Trained t;
+  PositionalStateDict bad = t.opt->state_dict();
+  bad.state[1] = bad.state.at(0);  // id 1 is frozen.weight, shaped like pre.weight
+  Interleaved model;
+  auto opt = mixprec::testing::make_optimizer(model, torch::optim::AdamWOptions(1e-3));
+  const std::string msg = error_of([&] { opt->load_state_dict(bad); });
+  EXPECT_NE(msg.find("unexpected state[1] (frozen.weight is frozen)"), std::string::npos) << msg;
+  const LoadReport report = opt->load_state_dict(bad, LoadOptions().strict(false));
+  EXPECT_EQ(report.unexpected_keys,
+            (std::vector<std::string>{"state[1] (frozen.weight is frozen)"}));
 }
 
 // A positional state entry for the id just past the last parameter (the bound is exclusive) is
