@@ -116,5 +116,33 @@ TEST(LossScaler, OverflowRestartsTheGrowthCount) {
   EXPECT_EQ(s.scale(), 131072.0);
 }
 
+// A state saved under other limits is brought inside this scaler's (the scale into
+// [min_scale, max_scale], the growth count below growth_interval, the hysteresis count at most
+// hysteresis), so the next updates behave as this configuration says.
+TEST(LossScaler, LoadedStateIsBroughtInsideTheConfiguredLimits) {
+  LossScalerOptions o = LossScalerOptions::fp16_dynamic();
+  o.min_scale(1024.0).max_scale(65536.0).growth_interval(4).hysteresis(2);
+  LossScaler s(o);
+  s.load_state({{"scale", 1e9}, {"growth_tracker", 100}, {"hysteresis_tracker", 7}});
+  EXPECT_EQ(s.scale(), 65536.0);
+  EXPECT_EQ(s.state().at("growth_tracker"), 3);
+  EXPECT_EQ(s.state().at("hysteresis_tracker"), 2);
+  s.update(true);  // hysteresis 2 -> 1: no backoff yet
+  EXPECT_EQ(s.scale(), 65536.0);
+  s.update(true);
+  EXPECT_EQ(s.scale(), 32768.0);
+  s.load_state({{"scale", 2.0}, {"growth_tracker", 100}, {"hysteresis_tracker", 1}});
+  EXPECT_EQ(s.scale(), 1024.0);
+  s.update(false);  // the fourth clean step in a row
+  EXPECT_EQ(s.scale(), 2048.0);
+}
+
+// A constant scale is configuration: a saved one does not replace it.
+TEST(LossScaler, ConstantScaleIgnoresTheSavedScale) {
+  LossScaler s(LossScalerOptions().initial_scale(8.0));
+  s.load_state({{"scale", 2.0}, {"growth_tracker", 0}, {"hysteresis_tracker", 1}});
+  EXPECT_EQ(s.scale(), 8.0);
+}
+
 }  // namespace MIXPREC_UNITY_ID
 }  // namespace mixprec::optim
