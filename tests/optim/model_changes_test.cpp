@@ -476,5 +476,36 @@ TEST(ModelChanges, ATiedParametersMainCopyAnswersToEachOfItsNames) {
   }
 }
 
+// set_data with a new tensor of the same dtype and shape leaves the parameter's version as it
+// was: the new storage alone tells of the write, and the step keeps the new value.
+TEST(ModelChanges, SetDataAfterConstructionIsNotUndoneByTheStep) {
+  Interleaved model;
+  auto opt = mixprec::testing::make_optimizer(model, torch::optim::AdamWOptions(0.0));
+  const at::Tensor loaded = at::randn({8, 8}).to(at::kBFloat16);
+  {
+    at::NoGradGuard no_grad;
+    model->post->weight.set_data(loaded.clone());
+  }
+  set_grads(*model, 0);
+  ASSERT_TRUE(opt->update().success);
+  EXPECT_TRUE(bitwise_equal(model->post->weight, loaded));
+  EXPECT_TRUE(bitwise_equal(opt->main_param("post.weight"), loaded.to(at::kFloat)));
+}
+
+// Parameters swapped inside a group behind the optimizer's back are refused at the next use,
+// naming the position and the parameter it held.
+TEST(ModelChanges, ParamsReorderedInAGroupAreRefused) {
+  Interleaved model;
+  auto opt = mixprec::testing::make_optimizer(model, torch::optim::AdamWOptions(1e-2));
+  auto& params = opt->param_groups()[0].params();
+  std::swap(params[0], params[3]);
+  set_grads(*model, 0);
+  const at::Tensor pre_before = model->pre->weight.clone();
+  const std::string msg = error_of([&] { opt->update(); });
+  EXPECT_NE(msg.find("param group 0 position 0 is no longer 'pre.weight'"), std::string::npos)
+      << msg;
+  EXPECT_TRUE(bitwise_equal(model->pre->weight, pre_before));
+}
+
 }  // namespace MIXPREC_UNITY_ID
 }  // namespace mixprec::optim
