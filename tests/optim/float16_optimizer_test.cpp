@@ -6,11 +6,13 @@
 #include "support/error_message.h"
 
 #include <gtest/gtest.h>
+#include <torch/optim/adam.h>
 #include <torch/optim/adamw.h>
 #include <torch/optim/schedulers/step_lr.h>
 #include <torch/optim/sgd.h>
 #include <torch/utils.h>
 
+#include <cmath>
 #include <limits>
 #include <string>
 #include <utility>
@@ -380,6 +382,156 @@ TEST(Float16Optimizer, ClipCoefficientIsMaxNormOverNormPlusEpsilon) {
   const double ulp = 1.2e-7 * gate_before.abs().max().item<double>();
   EXPECT_TRUE(at::allclose(delta, a->gate.grad() * coef, 1e-4, 2 * ulp))
       << (delta / (a->gate.grad() * coef)).max().item<double>();
+}
+
+// clip_grad is a norm: infinity is refused when the optimizer is built, as a negative is,
+// naming the option and the value.
+TEST(Float16Optimizer, InfiniteClipGradIsRefused) {
+  Interleaved model;
+  const std::string msg = error_of([&] {
+    mixprec::testing::make_optimizer(
+        model, torch::optim::AdamWOptions(1e-3),
+        Float16OptimizerOptions().clip_grad(std::numeric_limits<double>::infinity()));
+  });
+  EXPECT_NE(msg.find("clip_grad must be a finite value >= 0, got inf"), std::string::npos) << msg;
+}
+
+// A frozen parameter of any dtype (an integer table registered as a parameter) is no
+// problem: only trainable ones must be Float, BFloat16 or Half.
+struct FrozenLongImpl : torch::nn::Module {
+  FrozenLongImpl() {
+    w = register_parameter("w", torch::randn({4}));
+    register_parameter("index", torch::arange(4), /*requires_grad=*/false);
+  }
+  at::Tensor w;
+};
+
+TEST(Float16Optimizer, FrozenParamOfOtherDtypeIsAccepted) {
+  auto model = std::make_shared<FrozenLongImpl>();
+  Float16Optimizer opt(*model, torch::optim::SGDOptions(0.5));
+  ASSERT_EQ(opt.params_info().size(), 2u);
+  EXPECT_EQ(opt.params_info()[1].role, ParamRole::kFrozen);
+  model->w.mutable_grad() = at::ones({4});
+  const at::Tensor w_before = model->w.clone();
+  const StepResult r = opt.update();
+  EXPECT_TRUE(r.success);
+  EXPECT_EQ(r.params_stepped, 1);
+  EXPECT_TRUE(at::equal(model->w, w_before - 0.5));
+}
+
+// The fused step reads a parameter as one flat run: a strided (transposed) trainable one is
+// refused at construction, by name.
+struct TransposedImpl : torch::nn::Module {
+  TransposedImpl() { register_parameter("w_t", torch::randn({4, 6}).t()); }
+};
+
+TEST(Float16Optimizer, NonContiguousTrainableParamIsAnError) {
+  auto model = std::make_shared<TransposedImpl>();
+  const std::string msg =
+      error_of([&] { Float16Optimizer(*model, torch::optim::AdamWOptions(1e-3)); });
+  EXPECT_NE(msg.find("'w_t' must be dense and contiguous"), std::string::npos) << msg;
+}
+
+// Clipping acts on the unscaled gradient (the loss scale divided out first), and only above
+// the limit: a norm under clip_grad leaves the update as it is.
+TEST(Float16Optimizer, ClippingActsOnTheUnscaledGradientAndOnlyAboveTheLimit) {
+  for (const double clip : {0.5, 1000.0}) {
+    SCOPED_TRACE(clip);
+    torch::NoGradGuard no_grad;
+    auto model = std::make_shared<Fp32OnlyImpl>();  // 2^16 elements
+    Float16Optimizer opt(
+        *model, torch::optim::SGDOptions(1.0),
+        Float16OptimizerOptions().loss_scaler(LossScalerOptions::fp16_dynamic()).clip_grad(clip));
+    const at::Tensor before = model->w.clone();
+    const at::Tensor g = at::full_like(model->w, 1.0 / 256);  // global norm 1
+    model->w.mutable_grad() = g * opt.loss_scale();
+    const StepResult r = opt.update();
+    ASSERT_TRUE(r.success);
+    EXPECT_DOUBLE_EQ(r.grad_norm, 1.0);
+    const double coef = clip < 1.0 ? clip / (1.0 + 1e-6) : 1.0;
+    // The update is recovered by subtracting FP32 values of magnitude ~|w| (< 8): 1e-6 is a
+    // few ulps of them, far below a wrong coefficient's effect (>= 2e-3).
+    EXPECT_TRUE(at::allclose(before - model->w, g * coef, 0, 1e-6));
+  }
+}
+
+// With a dynamic loss scaler an overflow is expected: the step is skipped (never an error,
+// whatever non_finite_grads says), its norm is reported infinite, and it is not counted.
+TEST(Float16Optimizer, OverflowUnderADynamicScalerIsSkippedAndNotCounted) {
+  torch::NoGradGuard no_grad;
+  auto model = std::make_shared<Fp32OnlyImpl>();
+  Float16Optimizer opt(*model, torch::optim::AdamWOptions(1e-3),
+                       Float16OptimizerOptions()
+                           .loss_scaler(LossScalerOptions::fp16_dynamic())
+                           .non_finite_grads(NonFiniteGrads::kError));
+  model->w.mutable_grad() = at::ones_like(model->w);
+  ASSERT_TRUE(opt.update().success);
+  at::Tensor g = at::ones_like(model->w);
+  g[3] = std::numeric_limits<float>::infinity();
+  model->w.mutable_grad() = g;
+  const at::Tensor before = model->w.clone();
+  StepResult r;
+  EXPECT_NO_THROW(r = opt.update());
+  EXPECT_FALSE(r.success);
+  EXPECT_TRUE(std::isinf(r.grad_norm)) << r.grad_norm;
+  EXPECT_EQ(r.params_stepped, 0);
+  EXPECT_TRUE(at::equal(model->w, before));
+  // A NaN is reported as an overflow too: the norm is infinite, not NaN.
+  g[3] = std::numeric_limits<float>::quiet_NaN();
+  model->w.mutable_grad() = g;
+  EXPECT_NO_THROW(r = opt.update());
+  EXPECT_FALSE(r.success);
+  EXPECT_TRUE(std::isinf(r.grad_norm)) << r.grad_norm;
+  EXPECT_TRUE(at::equal(model->w, before));
+  EXPECT_EQ(opt.state_dict().state.at(0).at("step").item<double>(), 1.0);
+}
+
+// Adam's weight decay is L2 (added to the gradient before the moments), not AdamW's decoupled
+// one: the native FP32 path against torch::optim::Adam on a copy.
+TEST(Float16Optimizer, AdamWeightDecayMatchesTorch) {
+  torch::NoGradGuard no_grad;
+  auto ours = std::make_shared<Fp32OnlyImpl>();
+  at::Tensor theirs = ours->w.detach().clone().requires_grad_(true);
+  const auto options = torch::optim::AdamOptions(0.01).weight_decay(0.1);
+  Float16Optimizer opt(*ours, options);
+  torch::optim::Adam reference({theirs}, options);
+  for (int step = 0; step < 4; ++step) {
+    at::Tensor g = at::sin(at::arange(ours->w.numel(), at::kFloat) * 0.1 + step);
+    ours->w.mutable_grad() = g;
+    theirs.mutable_grad() = g.clone();
+    ASSERT_TRUE(opt.update().success);
+    reference.step();
+  }
+  // A few ulps of |w| < 8 apart at most; decoupled decay would be ~1e-3 away.
+  EXPECT_TRUE(at::allclose(ours->w, theirs, 1e-6, 1e-6));
+}
+
+// Plain SGD (momentum 0) keeps no momentum buffer, as torch's does: no state memory beyond the
+// masters, and none in the state dict.
+TEST(Float16Optimizer, SgdWithoutMomentumHoldsNoBuffer) {
+  Interleaved model;
+  auto opt = mixprec::testing::make_optimizer(model, torch::optim::SGDOptions(0.1));
+  set_grads(*model, 0);
+  ASSERT_TRUE(opt->update().success);
+  EXPECT_EQ(opt->state_bytes(ParamRole::kNativeFp32), 0);
+  EXPECT_EQ(opt->state_bytes(ParamRole::kMaster), 2 * 8 * 8 * 4);  // pre and post's masters
+  for (const auto& [id, entry] : opt->state_dict().state) {
+    EXPECT_EQ(entry.count("momentum_buffer"), 0u) << id;
+  }
+}
+
+// A parameter frozen at construction is not the optimizer's: a gradient left on it (stale,
+// even of another shape) is never read, checked or stepped.
+TEST(Float16Optimizer, AFrozenParamsGradientIsNeverRead) {
+  Interleaved model;
+  auto opt = mixprec::testing::make_optimizer(model, torch::optim::SGDOptions(0.1));
+  set_grads(*model, 0);
+  model->frozen->weight.mutable_grad() = at::ones({3}, at::kDouble);
+  const at::Tensor frozen_before = model->frozen->weight.clone();
+  const StepResult r = opt->update();
+  EXPECT_TRUE(r.success);
+  EXPECT_EQ(r.params_stepped, 3);
+  EXPECT_TRUE(at::equal(model->frozen->weight, frozen_before));
 }
 
 }  // namespace MIXPREC_UNITY_ID
