@@ -25,6 +25,7 @@
 namespace mixprec::optim {
 namespace MIXPREC_UNITY_ID {  // anonymous outside unity builds (tests/CMakeLists.txt)
 
+using mixprec::testing::bumped_by;
 using mixprec::testing::expect_rejected;
 using mixprec::testing::same_bits;
 
@@ -308,16 +309,7 @@ TEST(RemainderErrors, SgdMomentumBuffer) {
 }
 
 // Every tensor a CPU kernel writes has its version counter bumped, as an in-place ATen op's
-// would be; what it only reads keeps its version.
-std::vector<bool> bumped_by(const std::function<void()>& call, const std::vector<at::Tensor>& ts) {
-  std::vector<uint32_t> before;
-  for (const at::Tensor& t : ts) before.push_back(t._version());
-  call();
-  std::vector<bool> out;
-  for (size_t i = 0; i < ts.size(); ++i) out.push_back(ts[i]._version() != before[i]);
-  return out;
-}
-
+// would be; what it only reads keeps its version (bumped_by: support_kernels.h).
 TEST(RemainderKernels, CpuKernelsBumpTheVersionOfWhatTheyWriteOnly) {
   const RemainderAdamCall adam;
   EXPECT_EQ(bumped_by([&] { adam.run(); }, adam.all()),

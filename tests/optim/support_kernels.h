@@ -41,4 +41,15 @@ inline void expect_rejected(const std::function<void()>& call,
   }
 }
 
+// For each of `ts`, whether `call` changed its version counter (an in-place write bumps it).
+inline std::vector<bool> bumped_by(const std::function<void()>& call,
+                                   const std::vector<at::Tensor>& ts) {
+  std::vector<uint32_t> before;
+  for (const at::Tensor& t : ts) before.push_back(t._version());
+  call();
+  std::vector<bool> out;
+  for (size_t i = 0; i < ts.size(); ++i) out.push_back(ts[i]._version() != before[i]);
+  return out;
+}
+
 }  // namespace mixprec::testing
