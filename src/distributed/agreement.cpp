@@ -2,6 +2,7 @@
 
 #include <c10/util/Exception.h>
 
+#include <chrono>
 #include <exception>
 #include <future>
 
@@ -51,9 +52,9 @@ std::vector<std::string> agree(Communicator& comm, std::string_view op,
 }
 
 std::string agree_on_one_ranks_part(Communicator& comm, std::string_view op, int worker,
-                                    std::chrono::milliseconds slice,
                                     const std::function<std::string()>& part) {
   const bool working = comm.rank() == worker;
+  const std::chrono::milliseconds slice = comm.timeout() / 4;
   std::future<std::string> answer;
   std::exception_ptr not_started;  // no thread: the part fails, in the first agreement
   if (working) {

@@ -10,7 +10,6 @@
 
 #include "mixprec/distributed/communicator.h"
 
-#include <chrono>
 #include <functional>
 #include <string>
 #include <string_view>
@@ -29,11 +28,10 @@ std::vector<std::string> agree(Communicator& comm, std::string_view op,
 // agree() does; returns its payload on every rank. The other ranks do not wait for it in one
 // collective, which would time the group out when the part takes longer than the
 // communicator's timeout (rank 0 verifying a checkpoint newer than `latest` reads every byte of
-// it): every `slice` — a fraction of the timeout — all ranks agree on whether it has finished.
-// If a collective fails meanwhile, the worker's call returns (throws) once the part has
-// finished: the part must end by itself.
+// it): every quarter of the timeout all ranks agree on whether it has finished. If a collective
+// fails meanwhile, the worker's call returns (throws) once the part has finished: the part must
+// end by itself.
 std::string agree_on_one_ranks_part(Communicator& comm, std::string_view op, int worker,
-                                    std::chrono::milliseconds slice,
                                     const std::function<std::string()>& part);
 
 }  // namespace mixprec::distributed::detail

@@ -52,11 +52,10 @@ ResumeResult load_training_state(const std::filesystem::path& path, torch::nn::M
   // moves meanwhile. Given a root, rank 0 verifies each checkpoint newer than `latest` (a crash
   // between commit and pointer update), which may take longer than the group's timeout: the
   // other ranks wait for it in slices of a quarter of it.
-  const std::string found =
-      detail::agree_on_one_ranks_part(comm, kLoadOp, /*worker=*/0, comm.timeout() / 4, [&] {
-        const ckpt::ResolvedCheckpoint resolved = ckpt::find_checkpoint(path);
-        return nlohmann::json{{"dir", resolved.dir.string()}, {"note", resolved.note}}.dump();
-      });
+  const std::string found = detail::agree_on_one_ranks_part(comm, kLoadOp, /*worker=*/0, [&] {
+    const ckpt::ResolvedCheckpoint resolved = ckpt::find_checkpoint(path);
+    return nlohmann::json{{"dir", resolved.dir.string()}, {"note", resolved.note}}.dump();
+  });
   const nlohmann::json where = nlohmann::json::parse(found);
   result.dir = where.at("dir").get<std::string>();
   result.note = where.at("note").get<std::string>();

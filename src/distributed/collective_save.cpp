@@ -100,7 +100,7 @@ ckpt::SaveResult save_collectively(Communicator& comm, const std::filesystem::pa
   // (SaveOptions::lock_timeout), removing stale staging, verifying checkpoints newer than
   // `latest`. The other ranks wait for it in slices of a quarter of the timeout.
   const std::string staging_name =
-      detail::agree_on_one_ranks_part(comm, kSaveOp, /*worker=*/0, comm.timeout() / 4, [&] {
+      detail::agree_on_one_ranks_part(comm, kSaveOp, /*worker=*/0, [&] {
         committer.writer = std::make_unique<ckpt::RootWriter>(
             root, ckpt::WriterOptions{options.lock_timeout(), options.stale_staging_timeout()});
         committer.staging = committer.writer->stage(name);
@@ -121,8 +121,8 @@ ckpt::SaveResult save_collectively(Communicator& comm, const std::filesystem::pa
 
   // 3. commit, on rank 0; everyone returns its result. Rank 0's fsyncs and retention's deletes
   // may outlast the group's timeout on slow storage: the others wait in slices, as in phase 1.
-  const std::string committed = detail::agree_on_one_ranks_part(
-      comm, kSaveOp, /*worker=*/0, comm.timeout() / 4, [&]() -> std::string {
+  const std::string committed =
+      detail::agree_on_one_ranks_part(comm, kSaveOp, /*worker=*/0, [&]() -> std::string {
         ckpt::SaveResult result;
         const ckpt::OpenReport& report = committer.writer->report();
         result.cleaned_staging = report.cleaned_staging;

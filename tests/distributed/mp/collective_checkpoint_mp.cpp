@@ -771,7 +771,7 @@ TEST(CollectiveCheckpoint, ALoadsLookupLongerThanTheTimeoutReachesEveryRank) {
   auto group = own_group("slow-lookup", std::chrono::seconds(4));
   const auto lookup = [&](std::chrono::milliseconds takes, bool fails) {
     return distributed::detail::agree_on_one_ranks_part(
-        *group, "lookup", /*worker=*/0, group->timeout() / 4, [=]() -> std::string {
+        *group, "lookup", /*worker=*/0, [=]() -> std::string {
           std::this_thread::sleep_for(takes);
           if (fails) throw std::runtime_error("no checkpoint in the root verifies");
           return "step-000007";
