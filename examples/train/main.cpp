@@ -180,7 +180,8 @@ int run(int argc, char** argv, const std::string& malloc_policy, const std::stri
   try {
     adopt_ranks(config, ranks.get());
   } catch (const UsageError&) {
-    if (config.rank != 0) return 2;  // the batch does not split over these ranks: on every rank
+    // The batch does not split over these ranks: on every rank alike.
+    if (!launched_as_rank_zero()) return 2;
     throw;
   }
   // A fresh run's directory is named by the time it starts: rank 0's time, for every rank.
