@@ -15,6 +15,10 @@
 #include <algorithm>
 #include <cerrno>
 #include <ctime>
+#include <fstream>
+#include <optional>
+#include <sstream>
+#include <string>
 
 namespace mixprec::checkpoint {
 namespace {
@@ -24,6 +28,35 @@ using detail::fail;
 // kill(pid, 0) probes existence without sending anything; EPERM means it exists but belongs
 // to someone else, which still counts as alive.
 bool process_alive(long pid) { return ::kill(static_cast<pid_t>(pid), 0) == 0 || errno == EPERM; }
+
+// When process `pid` started, in CLOCK_REALTIME nanoseconds, from /proc/<pid>/stat (field 22:
+// clock ticks after boot); nullopt where /proc does not say (not Linux, a hidden pid, a
+// process gone meanwhile). Accurate to a tick plus the drift between the two clocks since boot.
+std::optional<std::int64_t> process_start_ns(long pid) {
+  std::ifstream in("/proc/" + std::to_string(pid) + "/stat");
+  std::string stat;
+  if (!std::getline(in, stat)) return std::nullopt;
+  // The command name (field 2) is in parentheses and may hold spaces or ')': count fields from
+  // the last ')'. After it come field 3 (state) … field 22 (starttime).
+  const std::size_t name_end = stat.rfind(')');
+  if (name_end == std::string::npos) return std::nullopt;
+  std::istringstream fields(stat.substr(name_end + 1));
+  std::string field;
+  for (int i = 3; i < 22; ++i) fields >> field;
+  unsigned long long start_ticks = 0;
+  const long ticks_per_second = ::sysconf(_SC_CLK_TCK);
+  if (!(fields >> start_ticks) || ticks_per_second <= 0) return std::nullopt;
+  timespec real{};
+  timespec boot{};
+  ::clock_gettime(CLOCK_REALTIME, &real);
+  ::clock_gettime(CLOCK_BOOTTIME, &boot);
+  const std::int64_t boot_in_real_ns =
+      (real.tv_sec - boot.tv_sec) * 1000000000LL + (real.tv_nsec - boot.tv_nsec);
+  return boot_in_real_ns +
+         static_cast<std::int64_t>(start_ticks / ticks_per_second) * 1000000000LL +
+         static_cast<std::int64_t>(start_ticks % ticks_per_second) * 1000000000LL /
+             ticks_per_second;
+}
 
 std::int64_t mtime_ns(const struct stat& st) {
   return st.st_mtim.tv_sec * 1000000000LL + st.st_mtim.tv_nsec;
@@ -60,7 +93,11 @@ bool is_stale(const Directory& root, const std::string& name, const struct stat&
   }
   if (leftover.writer->boot != self.boot) return true;
   if (leftover.writer->pid == self.pid) return !detail::is_owned(name);
-  return !process_alive(leftover.writer->pid);
+  if (!process_alive(leftover.writer->pid)) return true;
+  // Alive, but perhaps not the writer: a process that started after the entry's last change
+  // cannot have made it. A second's margin covers the clocks' granularity and drift.
+  const std::optional<std::int64_t> started = process_start_ns(leftover.writer->pid);
+  return started && *started > newest_mtime_ns(root, name, st) + 1000000000LL;
 }
 
 }  // namespace

@@ -175,6 +175,41 @@ TEST(StaleStaging, HostIdentityDecidesWhatIsStale) {
   EXPECT_FALSE(std::filesystem::exists(root / dead));
 }
 
+// A writer's pid, once it died, may be given to another process: in a container pids come
+// from a small range and are reused soon. That process's start, after the entry's last change,
+// shows it is not the writer; a live process that started before it may still be writing.
+TEST(StaleStaging, APidTheWriterNoLongerHoldsIsStale) {
+  TempDir tmp;
+  const auto& root = tmp.path();
+  const pid_t child = ::fork();
+  if (child == 0) {
+    ::pause();
+    ::_exit(0);
+  }
+  ASSERT_GT(child, 0);
+  const detail::WriterIdentity self = detail::current_writer();
+  const std::string reused = staging_name(self.host, self.boot, child);
+  const std::string reused_latest = "latest.tmp-" + self.host + "@" + self.boot + "-" +
+                                    std::to_string(child) + "-0123456789abcdef";
+  std::string writing = reused;
+  writing[5] = 'w';  // another name of the same writer
+  for (const auto& d : {reused, writing}) {
+    std::filesystem::create_directories(root / d);
+    testing::write_file(root / d / "data", "x");
+  }
+  testing::write_file(root / reused_latest, "c1\n");
+  make_old(root / reused, std::chrono::minutes(10));
+  make_old(root / reused_latest, std::chrono::minutes(10));
+
+  const auto removed = clean_stale_staging(root, StagingCleanupOptions{std::chrono::hours(1)});
+  ::kill(child, SIGKILL);
+  ::waitpid(child, nullptr, 0);
+  std::vector<std::string> expected{reused, reused_latest};
+  std::sort(expected.begin(), expected.end());
+  EXPECT_EQ(removed, expected);
+  EXPECT_TRUE(std::filesystem::exists(root / writing)) << "changed after its writer started";
+}
+
 TEST(StaleStaging, NamesCarryTheWriterAndParseBack) {
   const detail::WriterIdentity self = detail::current_writer();
   EXPECT_FALSE(self.host.empty());

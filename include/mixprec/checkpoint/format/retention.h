@@ -21,8 +21,10 @@
 //     a writer on another host cannot be checked, only waited out;
 //   - its host is this host but its boot id is not this boot's: that writer died with the
 //     previous boot, even if its pid is in use again;
-//   - it is from this boot and its pid is not a live process, or is this process and no
-//     CheckpointStaging of this process owns it.
+//   - it is from this boot and its pid is not a live process, or is a process that started
+//     more than a second after the entry was last modified (the writer died and its pid was
+//     given to another process: a pid from a container's small range soon is), or is this
+//     process and no CheckpointStaging of this process owns it.
 // This assumes host names are unique among the machines that share a root. The writer lock
 // (root_writer.h) makes the question rare: a writer holds it for its whole save, so a lock
 // holder only ever meets the leftovers of writers that are gone.
