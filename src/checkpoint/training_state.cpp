@@ -11,9 +11,24 @@
 
 namespace mixprec::checkpoint {
 
+namespace {
+
+// A DistributedOptimizer passes for a Float16Optimizer (it is one), but its state is this
+// rank's pieces: saved alone it is a partial checkpoint, and loaded alone it would skip the
+// ranks' agreement and restore rank 0's RNG state everywhere.
+void check_not_sharded(const optim::Float16Optimizer& optimizer, const char* function) {
+  TORCH_CHECK(!optimizer.sharded(), "[mixprec::checkpoint::", function,
+              "] the optimizer holds one rank's pieces of the parameters (a "
+              "distributed::DistributedOptimizer): every rank calls mixprec::distributed::",
+              function, " together for its training state");
+}
+
+}  // namespace
+
 ShardedStateDict training_state_dict(const torch::nn::Module& model,
                                      const optim::Float16Optimizer& optimizer,
                                      const nlohmann::json& user) {
+  check_not_sharded(optimizer, "training_state_dict");
   ShardedStateDict state = model_sharded_state_dict(model);
   for (const auto& [key, value] : state.tensors) {
     TORCH_CHECK(!keys::is_optimizer_key(key) && !keys::is_rng_key(key),
@@ -44,6 +59,7 @@ SaveResult save_training_state(const std::filesystem::path& root, const std::str
                                const torch::nn::Module& model,
                                const optim::Float16Optimizer& optimizer, const nlohmann::json& user,
                                const SaveOptions& options) {
+  check_not_sharded(optimizer, "save_training_state");
   return save_checkpoint(root, name, training_state_dict(model, optimizer, user), options);
 }
 
@@ -72,6 +88,7 @@ TrainingStateParts split_training_state(ShardedStateDict state) {
 
 ResumeResult load_training_state(const std::filesystem::path& path, torch::nn::Module& model,
                                  optim::Float16Optimizer& optimizer, const LoadOptions& options) {
+  check_not_sharded(optimizer, "load_training_state");
   ResumeResult result;
   ResolvedCheckpoint resolved = find_checkpoint(path);
   result.dir = std::move(resolved.dir);

@@ -25,7 +25,9 @@ namespace mixprec::checkpoint {
 
 // The full sharded state dict of a training state (model + optimizer + RNG + user). Throws
 // c10::Error if a model tensor's name is one the checkpoint reserves (an "optimizer." or
-// "rng." key).
+// "rng." key). The functions of this header are one process's: each throws c10::Error naming
+// its distributed:: counterpart (collective_checkpoint.h) for a sharded optimizer (a
+// distributed::DistributedOptimizer, which is a Float16Optimizer).
 ShardedStateDict training_state_dict(const torch::nn::Module& model,
                                      const optim::Float16Optimizer& optimizer,
                                      const nlohmann::json& user = nlohmann::json::object());

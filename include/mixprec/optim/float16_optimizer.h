@@ -241,6 +241,11 @@ class Float16Optimizer : private detail::GroupOptionsCheck, public torch::optim:
 
   Algorithm algorithm() const;
   const std::vector<ParamInfo>& params_info() const { return info_; }
+  // Whether this optimizer holds only this rank's piece of each parameter (a
+  // distributed::DistributedOptimizer): its training state is saved and loaded by every rank
+  // together (distributed/collective_checkpoint.h), never by checkpoint::'s single-process
+  // functions.
+  bool sharded() const { return static_cast<bool>(sharding_.piece_of); }
   // The FP32 main copy of the parameter named `fqn`; undefined unless its role is kMaster.
   // The optimizer's own tensor, or with a remainder a fresh FP32 tensor joined from the
   // parameter and its remainder (writing to it changes nothing). A tied parameter answers to
@@ -294,7 +299,11 @@ class Float16Optimizer : private detail::GroupOptionsCheck, public torch::optim:
   // Installs a checked state: group hyper-parameters, scaler, moments, steps and masters, then
   // re-derives half-precision model params from masters. Returns the report of the check.
   // Throws c10::Error, changing nothing, only if `checked` was made by another optimizer or
-  // this optimizer's parameters changed role or structure since (check again then).
+  // this optimizer's parameters changed role or structure since (check again then). Sharded,
+  // apply() is collective (it gathers the parameters from their owners) and assumes every
+  // rank's check passed: a rank whose check threw never calls it, and the others fail with the
+  // group's timeout. load_*_state_dict below and distributed::load_training_state agree on the
+  // checks first; use them there.
   LoadReport apply(CheckedOptimizerState&& checked);
 
   // apply(check_state_dict(...)) and apply(check_sharded_state_dict(...)). Data parallel, every
@@ -348,7 +357,6 @@ class Float16Optimizer : private detail::GroupOptionsCheck, public torch::optim:
   // error, or null). Rethrows this rank's error; throws if another rank's check failed.
   virtual void agree_to_load(const std::exception_ptr& failed);
   const std::string& who() const { return who_; }
-  bool sharded() const { return static_cast<bool>(sharding_.piece_of); }
 
   struct Slot;  // optim/optimizer_slot.h
   // Parallel to params_info().

@@ -295,6 +295,36 @@ void expect_unchanged(ZeroRun& run, const std::vector<at::Tensor>& before) {
   for (size_t i = 0; i < after.size(); ++i) EXPECT_TRUE(at::equal(after[i], before[i])) << i;
 }
 
+// A DistributedOptimizer is a Float16Optimizer, so the single-process functions accept it at
+// compile time; they refuse it, naming the collective function, before touching anything: its
+// state is one rank's pieces (saved alone, a partial checkpoint; loaded alone, no agreement
+// between ranks and rank 0's RNG state everywhere).
+TEST(CollectiveCheckpoint, TheSingleProcessFunctionsRefuseZeroNamingTheCollectiveOnes) {
+  SharedTempDir root;
+  ZeroRun run;
+  run.step(0);
+  distributed::save_training_state(root.path(), "zero", *run.model, *run.optimizer);
+  const std::vector<at::Tensor> before = snapshot(run);
+  const std::pair<std::string, std::function<void()>> calls[] = {
+      {"training_state_dict", [&] { checkpoint::training_state_dict(*run.model, *run.optimizer); }},
+      {"save_training_state",
+       [&] { checkpoint::save_training_state(root.path(), "alone", *run.model, *run.optimizer); }},
+      {"load_training_state",
+       [&] { checkpoint::load_training_state(root.path(), *run.model, *run.optimizer); }},
+  };
+  for (const auto& [function, call] : calls) {
+    const std::string message = error_of(call);
+    EXPECT_NE(message.find("[mixprec::checkpoint::" + function + "]"), std::string::npos)
+        << message;
+    EXPECT_NE(message.find("every rank calls mixprec::distributed::" + function + " together"),
+              std::string::npos)
+        << message;
+  }
+  expect_unchanged(run, before);
+  world().barrier();
+  EXPECT_FALSE(fs::exists(root.path() / "alone"));
+}
+
 // A checkpoint of another model (other names; another shape): an error on every rank naming
 // the key, the same message everywhere; nothing changes on any rank.
 TEST(CollectiveCheckpoint, CheckpointOfAnotherModelIsRefusedOnEveryRank) {
