@@ -157,8 +157,7 @@ std::vector<DistributedOptimizer::LocalShard> DistributedOptimizer::local_shards
   return out;
 }
 
-const at::Tensor& DistributedOptimizer::state_of(const LocalShard& shard,
-                                                 std::string_view kind) const {
+at::Tensor DistributedOptimizer::state_of(const LocalShard& shard, std::string_view kind) const {
   const auto kinds = state_kinds();
   for (size_t i = 0; i < kinds.size(); ++i) {
     if (kinds[i] == kind) return shard.state.at(i);

@@ -100,7 +100,7 @@ class DistributedOptimizer : public optim::Float16Optimizer {
   std::vector<LocalShard> local_shards() const;
   // The state tensor of `kind` of `shard` (state_kinds()); undefined if not held. Throws
   // c10::Error naming the kind if the algorithm has no such state.
-  const at::Tensor& state_of(const LocalShard& shard, std::string_view kind) const;
+  at::Tensor state_of(const LocalShard& shard, std::string_view kind) const;
   // This rank's piece of parameter `fqn`; an empty range if it owns none of it or the
   // optimizer does not hold the parameter.
   FlatRange piece_of(const std::string& fqn) const;
