@@ -196,7 +196,7 @@ CheckedModelState check_model_sharded_state_dict(const torch::nn::Module& model,
       problems.push_back("'" + key + "': dtype " + c10::toString(saved.local.scalar_type()) +
                          " in the state, " + c10::toString(target.scalar_type()) + " in the model");
     }
-    checked.copies_.push_back({target, saved.local});
+    checked.copies_.push_back({key, target, saved.local});
   }
   for (const auto& [key, value] : state.tensors) {
     if (!own.count(key)) report.unexpected_keys.push_back(key);
@@ -221,11 +221,15 @@ LoadReport apply_model_state(torch::nn::Module& model, CheckedModelState&& check
   TORCH_CHECK(checked.model_ == &model,
               "[mixprec::apply_model_state] the state was checked "
               "against another module, or was applied already");
+  const std::map<std::string, at::Tensor> own = own_tensors(model, "apply_model_state");
   for (const auto& copy : checked.copies_) {
-    TORCH_CHECK(copy.target.sizes() == copy.value.sizes(),
-                "[mixprec::apply_model_state] a "
-                "tensor of ",
-                model.name(), " changed shape to ", copy.target.sizes(),
+    const auto now = own.find(copy.key);
+    TORCH_CHECK(now != own.end() && now->second.is_same(copy.target),
+                "[mixprec::apply_model_state] '", copy.key, "' of ", model.name(),
+                " is no longer the tensor the state was checked against (it was replaced or "
+                "removed); check it again");
+    TORCH_CHECK(copy.target.sizes() == copy.value.sizes(), "[mixprec::apply_model_state] '",
+                copy.key, "' of ", model.name(), " changed shape to ", copy.target.sizes(),
                 " since the state was checked; check it again");
   }
   at::NoGradGuard no_grad;

@@ -17,6 +17,7 @@
 #include <map>
 #include <optional>
 #include <string>
+#include <utility>
 #include <vector>
 
 namespace torch::nn {
@@ -95,7 +96,8 @@ struct LoadOptions {
 };
 
 // The model's parameters and buffers under their fully qualified names (tied tensors once,
-// under the first name), as whole tensors. Tensors are the module's own (not copies).
+// under the first name), as whole tensors. Tensors are the module's own (not copies), but for
+// a non-contiguous tensor, which is held as a contiguous copy (writing to it changes nothing).
 // common["precision"] = {fqn: reason} for every FP32 tensor a conversion kept FP32
 // (kept_fp32_reason, precision/convert.h), the reason as checkpoint/format/state_keys.h
 // spells it: "mark", "name <fqn>", "pattern <glob>"; absent when there is none.
@@ -117,15 +119,30 @@ CheckedModelState check_model_sharded_state_dict(const torch::nn::Module& model,
 
 // Copies a checked state into the model it was checked against. Cannot fail on the state's
 // content; throws c10::Error, changing nothing, if `checked` belongs to another module, was
-// applied already, or a tensor of the model changed shape since the check.
+// applied already, or a tensor of the model changed shape or was replaced by another tensor
+// (register_parameter again) since the check, naming it.
 LoadReport apply_model_state(torch::nn::Module& model, CheckedModelState&& checked);
 
 // apply_model_state(model, check_model_sharded_state_dict(model, state, options)).
 LoadReport load_model_sharded_state_dict(torch::nn::Module& model, const ShardedStateDict& state,
                                          const LoadOptions& options = {});
 
+// Move-only, applied once: a moved-from state counts as applied.
 class CheckedModelState {
  public:
+  CheckedModelState(CheckedModelState&& other) noexcept
+      : model_(std::exchange(other.model_, nullptr)),
+        copies_(std::move(other.copies_)),
+        report_(std::move(other.report_)) {}
+  CheckedModelState& operator=(CheckedModelState&& other) noexcept {
+    model_ = std::exchange(other.model_, nullptr);
+    copies_ = std::move(other.copies_);
+    report_ = std::move(other.report_);
+    return *this;
+  }
+  CheckedModelState(const CheckedModelState&) = delete;
+  CheckedModelState& operator=(const CheckedModelState&) = delete;
+
   // What apply_model_state will report: keys missing or unexpected (non-strict).
   const LoadReport& report() const { return report_; }
 
@@ -138,6 +155,7 @@ class CheckedModelState {
 
   const torch::nn::Module* model_ = nullptr;  // null once applied
   struct Copy {
+    std::string key;    // the tensor's FQN
     at::Tensor target;  // the model's own tensor
     at::Tensor value;   // checked against it
   };
