@@ -186,6 +186,14 @@ void advise_huge_pages(const at::Tensor& t) {
 
 ShardedStateDict read_checkpoint(const std::filesystem::path& dir, const ReadOptions& options) {
   const Directory checkpoint_dir = Directory::open(dir);  // everything read relative to it
+  std::error_code ec;
+  if (!std::filesystem::exists(std::filesystem::symlink_status(dir / kManifestFileName, ec)) &&
+      std::filesystem::exists(std::filesystem::symlink_status(dir / kLatestFileName, ec))) {
+    // Not "manifest.json: No such file": say what the directory is and what reads it.
+    throw FormatError(std::string(kErrorPrefix) + dir.string() +
+                      ": a checkpoint root (it holds 'latest'), not a checkpoint: read the one "
+                      "resolve_checkpoint(root) names");
+  }
   const Manifest manifest = read_manifest(checkpoint_dir);
   ShardedStateDict out;
   out.common = read_common(checkpoint_dir, manifest);

@@ -175,6 +175,24 @@ TEST(ReadCheckpoint, ARequestedKeyTheCheckpointLacksIsRefused) {
   EXPECT_TRUE(at::equal(read_checkpoint(dir, options).at("w").local, state.at("w").local));
 }
 
+// A root where a checkpoint is expected (load_training_state and mixprec-ckpt take either):
+// the error says it is a root and how to get its checkpoint, not "manifest.json: No such file".
+TEST(ReadCheckpoint, ARootIsRefusedSayingItIsOne) {
+  TempDir root;
+  ShardedStateDict state;
+  state.tensors.emplace("w", ShardedTensor::whole(at::arange(6, at::kFloat)));
+  const fs::path dir = save_checkpoint(root.path(), "c", state).dir;
+  const std::string message = format_error([&] { read_checkpoint(root.path()); });
+  EXPECT_NE(
+      message.find(root.path().string() + ": a checkpoint root (it holds 'latest'), not a "
+                                          "checkpoint: read the one resolve_checkpoint(root)"),
+      std::string::npos)
+      << message;
+  EXPECT_TRUE(at::equal(read_checkpoint(resolve_checkpoint(root.path())).at("w").local,
+                        state.at("w").local));
+  EXPECT_EQ(resolve_checkpoint(root.path()), dir);
+}
+
 // A root without `latest` (a crash before its first update) whose committed checkpoints all
 // fail verification holds checkpoints: the error says which and why, not that it holds none.
 TEST(FindCheckpoint, ARootWhoseCheckpointsAllFailVerificationNamesThem) {

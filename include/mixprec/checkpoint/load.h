@@ -85,7 +85,8 @@ ResolvedCheckpoint find_checkpoint(const std::filesystem::path& path);
 std::filesystem::path resolve_checkpoint(const std::filesystem::path& path);
 
 // Reads the checkpoint in `dir` (manifest, common state, the requested slices): `dir` and
-// every file in it must be real, not links, FIFOs or devices (format/directory.h). Throws
+// every file in it must be real, not links, FIFOs or devices (format/directory.h); a root is
+// refused with an error that says so (resolve_checkpoint gives its checkpoint). Throws
 // FormatError / ChecksumError naming file and key (FormatError for BOOL data other than 0/1),
 // or c10::Error for a slice or flat range outside a key's global shape. Never returns partial data.
 ShardedStateDict read_checkpoint(const std::filesystem::path& dir, const ReadOptions& options = {});
