@@ -7,14 +7,14 @@
 
 namespace mixprec::optim {
 
-// torch.optim.Adam / AdamW hyper-parameters (same names, same defaults as AdamW when
-// decoupled_weight_decay is true).
+// torch.optim.Adam / AdamW hyper-parameters: the same names, and torch.optim.Adam's defaults
+// (weight_decay 0, where torch.optim.AdamW's is 1e-2), with decoupled_weight_decay true.
 struct AdamHyperParams {
   double lr = 1e-3;
   double beta1 = 0.9;
   double beta2 = 0.999;
   double eps = 1e-8;
-  double weight_decay = 0.0;           // note: torch.optim.AdamW's default is 1e-2
+  double weight_decay = 0.0;
   bool decoupled_weight_decay = true;  // AdamW: param *= 1 - lr * weight_decay
   bool amsgrad = false;                // keep max_exp_avg_sq and use it in the denominator
   bool maximize = false;               // ascend: negate the gradient

@@ -33,7 +33,8 @@ struct LossScalerOptions {
   // Multiplies the scale on an overflow once the hysteresis budget is spent.
   TORCH_ARG(double, backoff_factor) = 0.5;
   TORCH_ARG(int64_t, growth_interval) = 1000;
-  // Overflows tolerated before the scale backs off.
+  // The scale backs off at the hysteresis-th overflow since it last grew (Megatron's rule):
+  // 1 backs off at every overflow, 2 (the default) tolerates one.
   TORCH_ARG(int64_t, hysteresis) = 2;
 };
 
@@ -51,7 +52,10 @@ class LossScaler {
 
   // {"scale", "growth_tracker", "hysteresis_tracker"} (and "dynamic", for inspection).
   nlohmann::json state() const;
-  // Restores state(); throws c10::Error naming the missing or invalid field, unchanged then.
+  // Restores state() within this scaler's configuration: a saved scale outside [min_scale,
+  // max_scale] is clamped into it, a constant scaler keeps its initial_scale, and the trackers
+  // are capped at growth_interval - 1 and hysteresis. Throws c10::Error naming the missing or
+  // invalid field (a non-positive or non-finite scale, a negative tracker), unchanged then.
   void load_state(const nlohmann::json& state);
 
  private:

@@ -6,7 +6,7 @@
 //      allocation, commit, `latest` and retention. A second writer (another process, or
 //      another RootWriter in this one) gets a FormatError naming the lock file and its
 //      holder, or waits up to WriterOptions::lock_timeout for it. The lock file holds
-//      "<host> <pid>\n" of the last holder, for that message; it is never deleted.
+//      "<host> pid <pid>\n" of the last holder, for that message; it is never deleted.
 //   2. remove stale staging (retention.h: clean_stale_staging);
 //   3. repair `latest`: if a newer complete checkpoint than the one it names verifies
 //      (newest_checkpoint.h) — or it is missing, a link, malformed — point it there;
