@@ -73,8 +73,10 @@ class QuantLinearImpl : public torch::nn::Cloneable<QuantLinearImpl> {
   void reset() override;
 
   // input: (..., in_features), a high-precision floating dtype. Returns (..., out_features) in
-  // the compute dtype. Throws c10::Error naming the module if the last dimension is wrong or
-  // the input is not high-precision floating (an FP8 input is refused).
+  // the compute dtype. Throws c10::Error naming the layer by its features ("a QuantLinear(128,
+  // 512)": a LibTorch module does not know its path in the model) and the input's shape and
+  // dtype if the last dimension is wrong or the input is not high-precision floating (an FP8
+  // input is refused).
   at::Tensor forward(const at::Tensor& input);
 
   // The weight as a floating tensor (dequantized if FP8), in `dtype`.
