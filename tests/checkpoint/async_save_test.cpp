@@ -20,6 +20,10 @@
 
 #include <algorithm>
 #include <cerrno>
+#include <cmath>
+#include <cstdint>
+#include <future>
+#include <map>
 
 namespace mixprec::checkpoint {
 namespace MIXPREC_UNITY_ID {  // anonymous outside unity builds (tests/CMakeLists.txt)
@@ -401,6 +405,182 @@ TEST(AsyncSave, TheBackgroundSaveYieldsTheCoresToTraining) {
   }
   EXPECT_THROW(AsyncCheckpointSaver(AsyncSaveOptions().background_niceness(20)), c10::Error);
   EXPECT_THROW(AsyncCheckpointSaver(AsyncSaveOptions().background_niceness(-1)), c10::Error);
+}
+
+// A staging error is thrown once: a second wait_until_staged() (or wait()) has nothing to throw.
+TEST(AsyncSave, AStagingErrorIsThrownOnce) {
+  TempRoot root;
+  ShardedStateDict bad;
+  bad.tensors.emplace("no_data", ShardedTensor::whole(at::empty({4}, at::device(at::kMeta))));
+  AsyncCheckpointSaver saver;
+  saver.save(root.path, "bad", bad);
+  EXPECT_NE(error_of([&] { saver.wait_until_staged(); }).find("meta"), std::string::npos);
+  EXPECT_NO_THROW(saver.wait_until_staged());
+  EXPECT_FALSE(saver.wait().has_value());
+  EXPECT_FALSE(fs::exists(root.path / "bad"));
+}
+
+// What save_checkpoint would refuse — shards that do not tile their tensor, a common state JSON
+// cannot hold, a name taken by a dangling link — save() refuses itself, before anything is
+// in flight: found by the writer, the error would surface only at the next save().
+TEST(AsyncSave, AStateOrNameSaveCheckpointRefusesIsRefusedBySaveItself) {
+  TempRoot root;
+  AsyncCheckpointSaver saver;
+  ShardedStateDict gap;
+  gap.tensors["w"] = {at::zeros({2, 4}), {4, 4}, {0, 0}, 0};
+  EXPECT_NE(error_of([&] {
+              saver.save(root.path, "gap", gap);
+            }).find("key 'w': replica-0 shards cover 8 of 16 elements"),
+            std::string::npos);
+  EXPECT_FALSE(saver.in_flight());
+  ShardedStateDict nan;
+  nan.tensors["w"] = ShardedTensor::whole(at::zeros({4}));
+  nan.common["loss"] = std::nan("");
+  EXPECT_NE(error_of([&] {
+              saver.save(root.path, "nan", nan);
+            }).find("'/loss': nan, which JSON cannot hold"),
+            std::string::npos);
+  EXPECT_FALSE(saver.in_flight());
+  ShardedStateDict good;
+  good.tensors["w"] = ShardedTensor::whole(at::zeros({4}));
+  fs::create_symlink(root.path / "nowhere", root.path / "dangling");
+  EXPECT_NE(
+      error_of([&] { saver.save(root.path, "dangling", good); }).find("dangling: already exists"),
+      std::string::npos);
+  EXPECT_FALSE(saver.in_flight());
+  EXPECT_FALSE(saver.wait().has_value());
+  EXPECT_FALSE(fs::exists(root.path / "gap"));
+  EXPECT_FALSE(fs::exists(root.path / "nan"));
+}
+
+std::string message_of(const std::exception_ptr& error) {
+  try {
+    if (error) std::rethrow_exception(error);
+  } catch (const std::exception& e) {
+    return e.what();
+  }
+  return {};
+}
+
+// With a Writer of the caller's (a collective save), an error of this process's part is not
+// thrown by save(): it is handed to the writer, which tells the other ranks, and thrown by
+// wait_until_staged() without waiting for the writer; the writer's own (agreed) error follows
+// at wait().
+TEST(AsyncSave, AWritersStagingErrorIsHandedToItAndThrownWithoutWaitingForIt) {
+  at::Tensor changed = at::zeros({4});
+  ShardedStateDict stale;
+  stale.tensors["changed"] = ShardedTensor::whole(changed);
+  changed.add_(1);  // a step since the state dict was built
+  ShardedStateDict undefined;
+  undefined.tensors["w"] = ShardedTensor::whole(at::zeros({4}));
+  undefined.tensors["u"] = ShardedTensor{};
+  for (const auto& [state, expected] : std::vector<std::pair<ShardedStateDict, std::string>>{
+           {stale, "changed since the state dict was built (changed)"},
+           {undefined, "key 'u': undefined tensor"}}) {
+    SCOPED_TRACE(expected);
+    AsyncCheckpointSaver saver;
+    std::promise<void> told;
+    std::shared_future<void> released = told.get_future().share();
+    std::string handed = "nothing";
+    EXPECT_FALSE(saver.save(
+        state,
+        [&, released](const ShardedStateDict&, const std::exception_ptr& failed) -> SaveResult {
+          handed = message_of(failed);
+          // A bound, not a timing: released at once unless wait_until_staged() waits for this.
+          if (released.wait_for(std::chrono::seconds(20)) != std::future_status::ready) {
+            throw std::runtime_error("the writer was waited for");
+          }
+          throw std::runtime_error("agreed: rank 3 failed");
+        }));
+    EXPECT_NE(error_of([&] { saver.wait_until_staged(); }).find(expected), std::string::npos);
+    EXPECT_TRUE(saver.in_flight()) << "the writer is still telling the other ranks";
+    told.set_value();
+    EXPECT_NE(error_of([&] { saver.wait(); }).find("agreed: rank 3 failed"), std::string::npos);
+    EXPECT_NE(handed.find(expected), std::string::npos) << handed;
+    EXPECT_FALSE(saver.wait().has_value());
+  }
+}
+
+// A Writer handed a failure must write nothing and throw: one that returns a result anyway
+// is refused at wait(), which never returns a result for a save that staged nothing.
+TEST(AsyncSave, AWriterThatSucceedsAfterAFailedStagingIsAnError) {
+  ShardedStateDict undefined;
+  undefined.tensors["u"] = ShardedTensor{};
+  AsyncCheckpointSaver saver;
+  saver.save(undefined,
+             [](const ShardedStateDict&, const std::exception_ptr&) { return SaveResult{}; });
+  EXPECT_NE(error_of([&] { saver.wait_until_staged(); }).find("undefined tensor"),
+            std::string::npos);
+  EXPECT_NE(error_of([&] { saver.wait(); }).find("the writer succeeded after a failed staging"),
+            std::string::npos);
+  EXPECT_FALSE(saver.wait().has_value());
+}
+
+// Every staged tensor starts 64-byte aligned in the arena, whatever the dtypes before it.
+TEST(AsyncSave, StagedTensorsAreAlignedAndExact) {
+  ShardedStateDict state;
+  const std::map<std::string, at::Tensor> tensors{{"a_bool", at::ones({3}, at::kBool)},
+                                                  {"b_float", at::arange(5, at::kFloat)},
+                                                  {"c_half", at::arange(3, at::kHalf)},
+                                                  {"d_double", at::arange(7, at::kDouble)},
+                                                  {"e_byte", at::arange(1, at::kByte)}};
+  for (const auto& [key, t] : tensors) state.tensors.emplace(key, ShardedTensor::whole(t));
+  AsyncCheckpointSaver saver;
+  std::vector<std::string> checked;
+  saver.save(state, [&](const ShardedStateDict& staged, const std::exception_ptr& failed) {
+    if (failed) std::rethrow_exception(failed);
+    for (const auto& [key, t] : tensors) {
+      const at::Tensor& copy = staged.tensors.at(key).local;
+      EXPECT_EQ(reinterpret_cast<std::uintptr_t>(copy.const_data_ptr()) % 64, 0u) << key;
+      EXPECT_TRUE(at::equal(copy, t)) << key;
+      checked.push_back(key);
+    }
+    return SaveResult{};
+  });
+  ASSERT_TRUE(saver.wait().has_value());
+  EXPECT_EQ(checked.size(), tensors.size());
+  EXPECT_EQ(saver.staging_bytes(), 5u * 64);
+}
+
+// The arena only grows: a save of a smaller state, after a larger reservation, reuses it.
+TEST(AsyncSave, ASmallerStateReusesTheLargerArena) {
+  TempRoot root;
+  ShardedStateDict state;
+  state.tensors.emplace("w", ShardedTensor::whole(at::arange(16, at::kFloat)));
+  AsyncCheckpointSaver saver;
+  saver.reserve(std::size_t{1} << 20);
+  saver.save(root.path, "small", state);
+  ASSERT_TRUE(saver.wait().has_value());
+  EXPECT_EQ(saver.staging_bytes(), std::size_t{1} << 20);
+  saver.reserve(64);
+  EXPECT_EQ(saver.staging_bytes(), std::size_t{1} << 20);
+  EXPECT_TRUE(
+      at::equal(read_checkpoint(root.path / "small").at("w").local, at::arange(16, at::kFloat)));
+}
+
+// A tensor given a new shape meanwhile (set_data moves no version counter) is refused before
+// it is copied, whatever its layout: a strided one would be broadcast into its slot.
+TEST(AsyncSave, ATensorReshapedBeforeItIsStagedIsRefused) {
+  TempRoot root;
+  at::Tensor strided = at::arange(16, at::kFloat).view({4, 4}).t();
+  ShardedTensor shard;
+  shard.local = strided;
+  shard.global_shape = {4, 4};
+  shard.global_offset = {0, 0};
+  ShardedStateDict state;
+  state.tensors.emplace("a", ShardedTensor::whole(at::zeros({2})));
+  state.tensors.emplace("b", std::move(shard));
+  AsyncCheckpointSaver saver(AsyncSaveOptions().on_tensor_staged([&](const std::string& key) {
+    // Four elements, strided: broadcastable to [4, 4].
+    if (key == "a") strided.set_data(at::arange(8, at::kFloat).slice(0, 0, 8, 2));
+  }));
+  saver.save(root.path, "reshaped", state);
+  EXPECT_NE(error_of([&] {
+              saver.wait_until_staged();
+            }).find("'b' changed from Float [4, 4] to Float [4] while it was being staged"),
+            std::string::npos);
+  EXPECT_FALSE(saver.wait().has_value());
+  EXPECT_FALSE(fs::exists(root.path / "reshaped"));
 }
 
 }  // namespace MIXPREC_UNITY_ID

@@ -421,5 +421,28 @@ TEST(AsyncSave, BudgetBelowTheStateIsRefusedAtReserve) {
                c10::Error);
 }
 
+// A model tensor under a name the checkpoint keeps for the optimizer's or the RNG's state is
+// refused, naming it: saved, it would be read back as theirs.
+struct ReservedNameNet : torch::nn::Module {
+  explicit ReservedNameNet(const std::string& owner, const std::string& name) {
+    auto inner = register_module(owner, std::make_shared<torch::nn::Module>());
+    inner->register_parameter(name, torch::zeros({2}));
+  }
+};
+
+TEST(TrainingState, AModelTensorUnderAReservedNameIsRefused) {
+  for (const auto& [owner, name] :
+       std::vector<std::pair<std::string, std::string>>{{"optimizer", "w"}, {"rng", "cpu"}}) {
+    ReservedNameNet model(owner, name);
+    optim::Float16Optimizer optimizer(model, torch::optim::AdamWOptions(1e-3));
+    const std::string key = owner + "." + name;
+    EXPECT_NE(mixprec::testing::error_of([&] {
+                training_state_dict(model, optimizer);
+              }).find("the model has a tensor named '" + key + "', a name the checkpoint reserves"),
+              std::string::npos)
+        << key;
+  }
+}
+
 }  // namespace MIXPREC_UNITY_ID
 }  // namespace mixprec::checkpoint
