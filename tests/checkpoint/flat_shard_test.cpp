@@ -244,5 +244,31 @@ TEST(FlatShard, ACorruptPieceNamesItsKey) {
   }
 }
 
+// A flat piece that is one box is stored under its key, as a box shard is (a plain safetensors
+// reader finds it by name); only a piece of several boxes is stored as "<key>/<i>".
+TEST(FlatShard, APieceOfOneBoxIsStoredUnderItsKey) {
+  testing::TempDir root;
+  const at::Tensor m = at::arange(12, at::kFloat).view({4, 3});
+  const auto piece = [&](int64_t begin, int64_t end) {
+    return ShardedTensor::flat(m.view({-1}).narrow(0, begin, end - begin), {4, 3}, begin);
+  };
+  std::vector<ShardedStateDict> ranks(3);
+  ranks[0].tensors.emplace("m", piece(0, 3));   // row 0
+  ranks[1].tensors.emplace("m", piece(3, 5));   // part of row 1
+  ranks[2].tensors.emplace("m", piece(5, 12));  // the rest of row 1, rows 2 and 3
+  const SaveResult saved = save_ranks(root.path(), ranks);
+  std::map<std::string, std::vector<std::string>> names;
+  const Manifest manifest = read_manifest(saved.dir);
+  for (const Chunk& c : manifest.keys.at("m").chunks) {
+    names[c.file].push_back(c.tensor);
+  }
+  using Names = std::vector<std::string>;
+  EXPECT_EQ(names["data-00000.safetensors"], Names{"m"});
+  EXPECT_EQ(names["data-00001.safetensors"], Names{"m"});
+  EXPECT_EQ(names["data-00002.safetensors"], (Names{std::string("m/0"), std::string("m/1")}));
+  EXPECT_NE(SafetensorsReader(saved.dir / "data-00000.safetensors").header().find("m"), nullptr);
+  EXPECT_TRUE(at::equal(read_checkpoint(saved.dir).at("m").local, m));
+}
+
 }  // namespace MIXPREC_UNITY_ID
 }  // namespace mixprec::checkpoint

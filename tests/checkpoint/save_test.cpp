@@ -117,8 +117,16 @@ TEST(Save, ASecondWriterIsRefusedOrWaits) {
       FormatError);
   SaveOptions wait;
   wait.lock_timeout(std::chrono::milliseconds(30));
-  EXPECT_THROW(save_training_state(root.path(), "step-1", *a.model, *a.optimizer, {}, wait),
-               FormatError);
+  EXPECT_THROW(
+      {
+        try {
+          save_training_state(root.path(), "step-1", *a.model, *a.optimizer, {}, wait);
+        } catch (const FormatError& e) {
+          EXPECT_NE(std::string(e.what()).find("waited 30 ms"), std::string::npos) << e.what();
+          throw;
+        }
+      },
+      FormatError);
   EXPECT_FALSE(fs::exists(root.path() / "step-1"));
 }
 
