@@ -292,6 +292,25 @@ TEST(Save, ATensorChangedWhileItIsWrittenIsRefusedAndNothingIsCommitted) {
   EXPECT_TRUE(list_checkpoints(root.path()).empty());
 }
 
+// A strided tensor larger than one write piece (64 MiB) is copied to the host piece by piece,
+// each piece starting and ending inside a row: every element lands where it belongs.
+TEST(Save, AStridedTensorLargerThanAPieceIsSavedExactly) {
+  checkpoint::testing::TempDir root;
+  // [4096, 4097] int32, transposed: 67 125 248 bytes, so a second piece starts one element into
+  // the last row.
+  const at::Tensor strided = at::arange(4097 * 4096, at::kInt).view({4097, 4096}).t();
+  ASSERT_FALSE(strided.is_contiguous());
+  ShardedTensor shard;
+  shard.local = strided;
+  shard.global_shape = strided.sizes().vec();
+  shard.global_offset = {0, 0};
+  ShardedStateDict state;
+  state.tensors.emplace("w", std::move(shard));
+  const SaveResult saved = save_checkpoint(root.path(), "strided", state);
+  EXPECT_EQ(saved.tensor_bytes, strided.nbytes());
+  EXPECT_TRUE(at::equal(read_checkpoint(saved.dir).at("w").local, strided));
+}
+
 // --- bad input: refused before anything is written, naming what is at fault ------------------
 
 std::string save_error(const fs::path& root, const std::vector<const ShardedStateDict*>& ranks) {
