@@ -583,5 +583,25 @@ TEST(AsyncSave, ATensorReshapedBeforeItIsStagedIsRefused) {
   EXPECT_FALSE(fs::exists(root.path / "reshaped"));
 }
 
+// on_tensor_staged(key) is called once the key's bytes are in the arena: a change made then
+// (here one that no version counter sees) is not in the checkpoint.
+TEST(AsyncSave, OnTensorStagedIsCalledAfterTheTensorIsCopied) {
+  TempRoot root;
+  const at::Tensor a = at::arange(4, at::kFloat);
+  ShardedStateDict state;
+  state.tensors.emplace("a", ShardedTensor::whole(a));
+  std::vector<std::string> keys;
+  AsyncCheckpointSaver saver(AsyncSaveOptions().on_tensor_staged([&](const std::string& key) {
+    keys.push_back(key);
+    a.data_ptr<float>()[0] = 42;
+  }));
+  saver.save(root.path, "copied", state);
+  saver.wait_until_staged();
+  ASSERT_TRUE(saver.wait().has_value());
+  EXPECT_EQ(keys, std::vector<std::string>{"a"});
+  EXPECT_TRUE(
+      at::equal(read_checkpoint(root.path / "copied").at("a").local, at::arange(4, at::kFloat)));
+}
+
 }  // namespace MIXPREC_UNITY_ID
 }  // namespace mixprec::checkpoint

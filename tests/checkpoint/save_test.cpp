@@ -14,6 +14,7 @@
 #include "checkpoint/format/format_test_util.h"
 #include "checkpoint/support_training.h"
 #include "checkpoint/support_unchanged.h"
+#include "support/counting_allocator.h"
 
 #include <c10/util/Exception.h>
 #include <gtest/gtest.h>
@@ -293,12 +294,12 @@ TEST(Save, ATensorChangedWhileItIsWrittenIsRefusedAndNothingIsCommitted) {
 }
 
 // A strided tensor larger than one write piece (64 MiB) is copied to the host piece by piece,
-// each piece starting and ending inside a row: every element lands where it belongs.
+// each copy only as large as its piece: every element lands where it belongs, the second piece
+// starting one element into a row and going on over whole rows.
 TEST(Save, AStridedTensorLargerThanAPieceIsSavedExactly) {
   checkpoint::testing::TempDir root;
-  // [4096, 4097] int32, transposed: 67 125 248 bytes, so a second piece starts one element into
-  // the last row.
-  const at::Tensor strided = at::arange(4097 * 4096, at::kInt).view({4097, 4096}).t();
+  // [4100, 4097] int32, transposed: 67 194 800 bytes.
+  const at::Tensor strided = at::arange(4097 * 4100, at::kInt).view({4097, 4100}).t();
   ASSERT_FALSE(strided.is_contiguous());
   ShardedTensor shard;
   shard.local = strided;
@@ -306,7 +307,11 @@ TEST(Save, AStridedTensorLargerThanAPieceIsSavedExactly) {
   shard.global_offset = {0, 0};
   ShardedStateDict state;
   state.tensors.emplace("w", std::move(shard));
+  std::optional<mixprec::testing::CountingAllocatorGuard> counting(std::in_place);
   const SaveResult saved = save_checkpoint(root.path(), "strided", state);
+  EXPECT_LE(counting->bytes(), static_cast<int64_t>(strided.nbytes()))
+      << "the pieces' copies, not the whole tensor per piece";
+  counting.reset();
   EXPECT_EQ(saved.tensor_bytes, strided.nbytes());
   EXPECT_TRUE(at::equal(read_checkpoint(saved.dir).at("w").local, strided));
 }
