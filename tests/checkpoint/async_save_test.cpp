@@ -603,5 +603,25 @@ TEST(AsyncSave, OnTensorStagedIsCalledAfterTheTensorIsCopied) {
       at::equal(read_checkpoint(root.path / "copied").at("a").local, at::arange(4, at::kFloat)));
 }
 
+// A saver destroyed with a failed save nobody collected prints its error: a destructor does not
+// throw, and the user must still hear that the checkpoint was not written.
+TEST(AsyncSave, TheDestructorPrintsAnErrorNobodyCollected) {
+  TempRoot root;
+  const fs::path not_a_root = root.path / "file";  // only the writer, in the background, finds out
+  testing::write_file(not_a_root, "x");
+  ShardedStateDict state;
+  state.tensors.emplace("w", ShardedTensor::whole(at::zeros({4})));
+  ::testing::internal::CaptureStderr();
+  {
+    AsyncCheckpointSaver saver;
+    saver.save(not_a_root, "s", state);
+  }
+  const std::string printed = ::testing::internal::GetCapturedStderr();
+  EXPECT_NE(printed.find("a background checkpoint save failed and nobody asked: "),
+            std::string::npos)
+      << printed;
+  EXPECT_NE(printed.find(not_a_root.string()), std::string::npos) << printed;
+}
+
 }  // namespace MIXPREC_UNITY_ID
 }  // namespace mixprec::checkpoint

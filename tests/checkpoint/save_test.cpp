@@ -399,9 +399,11 @@ TEST(Save, CommonStateIsCheckedAsReadersParseIt) {
       save_error(root.path(), {&state}).find("the common state: a key that is not valid UTF-8"),
       std::string::npos);
   state.common.erase("caf\xe9");
-  state.common["loss"] = {{"scale", std::numeric_limits<double>::infinity()}};
-  EXPECT_NE(save_error(root.path(), {&state}).find("'/loss/scale': inf, which JSON cannot hold"),
-            std::string::npos);
+  state.common["loss"] = {{"scale", std::numeric_limits<double>::infinity()},
+                          {"value", std::numeric_limits<double>::quiet_NaN()}};
+  const std::string both = save_error(root.path(), {&state});  // every problem, not the first
+  EXPECT_NE(both.find("'/loss/scale': inf, which JSON cannot hold"), std::string::npos) << both;
+  EXPECT_NE(both.find("'/loss/value': nan, which JSON cannot hold"), std::string::npos) << both;
   EXPECT_EQ(list_checkpoints(root.path()).size(), 1u);
 }
 
