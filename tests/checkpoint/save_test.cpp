@@ -350,6 +350,11 @@ TEST(Save, ShardsThatDoNotFitTheirGlobalShapeAreRefusedNamingKeyAndRank) {
   EXPECT_NE(save_error(root.path(), {&offset})
                 .find("key 'w' (rank 0): local rank 1, global shape [4], offset [0, 0]"),
             std::string::npos);
+  // A box that reaches past the tensor's end.
+  ShardedStateDict outside;
+  outside.tensors["w"] = {at::zeros({2}), {4}, {3}, 0};
+  EXPECT_NE(save_error(root.path(), {&outside}).find("key 'w': shard [3]+[2] lies outside [4]"),
+            std::string::npos);
   // A flat slice must be 1-D and give no offset.
   ShardedStateDict two_d, with_offset;
   ShardedTensor flat = ShardedTensor::flat(at::zeros({6}), {2, 3}, 0);
