@@ -356,12 +356,12 @@ void BM_OursAsyncSave(benchmark::State& bm) {
   for (auto _ : bm) {
     mixprec::testing::remove_tree(s.dir / "async");
     const auto t0 = Clock::now();
-    saver.save(s.dir / "async", "step-1", s.dict);
+    (void)saver.save(s.dir / "async", "step-1", s.dict);
     const double in_save = seconds_since(t0);
     // The worst case for training: its next optimizer update comes at once and waits for the
     // whole copy (BM_OursAsyncSaveHidden runs a step's compute in between).
     saver.wait_until_staged();
-    saver.wait();
+    (void)saver.wait();
     record_time(bm, __func__, seconds_since(t0));
     const double blocked = saver.last_blocked_seconds();
     const double background = saver.last_background_seconds();
@@ -414,11 +414,11 @@ void BM_OursAsyncSaveHidden(benchmark::State& bm) {
     auto with_save = [&] {
       mixprec::testing::remove_tree(s.dir / "async-hidden");
       const auto t0 = Clock::now();
-      saver.save(s.dir / "async-hidden", "step-1", s.dict);
+      (void)saver.save(s.dir / "async-hidden", "step-1", s.dict);
       step_load->run();           // the next step's forward and backward: they only read the state
       saver.wait_until_staged();  // before its optimizer update
       const double wall = seconds_since(t0);
-      saver.wait();  // the rest of the save runs after the next update in a job: not counted
+      (void)saver.wait();  // the rest of the save runs after the next update in a job: not counted
       return wall;
     };
     double alone_s = 0, with_s = 0;

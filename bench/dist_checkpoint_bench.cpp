@@ -220,7 +220,7 @@ int save_worker(const std::string& given) {
   // The next step's forward and backward run while the copy is made; its update waits.
   const std::function<void()> step_with_save = [&] {
     step_with_save_s.push_back(timed(*comm, [&] {
-      distributed::save_checkpoint_async(
+      (void)distributed::save_checkpoint_async(
           saver, checkpoint_comm, root,
           "hidden-" + std::to_string(round) + "-" + std::to_string(step_with_save_s.size()),
           distributed::training_state_dict(*s.model, *s.optimizer),
@@ -228,7 +228,7 @@ int save_worker(const std::string& given) {
       step_load.run();
       saver.wait_until_staged();
     }));
-    saver.wait();  // the rest of the save overlaps later steps in a job: not counted
+    (void)saver.wait();  // the rest of the save overlaps later steps in a job: not counted
   };
   const std::vector<std::function<void()>> configurations = {
       [&] { save_s.push_back(timed(*comm, [&] { sync_save("step-" + std::to_string(round)); })); },
@@ -239,14 +239,14 @@ int save_worker(const std::string& given) {
         double in_call = 0, blocked = 0;
         async_s.push_back(timed(*comm, [&] {
           const auto t0 = Clock::now();
-          distributed::save_checkpoint_async(
+          (void)distributed::save_checkpoint_async(
               saver, checkpoint_comm, root, "async-" + std::to_string(round),
               distributed::training_state_dict(*s.model, *s.optimizer),
               checkpoint::SaveOptions().keep_last(1));
           in_call = std::chrono::duration<double>(Clock::now() - t0).count();
           saver.wait_until_staged();
           blocked = std::chrono::duration<double>(Clock::now() - t0).count();
-          saver.wait();
+          (void)saver.wait();
         }));
         in_call_s.push_back(max_over_ranks(*comm, in_call));
         blocked_s.push_back(max_over_ranks(*comm, blocked));

@@ -53,14 +53,14 @@ TEST(AsyncSave, StagingFailureIsReportedOnceAndTheNextSaveWrites) {
   // A meta tensor has no bytes: staging it fails after the writer has started.
   ShardedStateDict bad = training_state_dict(*a.model, *a.optimizer);
   bad.tensors.emplace("no_data", ShardedTensor::whole(at::empty({4}, at::device(at::kMeta))));
-  saver.save(root.path, "bad", bad);
+  (void)saver.save(root.path, "bad", bad);
   const std::string msg = error_of([&] { saver.wait_until_staged(); });
   EXPECT_NE(msg.find("meta"), std::string::npos) << msg;
   EXPECT_FALSE(saver.in_flight());
   EXPECT_FALSE(saver.wait().has_value()) << "the error was already reported";
   EXPECT_FALSE(fs::exists(root.path / "bad"));
 
-  saver.save(root.path, "good", training_state_dict(*a.model, *a.optimizer));
+  (void)saver.save(root.path, "good", training_state_dict(*a.model, *a.optimizer));
   const std::optional<SaveResult> result = saver.wait();
   ASSERT_TRUE(result.has_value());
   EXPECT_EQ(result->dir, root.path / "good");
@@ -98,7 +98,7 @@ TEST(AsyncSave, TheNextSaveReturnsTheResultItWaitedFor) {
 
   // One that reserve() waited for is the next save()'s to return.
   spoil_latest(root.path);
-  saver.save(root.path, "s3", training_state_dict(*a.model, *a.optimizer));
+  (void)saver.save(root.path, "s3", training_state_dict(*a.model, *a.optimizer));
   saver.reserve(saver.staging_bytes());
   expect_latest_warning(saver.save(root.path, "s4", training_state_dict(*a.model, *a.optimizer)),
                         root.path / "s3");
@@ -113,7 +113,7 @@ TEST(AsyncSave, AResultWaitedForByReserveOrARefusedSaveIsReturnedNext) {
   const std::size_t need = staging_bytes_for(training_state_dict(*a.model, *a.optimizer));
   AsyncCheckpointSaver saver(AsyncSaveOptions().staging_budget_bytes(need));
   spoil_latest(root.path);
-  saver.save(root.path, "s1", training_state_dict(*a.model, *a.optimizer));
+  (void)saver.save(root.path, "s1", training_state_dict(*a.model, *a.optimizer));
   saver.reserve(need);
   EXPECT_FALSE(saver.in_flight());
   expect_latest_warning(saver.wait(), root.path / "s1");
@@ -121,10 +121,10 @@ TEST(AsyncSave, AResultWaitedForByReserveOrARefusedSaveIsReturnedNext) {
 
   // A state over the budget is refused after save() waited for the one before.
   spoil_latest(root.path);
-  saver.save(root.path, "s2", training_state_dict(*a.model, *a.optimizer));
+  (void)saver.save(root.path, "s2", training_state_dict(*a.model, *a.optimizer));
   ShardedStateDict too_big = training_state_dict(*a.model, *a.optimizer);
   too_big.tensors.emplace("extra", ShardedTensor::whole(at::zeros({64})));
-  EXPECT_NE(error_of([&] { saver.save(root.path, "s3", too_big); }).find("the budget is"),
+  EXPECT_NE(error_of([&] { (void)saver.save(root.path, "s3", too_big); }).find("the budget is"),
             std::string::npos);
   EXPECT_FALSE(saver.in_flight());
   expect_latest_warning(saver.wait(), root.path / "s2");
@@ -140,7 +140,7 @@ TEST(AsyncSave, TheDestructorPrintsTheWarningsOfAResultNobodyCollected) {
   ::testing::internal::CaptureStderr();
   {
     AsyncCheckpointSaver saver;
-    saver.save(root.path, "s1", training_state_dict(*a.model, *a.optimizer));
+    (void)saver.save(root.path, "s1", training_state_dict(*a.model, *a.optimizer));
   }
   const std::string printed = ::testing::internal::GetCapturedStderr();
   EXPECT_NE(printed.find("warning nobody collected, saving " + (root.path / "s1").string() +
@@ -158,11 +158,11 @@ TEST(AsyncSave, AnExistingNameIsRefusedAtOnce) {
   a.step();
   save_training_state(root.path, "s1", *a.model, *a.optimizer);
   AsyncCheckpointSaver saver;
-  const std::string message =
-      error_of([&] { saver.save(root.path, "s1", training_state_dict(*a.model, *a.optimizer)); });
+  const std::string message = error_of(
+      [&] { (void)saver.save(root.path, "s1", training_state_dict(*a.model, *a.optimizer)); });
   EXPECT_NE(message.find("s1: already exists"), std::string::npos) << message;
   EXPECT_FALSE(saver.in_flight());
-  saver.save(root.path, "s2", training_state_dict(*a.model, *a.optimizer));
+  (void)saver.save(root.path, "s2", training_state_dict(*a.model, *a.optimizer));
   ASSERT_TRUE(saver.wait().has_value());
   EXPECT_EQ(resolve_checkpoint(root.path), root.path / "s2");
 }
@@ -179,13 +179,13 @@ TEST(AsyncSave, AnInvalidOrReservedNameIsRefusedAtOnceAsSaveCheckpointRefusesIt)
   for (const std::string name : {"a/b", "latest", "latest.x", "lock", ".hidden", ""}) {
     const std::string sync = error_of(
         [&] { save_checkpoint(root.path, name, training_state_dict(*a.model, *a.optimizer)); });
-    const std::string async =
-        error_of([&] { saver.save(root.path, name, training_state_dict(*a.model, *a.optimizer)); });
+    const std::string async = error_of(
+        [&] { (void)saver.save(root.path, name, training_state_dict(*a.model, *a.optimizer)); });
     EXPECT_NE(sync.find("name"), std::string::npos) << name << ": " << sync;
     EXPECT_EQ(async, sync) << name;
     EXPECT_FALSE(saver.in_flight()) << name;
   }
-  saver.save(root.path, "s2", training_state_dict(*a.model, *a.optimizer));
+  (void)saver.save(root.path, "s2", training_state_dict(*a.model, *a.optimizer));
   ASSERT_TRUE(saver.wait().has_value()) << "no error of a refused name is left over";
   EXPECT_EQ(resolve_checkpoint(root.path), root.path / "s2");
 }
@@ -199,7 +199,7 @@ TEST(AsyncSave, AStateOfEmptyTensorsSavesAndLoads) {
   state.tensors.emplace("cols", ShardedTensor::whole(at::zeros({2, 0}, at::kHalf)));
   state.common["step"] = 1;
   AsyncCheckpointSaver saver;
-  saver.save(root.path, "empty", state);
+  (void)saver.save(root.path, "empty", state);
   const std::optional<SaveResult> result = saver.wait();
   ASSERT_TRUE(result.has_value());
   EXPECT_EQ(saver.staging_bytes(), 0u);
@@ -214,7 +214,7 @@ TEST(AsyncSave, AStateOfEmptyTensorsSavesAndLoads) {
 
   // Beside tensors with elements, in an arena that exists, they still take no slot.
   state.tensors.emplace("w", ShardedTensor::whole(at::arange(5, at::kFloat)));
-  saver.save(root.path, "mixed", state);
+  (void)saver.save(root.path, "mixed", state);
   ASSERT_TRUE(saver.wait().has_value());
   EXPECT_EQ(saver.staging_bytes(), staging_bytes_for(state));
   EXPECT_TRUE(at::equal(read_checkpoint(root.path / "mixed").tensors.at("w").local,
@@ -228,7 +228,7 @@ TEST(AsyncSave, StepBetweenBuildingTheDictAndSavingIsRefused) {
   ShardedStateDict state = training_state_dict(*a.model, *a.optimizer);  // step count 1
   a.step();  // moments, masters and params move to step 2
   AsyncCheckpointSaver saver;
-  const std::string msg = error_of([&] { saver.save(root.path, "mixed", state); });
+  const std::string msg = error_of([&] { (void)saver.save(root.path, "mixed", state); });
   EXPECT_NE(msg.find("not a consistent snapshot"), std::string::npos) << msg;
   EXPECT_NE(msg.find("optimizer.state.exp_avg.up.weight"), std::string::npos) << msg;
   EXPECT_NE(msg.find("since the state dict was built"), std::string::npos) << msg;
@@ -251,7 +251,7 @@ TEST(AsyncSave, StepDuringStagingIsRefusedAndNothingIsCommitted) {
     if (++staged == 2 && step_now) a.step();
   });
   AsyncCheckpointSaver saver(options);
-  saver.save(root.path, "torn", training_state_dict(*a.model, *a.optimizer));
+  (void)saver.save(root.path, "torn", training_state_dict(*a.model, *a.optimizer));
   const std::string msg = error_of([&] { saver.wait_until_staged(); });
   EXPECT_NE(msg.find("changed while it was being staged"), std::string::npos) << msg;
   EXPECT_FALSE(saver.in_flight());
@@ -261,7 +261,7 @@ TEST(AsyncSave, StepDuringStagingIsRefusedAndNothingIsCommitted) {
   // Without the step the same save goes through and holds exactly the state at save().
   step_now = false;
   const ShardedStateDict expected = training_state_dict(*a.model, *a.optimizer).clone();
-  saver.save(root.path, "whole", training_state_dict(*a.model, *a.optimizer));
+  (void)saver.save(root.path, "whole", training_state_dict(*a.model, *a.optimizer));
   saver.wait_until_staged();
   a.step();  // once staged: allowed, and not in the checkpoint
   ASSERT_TRUE(saver.wait().has_value());
@@ -296,7 +296,7 @@ TEST(AsyncSave, StagingIsAllocatedOnceAndReused) {
   EXPECT_EQ(saver.staging_bytes(), 6u * (2u << 20) + 64);
   for (const char* name : {"first", "second"}) {
     mixprec::testing::CountingAllocatorGuard counting;
-    saver.save(root.path, name, state);
+    (void)saver.save(root.path, name, state);
     saver.wait_until_staged();
     // ATen's transposing copy takes one scratch buffer per strided tensor; nothing else, and
     // no new arena.
@@ -324,7 +324,7 @@ TEST(AsyncSave, StateLargerThanTheBudgetIsRefusedBeforeAnythingIsWritten) {
                                " bytes of host staging memory, the budget is " +
                                std::to_string(need - 1) + " bytes";
   EXPECT_NE(error_of([&] { saver.reserve(need); }).find(expected), std::string::npos);
-  EXPECT_NE(error_of([&] { saver.save(root.path, "big", state); }).find(expected),
+  EXPECT_NE(error_of([&] { (void)saver.save(root.path, "big", state); }).find(expected),
             std::string::npos);
   EXPECT_FALSE(fs::exists(root.path / "big"));
   EXPECT_EQ(saver.staging_bytes(), 0u);
@@ -346,7 +346,7 @@ TEST(AsyncSave, DuplicatesTakeNoStagingMemory) {
   EXPECT_EQ(staging_bytes_for(state), need);
   AsyncCheckpointSaver saver(AsyncSaveOptions().staging_budget_bytes(need));
   bool wrote = false;
-  saver.save(state, [&](const ShardedStateDict& staged, const std::exception_ptr& failed) {
+  (void)saver.save(state, [&](const ShardedStateDict& staged, const std::exception_ptr& failed) {
     if (failed) std::rethrow_exception(failed);
     wrote = at::equal(staged.tensors.at("mine").local, mine);
     return SaveResult{};
@@ -369,7 +369,7 @@ TEST(AsyncSave, PiecesOfLargeTensorsLandWhereTheyBelong) {
   state.tensors.emplace("small", ShardedTensor::whole(small));
   state.tensors.emplace("strided", ShardedTensor::whole(strided));
   AsyncCheckpointSaver saver;
-  saver.save(root.path, "pieces", state);
+  (void)saver.save(root.path, "pieces", state);
   saver.wait_until_staged();
   ASSERT_TRUE(saver.wait().has_value());
   const ShardedStateDict back = read_checkpoint(root.path / "pieces");
@@ -397,7 +397,7 @@ TEST(AsyncSave, TheBackgroundSaveYieldsTheCoresToTraining) {
     int background = -100;
     AsyncCheckpointSaver saver(AsyncSaveOptions().background_niceness(increment).on_tensor_staged(
         [&](const std::string&) { background = niceness_of_this_thread(); }));
-    saver.save(root.path, "step-1", training_state_dict(*a.model, *a.optimizer));
+    (void)saver.save(root.path, "step-1", training_state_dict(*a.model, *a.optimizer));
     saver.wait_until_staged();
     ASSERT_TRUE(saver.wait().has_value());
     EXPECT_EQ(background, std::min(caller + increment, 19));
@@ -413,7 +413,7 @@ TEST(AsyncSave, AStagingErrorIsThrownOnce) {
   ShardedStateDict bad;
   bad.tensors.emplace("no_data", ShardedTensor::whole(at::empty({4}, at::device(at::kMeta))));
   AsyncCheckpointSaver saver;
-  saver.save(root.path, "bad", bad);
+  (void)saver.save(root.path, "bad", bad);
   EXPECT_NE(error_of([&] { saver.wait_until_staged(); }).find("meta"), std::string::npos);
   EXPECT_NO_THROW(saver.wait_until_staged());
   EXPECT_FALSE(saver.wait().has_value());
@@ -429,7 +429,7 @@ TEST(AsyncSave, AStateOrNameSaveCheckpointRefusesIsRefusedBySaveItself) {
   ShardedStateDict gap;
   gap.tensors["w"] = {at::zeros({2, 4}), {4, 4}, {0, 0}, 0};
   EXPECT_NE(error_of([&] {
-              saver.save(root.path, "gap", gap);
+              (void)saver.save(root.path, "gap", gap);
             }).find("key 'w': replica-0 shards cover 8 of 16 elements"),
             std::string::npos);
   EXPECT_FALSE(saver.in_flight());
@@ -437,16 +437,17 @@ TEST(AsyncSave, AStateOrNameSaveCheckpointRefusesIsRefusedBySaveItself) {
   nan.tensors["w"] = ShardedTensor::whole(at::zeros({4}));
   nan.common["loss"] = std::nan("");
   EXPECT_NE(error_of([&] {
-              saver.save(root.path, "nan", nan);
+              (void)saver.save(root.path, "nan", nan);
             }).find("'/loss': nan, which JSON cannot hold"),
             std::string::npos);
   EXPECT_FALSE(saver.in_flight());
   ShardedStateDict good;
   good.tensors["w"] = ShardedTensor::whole(at::zeros({4}));
   fs::create_symlink(root.path / "nowhere", root.path / "dangling");
-  EXPECT_NE(
-      error_of([&] { saver.save(root.path, "dangling", good); }).find("dangling: already exists"),
-      std::string::npos);
+  EXPECT_NE(error_of([&] {
+              (void)saver.save(root.path, "dangling", good);
+            }).find("dangling: already exists"),
+            std::string::npos);
   EXPECT_FALSE(saver.in_flight());
   EXPECT_FALSE(saver.wait().has_value());
   EXPECT_FALSE(fs::exists(root.path / "gap"));
@@ -495,7 +496,8 @@ TEST(AsyncSave, AWritersStagingErrorIsHandedToItAndThrownWithoutWaitingForIt) {
     EXPECT_NE(error_of([&] { saver.wait_until_staged(); }).find(expected), std::string::npos);
     EXPECT_TRUE(saver.in_flight()) << "the writer is still telling the other ranks";
     told.set_value();
-    EXPECT_NE(error_of([&] { saver.wait(); }).find("agreed: rank 3 failed"), std::string::npos);
+    EXPECT_NE(error_of([&] { (void)saver.wait(); }).find("agreed: rank 3 failed"),
+              std::string::npos);
     EXPECT_NE(handed.find(expected), std::string::npos) << handed;
     EXPECT_FALSE(saver.wait().has_value());
   }
@@ -507,12 +509,13 @@ TEST(AsyncSave, AWriterThatSucceedsAfterAFailedStagingIsAnError) {
   ShardedStateDict undefined;
   undefined.tensors["u"] = ShardedTensor{};
   AsyncCheckpointSaver saver;
-  saver.save(undefined,
-             [](const ShardedStateDict&, const std::exception_ptr&) { return SaveResult{}; });
+  (void)saver.save(undefined,
+                   [](const ShardedStateDict&, const std::exception_ptr&) { return SaveResult{}; });
   EXPECT_NE(error_of([&] { saver.wait_until_staged(); }).find("undefined tensor"),
             std::string::npos);
-  EXPECT_NE(error_of([&] { saver.wait(); }).find("the writer succeeded after a failed staging"),
-            std::string::npos);
+  EXPECT_NE(
+      error_of([&] { (void)saver.wait(); }).find("the writer succeeded after a failed staging"),
+      std::string::npos);
   EXPECT_FALSE(saver.wait().has_value());
 }
 
@@ -527,7 +530,7 @@ TEST(AsyncSave, StagedTensorsAreAlignedAndExact) {
   for (const auto& [key, t] : tensors) state.tensors.emplace(key, ShardedTensor::whole(t));
   AsyncCheckpointSaver saver;
   std::vector<std::string> checked;
-  saver.save(state, [&](const ShardedStateDict& staged, const std::exception_ptr& failed) {
+  (void)saver.save(state, [&](const ShardedStateDict& staged, const std::exception_ptr& failed) {
     if (failed) std::rethrow_exception(failed);
     for (const auto& [key, t] : tensors) {
       const at::Tensor& copy = staged.tensors.at(key).local;
@@ -549,7 +552,7 @@ TEST(AsyncSave, ASmallerStateReusesTheLargerArena) {
   state.tensors.emplace("w", ShardedTensor::whole(at::arange(16, at::kFloat)));
   AsyncCheckpointSaver saver;
   saver.reserve(std::size_t{1} << 20);
-  saver.save(root.path, "small", state);
+  (void)saver.save(root.path, "small", state);
   ASSERT_TRUE(saver.wait().has_value());
   EXPECT_EQ(saver.staging_bytes(), std::size_t{1} << 20);
   saver.reserve(64);
@@ -574,7 +577,7 @@ TEST(AsyncSave, ATensorReshapedBeforeItIsStagedIsRefused) {
     // Four elements, strided: broadcastable to [4, 4].
     if (key == "a") strided.set_data(at::arange(8, at::kFloat).slice(0, 0, 8, 2));
   }));
-  saver.save(root.path, "reshaped", state);
+  (void)saver.save(root.path, "reshaped", state);
   EXPECT_NE(error_of([&] {
               saver.wait_until_staged();
             }).find("'b' changed from Float [4, 4] to Float [4] while it was being staged"),
@@ -595,7 +598,7 @@ TEST(AsyncSave, OnTensorStagedIsCalledAfterTheTensorIsCopied) {
     keys.push_back(key);
     a.data_ptr<float>()[0] = 42;
   }));
-  saver.save(root.path, "copied", state);
+  (void)saver.save(root.path, "copied", state);
   saver.wait_until_staged();
   ASSERT_TRUE(saver.wait().has_value());
   EXPECT_EQ(keys, std::vector<std::string>{"a"});
@@ -614,7 +617,7 @@ TEST(AsyncSave, TheDestructorPrintsAnErrorNobodyCollected) {
   ::testing::internal::CaptureStderr();
   {
     AsyncCheckpointSaver saver;
-    saver.save(not_a_root, "s", state);
+    (void)saver.save(not_a_root, "s", state);
   }
   const std::string printed = ::testing::internal::GetCapturedStderr();
   EXPECT_NE(printed.find("a background checkpoint save failed and nobody asked: "),

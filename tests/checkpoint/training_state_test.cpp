@@ -353,7 +353,7 @@ TEST(AsyncSave, SameBytesAsSyncAndIndependentOfLaterSteps) {
   a.step();
   save_training_state(root.path, "sync", *a.model, *a.optimizer);
   AsyncCheckpointSaver saver(AsyncSaveOptions().staging_budget_bytes(64u << 20));
-  saver.save(root.path, "async", training_state_dict(*a.model, *a.optimizer));
+  (void)saver.save(root.path, "async", training_state_dict(*a.model, *a.optimizer));
   saver.wait_until_staged();
   for (int i = 0; i < 3; ++i) a.step();  // training goes on while the writer works
   const auto result = saver.wait();
@@ -370,13 +370,13 @@ TEST(AsyncSave, ErrorsSurfaceOnWaitAndNextSave) {
   const fs::path not_a_root = root.path / "file";
   testing::write_file(not_a_root, "x");
   AsyncCheckpointSaver saver;
-  saver.save(not_a_root, "s", training_state_dict(*a.model, *a.optimizer));
+  (void)saver.save(not_a_root, "s", training_state_dict(*a.model, *a.optimizer));
   EXPECT_THROW(saver.wait(), std::exception);
-  saver.save(not_a_root, "s", training_state_dict(*a.model, *a.optimizer));
+  (void)saver.save(not_a_root, "s", training_state_dict(*a.model, *a.optimizer));
   EXPECT_THROW(saver.save(root.path, "other", training_state_dict(*a.model, *a.optimizer)),
                std::exception);
   EXPECT_FALSE(saver.in_flight());
-  saver.save(root.path, "other", training_state_dict(*a.model, *a.optimizer));
+  (void)saver.save(root.path, "other", training_state_dict(*a.model, *a.optimizer));
   EXPECT_TRUE(saver.wait().has_value());
 }
 
@@ -403,11 +403,11 @@ TEST(TrainingState, StagingBytesWhenSteppedAtStartHoldTheSaveAfterSteps) {
       << "nothing more to come once every parameter has been stepped";
   EXPECT_TRUE(a.optimizer->state_tensor_bytes_to_come().empty());
 
-  saver.save(root.path, "step-3", stepped);
+  (void)saver.save(root.path, "step-3", stepped);
   ASSERT_TRUE(saver.wait().has_value());
   EXPECT_EQ(saver.staging_bytes(), when_stepped) << "the arena reserved at start was enough";
   const std::string message = mixprec::testing::error_of([&] {
-    undercounted.save(root.path, "undercounted", training_state_dict(*a.model, *a.optimizer));
+    (void)undercounted.save(root.path, "undercounted", training_state_dict(*a.model, *a.optimizer));
   });
   EXPECT_NE(message.find("the budget is " + std::to_string(at_start)), std::string::npos)
       << message;

@@ -123,7 +123,7 @@ TEST_P(SnapshotChecks, StepDuringAsyncStagingIsRefused) {
   });
   checkpoint::AsyncCheckpointSaver saver(options);
   const std::string msg = error_of([&] {
-    saver.save(root.path(), "torn", checkpoint::training_state_dict(*model, *opt));
+    (void)saver.save(root.path(), "torn", checkpoint::training_state_dict(*model, *opt));
     saver.wait_until_staged();
   });
   EXPECT_NE(msg.find("changed while it was being staged"), std::string::npos) << msg;

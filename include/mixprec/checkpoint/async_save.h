@@ -43,6 +43,7 @@
 // save() that then threw, waited for is returned by the next save() or wait() (the destructor
 // prints the warnings of one nobody collected on stderr). Log its `warnings`: the checkpoint is
 // committed, but `latest` was not updated, retention failed, or a newer checkpoint does not verify.
+// save() and wait() are [[nodiscard]]: a result dropped unread is a compiler warning.
 #pragma once
 
 #include "mixprec/checkpoint/save.h"
@@ -109,13 +110,14 @@ class AsyncCheckpointSaver {
   // does not fit the budget, or changed since it was built (see above), and FormatError, as
   // save_checkpoint does, for an invalid or reserved name or an existing <root>/<name> — having
   // thrown, it returned no result: the previous save's is the next save()'s or wait()'s.
-  std::optional<SaveResult> save(const std::filesystem::path& root, const std::string& name,
-                                 ShardedStateDict state, const SaveOptions& options = {});
+  [[nodiscard]] std::optional<SaveResult> save(const std::filesystem::path& root,
+                                               const std::string& name, ShardedStateDict state,
+                                               const SaveOptions& options = {});
   // The same with `write` as the background half (it gets the staged copy: the same keys,
   // shards and common state, each written tensor a contiguous host copy). Errors of this
   // process's part are not thrown here but given to `write` and thrown by
   // wait_until_staged() (see Writer).
-  std::optional<SaveResult> save(ShardedStateDict state, Writer write);
+  [[nodiscard]] std::optional<SaveResult> save(ShardedStateDict state, Writer write);
 
   // Returns once the save in flight (if any) has copied its state: from then on the state may
   // change. Throws its staging error at once (a Writer's own error about it, such as a
@@ -124,7 +126,7 @@ class AsyncCheckpointSaver {
   // Waits for the save in flight; returns its result, or rethrows its error. With none in
   // flight, returns a result not returned yet (reserve(), or a save() that then threw, waited
   // for it), else nullopt.
-  std::optional<SaveResult> wait();
+  [[nodiscard]] std::optional<SaveResult> wait();
 
   bool in_flight() const { return worker_.joinable(); }
   // The arena's size (0 before the first reserve or save).

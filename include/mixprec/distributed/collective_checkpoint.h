@@ -109,7 +109,7 @@ checkpoint::SaveResult save_checkpoint(Communicator& comm, const std::filesystem
 // (nothing committed unless every file is durable). So is an invalid or reserved name, or names
 // that differ between ranks: the first phase refuses them on every rank, and the next saves
 // still pair.
-std::optional<checkpoint::SaveResult> save_checkpoint_async(
+[[nodiscard]] std::optional<checkpoint::SaveResult> save_checkpoint_async(
     checkpoint::AsyncCheckpointSaver& saver, std::shared_ptr<Communicator> checkpoint_comm,
     const std::filesystem::path& root, const std::string& name, ShardedStateDict mine,
     const checkpoint::SaveOptions& options = {});

@@ -480,7 +480,7 @@ TEST(CollectiveCheckpoint, AnAsyncSaveFailingOnOneRankFailsOnEveryRankAndTheNext
 
   const auto expect_failed_everywhere = [&](const std::string& name, const std::string& why) {
     const std::string staged = error_of([&] { saver.wait_until_staged(); });
-    const std::string waited = error_of([&] { saver.wait(); });
+    const std::string waited = error_of([&] { (void)saver.wait(); });
     if (failing) {
       EXPECT_NE(staged.find(why), std::string::npos) << "rank " << rank << ": " << staged;
     } else {
@@ -499,12 +499,12 @@ TEST(CollectiveCheckpoint, AnAsyncSaveFailingOnOneRankFailsOnEveryRankAndTheNext
     world().barrier();  // every rank has looked before rank 0 stages the next save
   };
 
-  distributed::save_checkpoint_async(saver, group, root.path(), "a", mine());
+  (void)distributed::save_checkpoint_async(saver, group, root.path(), "a", mine());
   expect_failed_everywhere("a", "while it was being staged");
 
   ShardedStateDict changed = mine();
   if (failing) values.add_(0);  // after the dict was built: save() itself finds it
-  distributed::save_checkpoint_async(saver, group, root.path(), "b", std::move(changed));
+  (void)distributed::save_checkpoint_async(saver, group, root.path(), "b", std::move(changed));
   expect_failed_everywhere("b", "since the state dict was built");
   EXPECT_FALSE(fs::exists(root.path() / "latest"));
 
@@ -516,10 +516,10 @@ TEST(CollectiveCheckpoint, AnAsyncSaveFailingOnOneRankFailsOnEveryRankAndTheNext
     colliding.tensors.emplace("w", ShardedTensor::flat(grid.narrow(0, 2, 8), {4, 4}, 2));
     colliding.tensors.emplace("w/1", ShardedTensor::whole(at::ones({2})));
   }
-  distributed::save_checkpoint_async(saver, group, root.path(), "b2", std::move(colliding));
+  (void)distributed::save_checkpoint_async(saver, group, root.path(), "b2", std::move(colliding));
   expect_failed_everywhere("b2", "keys 'w' and 'w/1' would both be stored as tensor 'w/1'");
 
-  distributed::save_checkpoint_async(saver, group, root.path(), "c", mine());
+  (void)distributed::save_checkpoint_async(saver, group, root.path(), "c", mine());
   saver.wait_until_staged();
   const std::optional<checkpoint::SaveResult> saved = saver.wait();
   ASSERT_TRUE(saved.has_value());
@@ -550,7 +550,7 @@ TEST(CollectiveCheckpoint, AnAsyncSaveWithRanksWhosePartsAreEmptyCommitsAndLoads
   std::string error;
   std::optional<checkpoint::SaveResult> saved;
   try {
-    distributed::save_checkpoint_async(saver, group, root.path(), "step-1", std::move(mine));
+    (void)distributed::save_checkpoint_async(saver, group, root.path(), "step-1", std::move(mine));
     saved = saver.wait();
   } catch (const std::exception& e) {
     error = e.what();
@@ -610,9 +610,9 @@ TEST(CollectiveCheckpoint, AnAsyncSaveUnderAnInvalidNameFailsOnEveryRankAndTheNe
   const auto save = [&](const std::string& name) {
     std::string message;
     try {
-      distributed::save_checkpoint_async(saver, group, root.path(), name,
-                                         checkpoint::shard_for_rank(whole, rank, n));
-      saver.wait();
+      (void)distributed::save_checkpoint_async(saver, group, root.path(), name,
+                                               checkpoint::shard_for_rank(whole, rank, n));
+      (void)saver.wait();
     } catch (const std::exception& e) {
       message = e.what();
     }
@@ -645,10 +645,10 @@ TEST(CollectiveCheckpoint, StagingBytesWhenSteppedAtStartAreWhatEachRanksSaveSta
   const ShardedStateDict stepped = distributed::training_state_dict(*run.model, *run.optimizer);
   EXPECT_LT(at_start, checkpoint::staging_bytes_for(stepped)) << "rank " << rank;
   EXPECT_EQ(when_stepped, checkpoint::staging_bytes_for(stepped)) << "rank " << rank;
-  distributed::save_checkpoint_async(saver, world_ptr(), root.path(), "step-3", stepped);
+  (void)distributed::save_checkpoint_async(saver, world_ptr(), root.path(), "step-3", stepped);
   std::string error;
   try {
-    saver.wait();
+    (void)saver.wait();
   } catch (const std::exception& e) {
     error = e.what();
   }
@@ -718,12 +718,13 @@ TEST(CollectiveCheckpoint, RanksPassingDifferentSaveOptionsAreRefused) {
   // An async save is refused alike, at wait(), and the ranks' next saves still pair.
   auto group = own_group("async-options-differ", std::chrono::seconds(60));
   checkpoint::AsyncCheckpointSaver saver;
-  distributed::save_checkpoint_async(saver, group, root.path(), "async", mine,
-                                     checkpoint::SaveOptions(same).keep_last(odd_one ? 1 : 0));
-  const std::string message = error_of([&] { saver.wait(); });
+  (void)distributed::save_checkpoint_async(
+      saver, group, root.path(), "async", mine,
+      checkpoint::SaveOptions(same).keep_last(odd_one ? 1 : 0));
+  const std::string message = error_of([&] { (void)saver.wait(); });
   EXPECT_NE(message.find("keep_last is 0 on rank 0, 1 on rank " + last), std::string::npos)
       << "rank " << rank << ": " << message;
-  distributed::save_checkpoint_async(saver, group, root.path(), "agreed", mine, same);
+  (void)distributed::save_checkpoint_async(saver, group, root.path(), "agreed", mine, same);
   const std::optional<checkpoint::SaveResult> saved = saver.wait();
   EXPECT_TRUE(saved.has_value() && saved->dir == root.path() / "agreed") << "rank " << rank;
   world().barrier();
