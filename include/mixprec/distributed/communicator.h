@@ -9,7 +9,10 @@
 //
 // Rules every caller follows (STYLE.md, "Distributed code"): every rank calls the same
 // collectives in the same order with the same sizes and dtypes; a decision that changes
-// control flow is reduced first.
+// control flow is reduced first. A communicator serves one thread at a time: collectives issued
+// from two threads interleave in a different order on each rank and mismatch. Work that runs
+// beside training — an async checkpoint save's background half — therefore gets a group of
+// its own (init.h: InitOptions::group_name), never the one a GradReducer uses.
 //
 // Tensors: dense, contiguous, on the backend's device; dtypes Float, Double, BFloat16, Half,
 // Long and Byte. Throws c10::Error "[mixprec::distributed::<op>] ..." otherwise, before anything is
