@@ -155,5 +155,27 @@ TEST(BufferLayout, BadInputNamesTheParameter) {
             std::string::npos);
 }
 
+// shard_range() refuses what the layout does not have, naming it: a rank outside the world, a
+// bucket or buffer that does not exist (param_shards and describe only ask for valid ones).
+TEST(BufferLayout, ShardRangeRefusesARankOutsideTheWorldAndAMissingBucket) {
+  const GradLayout layout = make_grad_layout(interleaved(), 2, {1 << 20, 1});
+  EXPECT_NE(error_of([&] { layout.shard_range(0, 0, 2); }).find("rank 2 is not in [0, 2)"),
+            std::string::npos);
+  EXPECT_NE(error_of([&] { layout.shard_range(0, 0, -1); }).find("rank -1 is not in [0, 2)"),
+            std::string::npos);
+  EXPECT_NE(error_of([&] { layout.shard_range(0, 1, 0); }).find("no bucket 1 in buffer 0"),
+            std::string::npos);
+  EXPECT_NE(error_of([&] { layout.shard_range(2, 0, 0); }).find("no bucket 0 in buffer 2"),
+            std::string::npos);
+}
+
+// describe() marks a rank whose shard of a bucket holds nothing but padding.
+TEST(BufferLayout, DescribeMarksAShardOfPaddingOnly) {
+  const GradLayout layout = make_grad_layout({{"w", {1}, at::kFloat}}, 2, {1 << 20, 1});
+  const std::string table = layout.describe();
+  EXPECT_NE(table.find("rank 0 [0, 1): w[0:1]\n"), std::string::npos) << table;
+  EXPECT_NE(table.find("rank 1 [1, 2): (padding only)\n"), std::string::npos) << table;
+}
+
 }  // namespace MIXPREC_UNITY_ID
 }  // namespace mixprec::distributed
