@@ -69,5 +69,41 @@ TEST(ModelCheck, SameModelPasses) {
             "trainable\nc_again BFloat16 [2] trainable\nbuffer stat Float [2]\n");
 }
 
+// The same parameters registered in another order on the last rank: every rank names the
+// first position where the order differs.
+TEST(ModelCheck, TheSameTensorsInAnotherOrderAreNamedByPosition) {
+  const int n = world().size();
+  if (n < 2) GTEST_SKIP() << "needs two ranks";
+  const bool deviant = world().rank() == n - 1;
+  torch::nn::Module model;
+  for (const char* name : deviant ? std::vector<const char*>{"w", "v", "u"}
+                                  : std::vector<const char*>{"w", "u", "v"}) {
+    model.register_parameter(name, at::zeros({2}));
+  }
+  const std::string message = error_of([&] { distributed::check_same_model(world(), model); });
+  EXPECT_NE(message.find("the same tensors registered in another order: position 1 is 'u' on "
+                         "rank 0, 'v' on rank " +
+                         std::to_string(n - 1)),
+            std::string::npos)
+      << message;
+  world().barrier();
+}
+
+// Without the broadcast from rank 0, buffers must hold the same values too: one that differs
+// on some rank is named, on every rank.
+TEST(ModelCheck, ABufferWithOtherValuesIsNamed) {
+  const int n = world().size();
+  if (n < 2) GTEST_SKIP() << "needs two ranks";
+  Small model("none", false);
+  if (world().rank() == n - 1) model->named_buffers()["stat"].fill_(1);
+  distributed::check_same_model(world(), *model);
+  const std::string message = error_of([&] { distributed::check_same_values(world(), *model); });
+  EXPECT_NE(message.find("'buffer stat' holds other values on rank " + std::to_string(n - 1) +
+                         " than on rank 0"),
+            std::string::npos)
+      << message;
+  world().barrier();
+}
+
 }  // namespace MIXPREC_UNITY_ID
 }  // namespace mixprec::testing
