@@ -6,6 +6,9 @@
 
 #include <gtest/gtest.h>
 
+#include <map>
+#include <memory>
+
 namespace mixprec::testing {
 namespace MIXPREC_UNITY_ID {  // anonymous outside unity builds (tests/CMakeLists.txt)
 
@@ -638,6 +641,239 @@ TEST(GradReducer, AClearedParameterNoBackwardReachedSendsZerosWithFp32Accumulati
   const at::Tensor expected =
       weight_for(e, 0, /*salt=*/5).to(at::kFloat).div(n).to(e.scalar_type());
   EXPECT_TRUE(at::equal(e.grad(), expected)) << e.grad();
+}
+
+// grad_reduce_in_fp32 off: FP16 buckets are summed in FP16, and the sum comes before the
+// division (grad_reducer.h, Numerics): 40000 on every rank overflows the sum on two or more
+// ranks, where the default FP32 sum averages back to 40000.
+TEST(GradReducer, WithoutFp32ReductionHalfSumsOverflowBeforeTheDivision) {
+  const int rank = world().rank();
+  if (world().size() < 2) GTEST_SKIP() << "one rank sums nothing";
+  for (ReduceMode mode : {ReduceMode::kAllReduce, ReduceMode::kReduceScatter}) {
+    SCOPED_TRACE(mode == ReduceMode::kAllReduce ? "all-reduce" : "reduce-scatter");
+    OneHalf model;
+    GradReducer reducer(world_ptr(), *model,
+                        GradReducerOptions().mode(mode).grad_reduce_in_fp32(false));
+    reducer.zero_grad();
+    (model->w.to(at::kFloat) * 40000).sum().backward();
+    reducer.finish();
+    const at::Tensor grad = model->w.grad().view({-1});
+    for (const auto& piece : reducer.layout().param_shards(rank)) {
+      EXPECT_TRUE(grad.narrow(0, piece.begin, piece.numel()).isinf().all().item<bool>())
+          << grad.narrow(0, piece.begin, piece.numel());
+    }
+  }
+}
+
+// accumulate_in_fp32 implies grad_reduce_in_fp32, even when that is turned off: the FP32
+// buffer is where the micro-batches accumulate, and the sum past FP16's range averages back.
+TEST(GradReducer, AccumulatingInFp32ImpliesReducingInFp32) {
+  const int rank = world().rank();
+  OneHalf model;
+  GradReducer reducer(world_ptr(), *model,
+                      GradReducerOptions()
+                          .mode(ReduceMode::kReduceScatter)
+                          .accumulate_in_fp32(true)
+                          .grad_reduce_in_fp32(false));
+  EXPECT_TRUE(reducer.options().grad_reduce_in_fp32());
+  const at::Tensor main = reducer.main_grad(reducer.index_of(model->w));
+  ASSERT_TRUE(main.defined());
+  EXPECT_EQ(main.scalar_type(), at::kFloat);
+  reducer.zero_grad();
+  (model->w.to(at::kFloat) * 40000).sum().backward();
+  reducer.finish();
+  for (const auto& piece : reducer.layout().param_shards(rank)) {
+    EXPECT_TRUE(at::equal(main.view({-1}).narrow(0, piece.begin, piece.numel()),
+                          at::full({piece.numel()}, 40000.0f)));
+  }
+}
+
+// A parameter of a dtype whose gradients are not reduced (FP64, integers, FP8) must be frozen:
+// a trainable one is an error naming it, on every rank, not a parameter silently left out.
+TEST(GradReducer, RefusesATrainableParameterOfADtypeItDoesNotReduce) {
+  struct Net : torch::nn::Module {
+    Net() {
+      w = register_parameter("w", at::ones({3}));
+      table = register_parameter("table", at::ones({2}, at::kDouble));
+    }
+    at::Tensor w, table;
+  };
+  Net model;
+  const std::string message = error_of([&] { GradReducer reducer(world_ptr(), model); });
+  EXPECT_NE(message.find("'table' is a trainable Double parameter"), std::string::npos) << message;
+}
+
+// In kAllReduce mode every rank ends with every averaged gradient: a rank's piece of each
+// parameter is all of it (the layout's shards are what kReduceScatter mode keeps).
+TEST(GradReducer, EveryRankHoldsEveryElementInAllReduceMode) {
+  const int rank = world().rank();
+  ThreeDtypes model;
+  GradReducer reducer(world_ptr(), *model, GradReducerOptions().bucket_numel(64));
+  for (const auto& item : model->named_parameters()) {
+    const size_t i = reducer.index_of(item.value());
+    ASSERT_NE(i, GradReducer::kNoParam) << item.key();
+    EXPECT_EQ(reducer.piece_of(i), (FlatRange{0, item.value().numel()})) << item.key();
+  }
+  ThreeDtypes sharded_model;
+  GradReducer sharded(world_ptr(), *sharded_model,
+                      GradReducerOptions().mode(ReduceMode::kReduceScatter).bucket_numel(64));
+  std::map<size_t, FlatRange> owned;
+  for (const auto& piece : sharded.layout().param_shards(rank)) {
+    owned[piece.param] = FlatRange{piece.begin, piece.end};
+  }
+  for (size_t i = 0; i < sharded.layout().params.size(); ++i) {
+    if (owned.count(i)) {
+      EXPECT_EQ(sharded.piece_of(i), owned[i]) << sharded.layout().params[i].fqn;
+    } else {
+      EXPECT_EQ(sharded.piece_of(i).numel(), 0) << sharded.layout().params[i].fqn;
+    }
+  }
+}
+
+// A NoSyncGuard inside another leaves the outer one in force when it ends: finish() is still
+// refused, and the next backward still only accumulates.
+TEST(GradReducer, ANestedNoSyncGuardLeavesTheOuterOneInForce) {
+  const int rank = world().rank();
+  auto group = own_group("nested-no-sync", std::chrono::seconds(10));
+  ThreeDtypes model;
+  GradReducer reducer(group, *model, GradReducerOptions().bucket_numel(64));
+  reducer.zero_grad();
+  {
+    GradReducer::NoSyncGuard outer(reducer);
+    { GradReducer::NoSyncGuard inner(reducer); }
+    EXPECT_NE(error_of([&] { reducer.finish(); }).find("inside a NoSyncGuard"), std::string::npos);
+    backward_weighted(model, rank);
+  }
+  backward_weighted(model, rank);
+  reducer.finish();
+  int salt = 0;
+  for (auto& item : model->named_parameters()) {
+    ++salt;
+    at::Tensor sum = at::zeros(item.value().sizes(), at::kFloat);
+    for (int r = 0; r < world().size(); ++r)
+      sum += weight_for(item.value(), r, salt).to(at::kFloat) * 2;
+    if (world().size() > 1) sum.div_(world().size());
+    EXPECT_TRUE(at::equal(item.value().grad(), sum.to(item.value().scalar_type()))) << item.key();
+  }
+  world().barrier();
+}
+
+// A destroyed reducer takes its hooks with it: another reducer can serve the same model.
+TEST(GradReducer, ADestroyedReducerLeavesTheModelToTheNextOne) {
+  const int rank = world().rank();
+  ThreeDtypes model;
+  { GradReducer first(world_ptr(), *model, GradReducerOptions().bucket_numel(64)); }
+  std::unique_ptr<GradReducer> second;
+  const std::string message = error_of([&] {
+    second =
+        std::make_unique<GradReducer>(world_ptr(), *model, GradReducerOptions().bucket_numel(64));
+  });
+  ASSERT_EQ(message, "");
+  second->zero_grad();
+  backward_weighted(model, rank);
+  second->finish();
+  int salt = 0;
+  for (auto& item : model->named_parameters()) {
+    ++salt;
+    EXPECT_TRUE(at::equal(item.value().grad(), expected_average(item.value(), salt, true)))
+        << item.key();
+  }
+}
+
+// Only a kReduceScatter reducer's ranks hold parts of the parameters: gathering them from an
+// all-reduce reducer is an error.
+TEST(GradReducer, OnlyAReduceScatterReducerGathersParameters) {
+  ThreeDtypes model;
+  GradReducer reducer(world_ptr(), *model, GradReducerOptions().bucket_numel(64));
+  const std::string message = error_of([&] { reducer.start_param_gather(); });
+  EXPECT_NE(message.find("only a kReduceScatter reducer"), std::string::npos) << message;
+}
+
+// Two FP32 parameters of 64 elements, one bucket each (bucket_numel 64): buckets of one size,
+// so collectives that paired one rank's `p` with another's `q` would go unnoticed by Gloo.
+struct TwoBuckets : torch::nn::Module {
+  TwoBuckets() {
+    p = register_parameter("p", at::zeros({64}));
+    q = register_parameter("q", at::zeros({64}));
+  }
+  at::Tensor p, q;
+};
+
+// Backward reaches the parameters in another order on odd ranks (two backwards, `q` first):
+// buckets complete in another order there, yet every rank starts them in one agreed order
+// (rank 0's from the second step), so each collective sums the same bucket on every rank.
+TEST(GradReducer, RanksWhoseBackwardCompletesBucketsInAnotherOrderStillPairThem) {
+  const int rank = world().rank(), n = world().size();
+  auto group = own_group("buckets-in-another-order", std::chrono::seconds(10));
+  TwoBuckets model;
+  GradReducer reducer(group, model,
+                      GradReducerOptions().bucket_numel(64).shard_alignment(1).overlap(true));
+  ASSERT_EQ(reducer.last_timing().buckets, 2);
+  double p_sum = 0, q_sum = 0;
+  for (int r = 0; r < n; ++r) {
+    p_sum += r + 1;
+    q_sum += 100 * (r + 1);
+  }
+  for (int step = 0; step < 3; ++step) {
+    SCOPED_TRACE("step " + std::to_string(step));
+    reducer.zero_grad();
+    const auto backward_p = [&] { (model.p * (rank + 1)).sum().backward(); };
+    const auto backward_q = [&] { (model.q * (100 * (rank + 1))).sum().backward(); };
+    if (rank % 2 == 0) {
+      backward_p();
+      backward_q();
+    } else {
+      backward_q();
+      backward_p();
+    }
+    reducer.finish();
+    EXPECT_TRUE(at::equal(model.p.grad(), at::full({64}, p_sum / n))) << model.p.grad();
+    EXPECT_TRUE(at::equal(model.q.grad(), at::full({64}, q_sum / n))) << model.q.grad();
+  }
+  world().barrier();
+}
+
+// A bucket none of whose parameters got a gradient in the first step (an unused expert) goes
+// last in the order agreed after it: from the second step on, the buckets that do complete in
+// backward are not held back behind it, and the first to complete starts during backward.
+TEST(GradReducer, ABucketWithoutGradientsInTheFirstStepDoesNotHoldBackOverlap) {
+  struct Net : torch::nn::Module {
+    Net() {
+      unused = register_parameter("unused", at::ones({64}));
+      a = register_parameter("a", at::ones({64}));
+      b = register_parameter("b", at::ones({64}));
+    }
+    at::Tensor unused, a, b;
+  };
+  Net model;
+  GradReducer reducer(world_ptr(), model,
+                      GradReducerOptions().bucket_numel(64).shard_alignment(1).overlap(true));
+  for (int step = 0; step < 3; ++step) {
+    SCOPED_TRACE("step " + std::to_string(step));
+    reducer.zero_grad();
+    (model.a.sum() + model.b.sum() * 2).backward();
+    reducer.finish();
+    ASSERT_EQ(reducer.last_timing().buckets, 3);
+    if (step > 0) EXPECT_GT(reducer.last_timing().launched_during_backward, 0);
+    EXPECT_TRUE(at::equal(model.b.grad(), at::full({64}, 2.0)));
+    EXPECT_FALSE(model.unused.grad().defined());
+  }
+}
+
+// A floating parameter that is not contiguous (a transposed view, on every rank alike) cannot
+// be laid out as a range of its buffer: it is an error naming it.
+TEST(GradReducer, RefusesANonContiguousParameter) {
+  struct Net : torch::nn::Module {
+    Net() {
+      w = register_parameter("w", at::ones({3}));
+      t = register_parameter("t", at::ones({4, 2}).t());
+    }
+    at::Tensor w, t;
+  };
+  Net model;
+  ASSERT_FALSE(model.t.is_contiguous());
+  const std::string message = error_of([&] { GradReducer reducer(world_ptr(), model); });
+  EXPECT_NE(message.find("'t' must be dense and contiguous"), std::string::npos) << message;
 }
 
 }  // namespace MIXPREC_UNITY_ID
