@@ -150,10 +150,31 @@ TEST(ReducerMisuse, ZeroStateDictRoundTripsAndOneRanksRefusalIsEveryRanks) {
   if (world().size() > 1 && world().rank() != world().size() - 1) {
     EXPECT_NE(message.find("other rank refused its part"), std::string::npos) << message;
   } else {
+    // The refusing rank's own error, which says what is wrong with its part.
     EXPECT_NE(message.find("cannot load the state"), std::string::npos) << message;
+    EXPECT_EQ(message.find("other rank"), std::string::npos) << message;
   }
   EXPECT_TRUE(at::equal(model->a, a_before)) << "nothing changed";
   EXPECT_TRUE(same_on_all_ranks(a_after));
+}
+
+// A .grad of another shape set from outside cannot be taken into the parameter's range:
+// finish() stops short of the collectives it was to start, so the group is failed, and every
+// later call says so instead of pairing its collectives with the other ranks' next ones.
+TEST(ReducerMisuse, AGradOfAnotherShapeFailsTheGroup) {
+  auto group = own_group("grad-of-another-shape", std::chrono::seconds(10));
+  Pair model;
+  GradReducer reducer(group, *model, GradReducerOptions().bucket_numel(kOneBucket));
+  reducer.zero_grad();
+  model->b.mutable_grad() = at::ones({3});
+  const std::string first = error_of([&] { reducer.finish(); });
+  EXPECT_NE(first, "");
+  const std::string later = error_of([&] { reducer.zero_grad(); });
+  EXPECT_NE(later.find("the process group is unusable"), std::string::npos) << later;
+  EXPECT_NE(later.find("GradReducer::finish failed before starting every bucket"),
+            std::string::npos)
+      << later;
+  world().barrier();
 }
 
 }  // namespace MIXPREC_UNITY_ID
