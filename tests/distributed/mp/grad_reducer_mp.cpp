@@ -876,5 +876,30 @@ TEST(GradReducer, RefusesANonContiguousParameter) {
   EXPECT_NE(message.find("'t' must be dense and contiguous"), std::string::npos) << message;
 }
 
+// A finish() repeated with nothing changed since returns at once, also when the last one left a
+// parameter without a gradient (no rank had one: .grad none): no collective runs again.
+TEST(GradReducer, ARepeatedFinishAfterAParameterWasLeftWithoutAGradientChangesNothing) {
+  const int rank = world().rank();
+  ThreeDtypes model;
+  GradReducer reducer(world_ptr(), *model, GradReducerOptions().bucket_numel(64));
+  const auto calls = [] {
+    int64_t total = 0;
+    for (auto kind : {distributed::Collective::kAllReduce, distributed::Collective::kReduceScatter,
+                      distributed::Collective::kAllGather, distributed::Collective::kBroadcast}) {
+      total += world().traffic(kind).calls;
+    }
+    return total;
+  };
+  reducer.zero_grad();
+  backward_weighted(model, rank, /*skip=*/"c");
+  reducer.finish();
+  ASSERT_FALSE(model->c.grad().defined());
+  const int64_t before = calls();
+  reducer.finish();
+  EXPECT_EQ(calls(), before);
+  EXPECT_FALSE(model->c.grad().defined());
+  EXPECT_TRUE(at::equal(model->a.grad(), expected_average(model->a, /*salt=*/1, true)));
+}
+
 }  // namespace MIXPREC_UNITY_ID
 }  // namespace mixprec::testing
