@@ -391,5 +391,23 @@ TEST(DistributedOptimizer, TakesFrozenParametersOfDtypesTheReducerOnlyBroadcasts
   EXPECT_TRUE(at::equal(fp8.to(at::kFloat), fp8_before));
 }
 
+// local_shards() lists the trainable parameters' pieces only (a frozen one has no optimizer
+// state), and piece_of(fqn) is this rank's piece of each, empty for a name it does not hold.
+TEST(DistributedOptimizer, LocalShardsAndPiecesAreThisRanksTrainablePieces) {
+  Trainer zero(Trainer::kZero, algorithms()[0].make);
+  auto& z = static_cast<DistributedOptimizer&>(*zero.optimizer);
+  zero.backward(batch(0));
+  zero.update();
+  for (const auto& s : z.local_shards()) {
+    EXPECT_NE(s.role, ParamRole::kFrozen) << s.shard.fqn;
+    EXPECT_EQ(s.shard.fqn.rfind("frozen.", 0), std::string::npos) << s.shard.fqn;
+    EXPECT_EQ(z.piece_of(s.shard.fqn), (FlatRange{s.shard.begin, s.shard.end})) << s.shard.fqn;
+  }
+  for (const auto& piece : zero.reducer->layout().param_shards(world().rank())) {
+    EXPECT_EQ(z.piece_of(piece.fqn), (FlatRange{piece.begin, piece.end})) << piece.fqn;
+  }
+  EXPECT_EQ(z.piece_of("no.such.parameter").numel(), 0);
+}
+
 }  // namespace MIXPREC_UNITY_ID
 }  // namespace mixprec::testing
