@@ -105,5 +105,22 @@ TEST(ModelCheck, ABufferWithOtherValuesIsNamed) {
   world().barrier();
 }
 
+// Names one rank lacks are listed, the first five by name and the rest counted.
+TEST(ModelCheck, ManyMissingNamesAreListedFiveByNameThenCounted) {
+  const int n = world().size();
+  if (n < 2) GTEST_SKIP() << "needs two ranks";
+  torch::nn::Module model;
+  model.register_parameter("w", at::zeros({2}));
+  if (world().rank() == n - 1) {
+    for (int i = 0; i < 7; ++i) model.register_parameter("x" + std::to_string(i), at::zeros({1}));
+  }
+  const std::string message = error_of([&] { distributed::check_same_model(world(), model); });
+  EXPECT_NE(
+      message.find("'x0', 'x1', 'x2', 'x3', 'x4' and 2 more only on rank " + std::to_string(n - 1)),
+      std::string::npos)
+      << message;
+  world().barrier();
+}
+
 }  // namespace MIXPREC_UNITY_ID
 }  // namespace mixprec::testing
