@@ -901,5 +901,34 @@ TEST(GradReducer, ARepeatedFinishAfterAParameterWasLeftWithoutAGradientChangesNo
   EXPECT_TRUE(at::equal(model->a.grad(), expected_average(model->a, /*salt=*/1, true)));
 }
 
+TEST(GradReducer, RefusesANullCommunicator) {
+  ThreeDtypes model;
+  const std::string message = error_of([&] { GradReducer reducer(nullptr, *model); });
+  EXPECT_NE(message.find("the communicator is null"), std::string::npos) << message;
+}
+
+// The reducer's zero_grad() begins a new step: a rank with no backward after it (an empty
+// micro-batch) still reduces — zeros — in its finish(), which is no repeat of the last step's
+// finish() although every .grad is still its buffer range and no parameter was written.
+TEST(GradReducer, ARankWithoutABackwardAfterTheReducersZeroGradStillReduces) {
+  const int rank = world().rank(), n = world().size();
+  if (n < 2) GTEST_SKIP() << "needs a rank with a backward beside the one without";
+  auto group = own_group("no-backward-after-zero-grad", std::chrono::seconds(10));
+  ThreeDtypes model;
+  GradReducer reducer(group, *model,
+                      GradReducerOptions().mode(ReduceMode::kAllReduce).bucket_numel(64));
+  reducer.zero_grad();
+  backward_weighted(model, rank);
+  reducer.finish();
+  reducer.zero_grad();
+  if (rank != n - 1) backward_weighted(model, rank);
+  EXPECT_EQ(error_of([&] { reducer.finish(); }), "");
+  at::Tensor sum = at::zeros(model->b.sizes(), at::kFloat);
+  for (int r = 0; r < n - 1; ++r) sum += weight_for(model->b, r, /*salt=*/2);
+  ASSERT_TRUE(model->b.grad().defined());
+  EXPECT_TRUE(at::equal(model->b.grad(), sum.div_(n)));
+  world().barrier();
+}
+
 }  // namespace MIXPREC_UNITY_ID
 }  // namespace mixprec::testing
