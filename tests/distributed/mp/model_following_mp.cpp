@@ -378,6 +378,7 @@ TEST(ZeroFollowsModel, FailedCollectiveMakesEveryLaterCallAnError) {
              {"start_param_gather", [&] { reducer.start_param_gather(); }},
              // A backward's hooks too, before touching buffers the backend may still write.
              {"backward", [&] { model->loss(toy_batch(1)).backward(); }},
+             {"a new optimizer", [&] { DistributedOptimizer again(reducer, *model, adamw()); }},
              {"all_reduce", [&] { group->all_reduce_sum(at::zeros({1})).wait(); }}}) {
       const std::string message = error_of(call);
       EXPECT_NE(message.find("the process group is unusable: an earlier collective failed"),
