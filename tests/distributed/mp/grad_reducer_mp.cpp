@@ -930,5 +930,26 @@ TEST(GradReducer, ARankWithoutABackwardAfterTheReducersZeroGradStillReduces) {
   world().barrier();
 }
 
+// Rank 0 without a backward in the first step has seen no order to agree on: the ranks agree
+// after a later step instead (rank 0's order then: `p` before `q`, against the layout's), and
+// from then on the first bucket to complete starts during backward.
+TEST(GradReducer, TheLaunchOrderIsAgreedAfterAStepInWhichRankZeroHadABackward) {
+  const int rank = world().rank();
+  TwoBuckets model;
+  GradReducer reducer(world_ptr(), model,
+                      GradReducerOptions().bucket_numel(64).shard_alignment(1).overlap(true));
+  for (int step = 0; step < 3; ++step) {
+    SCOPED_TRACE("step " + std::to_string(step));
+    reducer.zero_grad();
+    if (step > 0 || rank != 0) {
+      model.p.sum().backward();
+      (model.q * 2).sum().backward();
+    }
+    reducer.finish();
+    if (step == 2) EXPECT_GT(reducer.last_timing().launched_during_backward, 0);
+    if (step > 0) EXPECT_TRUE(at::equal(model.q.grad(), at::full({64}, 2.0)));
+  }
+}
+
 }  // namespace MIXPREC_UNITY_ID
 }  // namespace mixprec::testing
