@@ -409,5 +409,17 @@ TEST(DistributedOptimizer, LocalShardsAndPiecesAreThisRanksTrainablePieces) {
   EXPECT_EQ(z.piece_of("no.such.parameter").numel(), 0);
 }
 
+// A parameter given another dtype after construction (set_data) is an error naming it, on every
+// rank, before anything changes: the reducer's buffers are per dtype, and it is not cast back.
+TEST(DistributedOptimizer, ADtypeChangedAfterConstructionIsAnErrorNamingTheParameter) {
+  Trainer zero(Trainer::kZero, algorithms()[0].make);
+  at::Tensor& w = zero.model->fc2->weight;
+  w.set_data(w.detach().to(at::kFloat));
+  const std::string message = error_of([&] { zero.update(); });
+  EXPECT_NE(message.find("'fc2.weight' changed dtype from BFloat16 to Float"), std::string::npos)
+      << message;
+  EXPECT_EQ(w.scalar_type(), at::kFloat);
+}
+
 }  // namespace MIXPREC_UNITY_ID
 }  // namespace mixprec::testing
