@@ -122,5 +122,21 @@ TEST(ModelCheck, ManyMissingNamesAreListedFiveByNameThenCounted) {
   world().barrier();
 }
 
+// A one-element parameter holding another value on some rank is named as any other.
+TEST(ModelCheck, AOneElementParameterWithAnotherValueIsNamed) {
+  const int n = world().size();
+  if (n < 2) GTEST_SKIP() << "needs two ranks";
+  torch::nn::Module model;
+  model.register_parameter("w", at::zeros({3}));
+  model.register_parameter("s", at::full({1}, world().rank() == n - 1 ? 1.0 : 0.0));
+  distributed::check_same_model(world(), model);
+  const std::string message = error_of([&] { distributed::check_same_values(world(), model); });
+  EXPECT_NE(
+      message.find("'s' holds other values on rank " + std::to_string(n - 1) + " than on rank 0"),
+      std::string::npos)
+      << message;
+  world().barrier();
+}
+
 }  // namespace MIXPREC_UNITY_ID
 }  // namespace mixprec::testing
