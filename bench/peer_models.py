@@ -3,8 +3,8 @@
 gpt(config): mixprec-train's GPT with MoE blocks (examples/train gpt.h, moe.h) — token and
 position embeddings, tied head, pre-norm causal attention, a top-k router in FP32 with an FP32
 expert-bias buffer, experts run on their tokens padded to bucketed row counts exactly as
-mixprec-train pads them (64 rows, or an eighth of the next lower power of two) — the padding
-trick a PyTorch user can copy. Meant to run under torch.autocast("cpu", dtype=torch.bfloat16)
+mixprec-train pads them (64 rows, or an eighth of the next lower power of two), gathered into
+one buffer and back as mixprec-train dispatches them — tricks a PyTorch user can copy. Meant to run under torch.autocast("cpu", dtype=torch.bfloat16)
 over FP32 parameters; norms, router and attention compute in FP32 as mixprec-train's do.
 
 mlp(): bench_dist's synthetic model: 4 x (Linear 384 -> 384, tanh, times an FP32 gate).
@@ -60,20 +60,26 @@ class MoE(nn.Module):
             chosen = torch.topk(probs + self.expert_bias, c.top_k, dim=-1).indices
         gates = probs.gather(-1, chosen)
         gates = gates / gates.sum(-1, keepdim=True)
+        # Dispatch as mixprec-train does (moe.cpp): the routing slots sorted by expert (stable),
+        # each expert's run of rows padded to its bucket in one buffer, one gather in and one out;
+        # an expert without tokens is not run (no gradient).
         flat = chosen.reshape(-1)
-        y = None
-        for e, expert in enumerate(self.experts):
-            slots = (flat == e).nonzero().squeeze(1)
-            rows = slots.numel()
-            if rows == 0:
-                continue
-            tokens = torch.div(slots, c.top_k, rounding_mode="floor")
-            out = expert(F.pad(x.index_select(0, tokens), (0, 0, 0, bucketed_rows(rows) - rows)))[:rows]
-            contribution = out * gates.reshape(-1).index_select(0, slots).unsqueeze(1).to(out.dtype)
-            if y is None:
-                y = torch.zeros(x.shape, dtype=out.dtype)
-            y = y.index_add(0, tokens, contribution)
         counts = torch.bincount(flat, minlength=c.experts)
+        with torch.no_grad():
+            order = torch.sort(flat, stable=True).indices
+            padded = [bucketed_rows(n) if n else 0 for n in counts.tolist()]
+            starts = torch.tensor([sum(padded[:e]) for e in range(c.experts)])
+            expert_of_sorted = flat[order]
+            rank = torch.arange(flat.numel()) - (torch.cumsum(counts, 0) - counts)[expert_of_sorted]
+            row = starts[expert_of_sorted] + rank
+            of_slot = torch.empty_like(flat)
+            of_slot[order] = row
+            source = torch.full((sum(padded),), x.shape[0], dtype=torch.long)
+            source[row] = order // c.top_k
+        inputs = F.pad(x, (0, 0, 0, 1)).index_select(0, source).split(padded)
+        outs = [expert(i) for expert, i, n in zip(self.experts, inputs, padded) if n]
+        picked = torch.cat(outs).index_select(0, of_slot).view(x.shape[0], c.top_k, -1)
+        y = (picked * gates.unsqueeze(-1).to(picked.dtype)).sum(1)
         aux = c.experts * ((counts.float() / flat.numel()) * probs.mean(0)).sum()
         if self.training:
             self.load += counts

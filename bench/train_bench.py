@@ -21,129 +21,39 @@ does); rank 0 prints.
 """
 import argparse
 import json
-import math
+import os
 import resource
 import statistics
+import sys
 import time
 
 import pydoc_data.topics
 import torch
 import torch.distributed as dist
-import torch.nn as nn
 import torch.nn.functional as F
 
-# mixprec-train's default model; the flags below change it.
-VOCAB, SEQ, LAYERS, D, HEADS, EXPERTS, TOP_K, BATCH = 256, 128, 2, 128, 4, 4, 2, 16
-LR, WD, CLIP, AUX_COEF, BIAS_RATE, ROW_BUCKET = 3e-3, 0.1, 1.0, 0.01, 1e-3, 64
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+import peer_models  # noqa: E402  (the model, as bench_dist's peer runs it too)
 
-
-class Expert(nn.Module):
-    def __init__(self):
-        super().__init__()
-        self.fc = nn.Linear(D, 4 * D, bias=False)
-        self.proj = nn.Linear(4 * D, D, bias=False)
-
-    def forward(self, x):
-        return self.proj(F.gelu(self.fc(x)))
-
-
-class MoE(nn.Module):
-    def __init__(self):
-        super().__init__()
-        self.router = nn.Linear(D, EXPERTS, bias=False)
-        self.experts = nn.ModuleList(Expert() for _ in range(EXPERTS))
-        self.register_buffer("expert_bias", torch.zeros(EXPERTS))
-        self.load = torch.zeros(EXPERTS, dtype=torch.long)
-
-    def forward(self, x):
-        with torch.autocast("cpu", enabled=False):  # the router stays FP32
-            probs = F.softmax(self.router(x.float()), dim=-1)
-        with torch.no_grad():
-            chosen = torch.topk(probs + self.expert_bias, TOP_K, dim=-1).indices
-        gates = probs.gather(-1, chosen)
-        gates = gates / gates.sum(-1, keepdim=True)
-        flat = chosen.reshape(-1)
-        y = None
-        for e, expert in enumerate(self.experts):
-            slots = (flat == e).nonzero().squeeze(1)
-            if slots.numel() == 0:
-                continue
-            tokens = torch.div(slots, TOP_K, rounding_mode="floor")
-            rows = tokens.numel()
-            bucket = max(ROW_BUCKET, (1 << (rows.bit_length() - 1)) // 8)
-            pad = -rows % bucket
-            out = expert(F.pad(x.index_select(0, tokens), (0, 0, 0, pad)))[:rows]
-            contribution = out * gates.reshape(-1).index_select(0, slots).unsqueeze(1).to(out.dtype)
-            if y is None:
-                y = torch.zeros(x.shape, dtype=out.dtype)
-            y = y.index_add(0, tokens, contribution)
-        counts = torch.bincount(flat, minlength=EXPERTS)
-        aux = EXPERTS * ((counts.float() / flat.numel()) * probs.mean(0)).sum()
-        if self.training:
-            self.load += counts
-        return y, aux
-
-    @torch.no_grad()
-    def update_expert_bias(self):
-        load = self.load.float()
-        self.expert_bias.add_(torch.sign(load.mean() - load) * BIAS_RATE)
-        self.load.zero_()
-
-
-class Block(nn.Module):
-    def __init__(self):
-        super().__init__()
-        self.attn_norm = nn.LayerNorm(D)
-        self.qkv = nn.Linear(D, 3 * D, bias=False)
-        self.proj = nn.Linear(D, D, bias=False)
-        self.mlp_norm = nn.LayerNorm(D)
-        self.moe = MoE()
-
-    def forward(self, x):
-        B, T, C = x.shape
-        q, k, v = self.qkv(self.attn_norm(x)).view(B, T, 3, HEADS, C // HEADS).permute(2, 0, 3, 1, 4)
-        with torch.autocast("cpu", enabled=False):  # FP32 attention kernel, as mixprec-train
-            a = F.scaled_dot_product_attention(q.float(), k.float(), v.float(), is_causal=True).to(q.dtype)
-        h = x + self.proj(a.transpose(1, 2).reshape(B, T, C))
-        y, aux = self.moe(self.mlp_norm(h).flatten(0, 1))
-        return h + y.view_as(h), aux
-
-
-class Gpt(nn.Module):
-    def __init__(self):
-        super().__init__()
-        self.tok_emb = nn.Embedding(VOCAB, D)
-        self.pos_emb = nn.Embedding(SEQ, D)
-        self.blocks = nn.ModuleList(Block() for _ in range(LAYERS))
-        self.final_norm = nn.LayerNorm(D)
-        for name, p in self.named_parameters():
-            if "norm" not in name:
-                nn.init.normal_(p, 0.0, 0.02 / math.sqrt(2 * LAYERS) if name.endswith("proj.weight") else 0.02)
-
-    def forward(self, tokens):
-        x = self.tok_emb(tokens) + self.pos_emb(torch.arange(tokens.shape[1]))
-        aux = 0.0
-        for block in self.blocks:
-            x, block_aux = block(x)
-            aux = aux + block_aux
-        logits = F.linear(self.final_norm(x), self.tok_emb.weight)  # tied head
-        return logits, aux / LAYERS
+LR, WD, CLIP, AUX_COEF, BIAS_RATE = 3e-3, 0.1, 1.0, 0.01, 1e-3
 
 
 def main():
-    global SEQ, LAYERS, D, HEADS, EXPERTS, TOP_K, BATCH
+    defaults = peer_models.GptConfig()  # mixprec-train's default model; the flags change it
     parser = argparse.ArgumentParser()
     parser.add_argument("--steps", type=int, default=30)
     parser.add_argument("--warmup", type=int, default=5)
     parser.add_argument("--threads", type=int, default=0)
     parser.add_argument("--ddp", action="store_true")
     # The model flags bench_train passes on (mixprec-train's names).
-    for flag, default in (("layers", LAYERS), ("d-model", D), ("heads", HEADS), ("experts", EXPERTS),
-                          ("top-k", TOP_K), ("seq-len", SEQ), ("batch", BATCH)):
+    for flag, default in (("layers", defaults.layers), ("d-model", defaults.d_model),
+                          ("heads", defaults.heads), ("experts", defaults.experts),
+                          ("top-k", defaults.top_k), ("seq-len", defaults.seq_len), ("batch", 16)):
         parser.add_argument("--" + flag, type=int, default=default)
     args = parser.parse_args()
-    SEQ, LAYERS, D, HEADS, EXPERTS, TOP_K, BATCH = (args.seq_len, args.layers, args.d_model,
-                                                    args.heads, args.experts, args.top_k, args.batch)
+    config = peer_models.GptConfig(seq_len=args.seq_len, layers=args.layers, d_model=args.d_model,
+                                   heads=args.heads, experts=args.experts, top_k=args.top_k)
+    seq, vocab, batch = config.seq_len, config.vocab, args.batch
     if args.threads > 0:
         torch.set_num_threads(args.threads)
     torch.manual_seed(1337)
@@ -151,7 +61,7 @@ def main():
     text = "\n\n".join(pydoc_data.topics.topics.values()).encode()
     data = torch.frombuffer(bytearray(text[: int(len(text) * 0.9)]), dtype=torch.uint8)
 
-    model = Gpt()
+    model = peer_models.Gpt(config)
     model.train()
     decay = [p for n, p in model.named_parameters() if p.dim() >= 2 and "router" not in n]
     no_decay = [p for n, p in model.named_parameters() if not (p.dim() >= 2 and "router" not in n)]
@@ -171,7 +81,7 @@ def main():
         optimizer.add_param_group(groups[1])
     else:
         optimizer = torch.optim.AdamW(groups, lr=LR, betas=(0.9, 0.95), eps=1e-8, fused=True)
-    rows = BATCH // world
+    rows = batch // world
 
     def status_mib(field):
         with open("/proc/self/status") as status:
@@ -187,14 +97,14 @@ def main():
         if step == args.warmup:  # page faults of the timed steps: pages malloc got from the system
             faults_before = resource.getrusage(resource.RUSAGE_SELF).ru_minflt
         t0 = time.perf_counter()  # the batch and zero_grad count, as in mixprec-train's step
-        starts = torch.randint(0, data.numel() - SEQ - 1, (BATCH,))[rank * rows:(rank + 1) * rows]
-        window = data[starts.unsqueeze(1) + torch.arange(SEQ + 1)].long()
+        starts = torch.randint(0, data.numel() - seq - 1, (batch,))[rank * rows:(rank + 1) * rows]
+        window = data[starts.unsqueeze(1) + torch.arange(seq + 1)].long()
         x, y = window[:, :-1], window[:, 1:]
         optimizer.zero_grad(set_to_none=True)
         tf = time.perf_counter()
         with torch.autocast("cpu", dtype=torch.bfloat16):
             logits, aux = net(x)
-        loss = F.cross_entropy(logits.float().reshape(-1, VOCAB), y.reshape(-1)) + AUX_COEF * aux
+        loss = F.cross_entropy(logits.float().reshape(-1, vocab), y.reshape(-1)) + AUX_COEF * aux
         t1 = time.perf_counter()
         loss.backward()
         t2 = time.perf_counter()
@@ -205,8 +115,7 @@ def main():
             dist.all_reduce(loads)
             for block, load in zip(model.blocks, loads):
                 block.moe.load.copy_(load)
-        for block in model.blocks:
-            block.moe.update_expert_bias()
+        model.update_expert_biases(BIAS_RATE)
         t3 = time.perf_counter()
         if step >= args.warmup:
             forward.append(t1 - tf), backward.append(t2 - t1), optim.append(t3 - t2 + tf - t0)
@@ -221,7 +130,7 @@ def main():
     print(json.dumps({
         "config": (f"pytorch DDP + ZeroRedundancyOptimizer, {world} ranks" if args.ddp
                    else "pytorch autocast bf16 + AdamW(fused)"),
-        "tokens_per_s": BATCH * SEQ / step_s,
+        "tokens_per_s": batch * seq / step_s,
         "step_ms": step_s * 1e3,
         "forward_ms": statistics.median(forward) * 1e3,
         "backward_ms": statistics.median(backward) * 1e3,
