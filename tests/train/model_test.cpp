@@ -131,6 +131,47 @@ TEST(MoE, TopKRoutingMatchesADenseReferenceAndCountsLoad) {
               1e-6);
 }
 
+// An expert no token chose is not run: it gets no gradient, so an optimizer skips it (its
+// momentum and weight decay leave it alone), as one process does for any unused parameter. The
+// others get theirs, from the right tokens: the input's gradient equals the dense reference's.
+TEST(MoE, AnExpertWithoutTokensGetsNoGradient) {
+  at::manual_seed(3);
+  MoE moe(8, 4, 2, mixprec::quant::QuantConfig{});
+  {
+    torch::NoGradGuard no_grad;
+    moe->expert_bias[3] = -10.0;  // steers every token away from expert 3
+  }
+  const at::Tensor x = at::randn({10, 8}).requires_grad_();
+  moe->forward(x).y.square().sum().backward();
+  for (int64_t e = 0; e < 4; ++e) {
+    const auto& expert = *moe->experts[e]->as<ExpertImpl>();
+    EXPECT_EQ(expert.fc->weight.grad().defined(), e != 3) << "expert " << e;
+    EXPECT_EQ(expert.proj->weight.grad().defined(), e != 3) << "expert " << e;
+  }
+  EXPECT_EQ(moe->load()[3].item<int64_t>(), 0);
+
+  const at::Tensor x_dense = x.detach().clone().requires_grad_();
+  const at::Tensor probs = at::softmax(at::linear(x_dense, moe->router->weight), -1);
+  at::Tensor chosen;
+  {
+    torch::NoGradGuard no_grad;
+    chosen = std::get<1>(at::topk(probs + moe->expert_bias, 2, -1));
+  }
+  at::Tensor gates = probs.gather(-1, chosen);
+  gates = gates / gates.sum(-1, true);
+  std::vector<at::Tensor> rows;
+  for (int64_t t = 0; t < 10; ++t) {
+    at::Tensor row = at::zeros({8});
+    for (int64_t k = 0; k < 2; ++k) {
+      auto& e = *moe->experts[chosen[t][k].item<int64_t>()]->as<ExpertImpl>();
+      row = row + gates[t][k] * e.forward(x_dense[t].unsqueeze(0)).squeeze(0);
+    }
+    rows.push_back(row);
+  }
+  at::stack(rows).square().sum().backward();
+  EXPECT_TRUE(at::allclose(x.grad(), x_dense.grad(), 1e-5, 1e-6));
+}
+
 TEST(MoE, ExpertBiasMovesTowardsEvenLoadAndTheCounterRestarts) {
   at::manual_seed(2);
   MoE moe(8, 4, 1, mixprec::quant::QuantConfig{});
