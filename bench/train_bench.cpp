@@ -21,7 +21,7 @@
 //                          the FP32 masters and moments sharded)
 //   pytorch DDP + ZeRO     bench/train_bench.py on N ranks: DistributedDataParallel (gloo) and
 //                          ZeroRedundancyOptimizer over AdamW(fused=True), autocast BF16, the
-//                          same expert padding
+//                          same expert padding and dispatch
 // and prints one table: tokens/s from the median step time, a forward/backward/optimizer
 // split, resident memory once everything is built ("setup": runtime, data, model, optimizer),
 // its peak over training (VmHWM), and the difference ("training": activations, gradients,
