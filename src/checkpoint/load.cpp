@@ -1,5 +1,7 @@
 #include "mixprec/checkpoint/load.h"
 
+#include "detail/name_match.h"
+
 #include "mixprec/checkpoint/format/box.h"
 #include "mixprec/checkpoint/format/error.h"
 #include "mixprec/checkpoint/format/latest.h"
@@ -206,8 +208,14 @@ ShardedStateDict read_checkpoint(const std::filesystem::path& dir, const ReadOpt
   };
 
   for (const auto& key : options.keys) {
-    TORCH_CHECK(manifest.keys.count(key), "[mixprec::checkpoint::read] ", dir.string(),
-                ": no key '", key, "' in the checkpoint");
+    if (manifest.keys.count(key)) continue;
+    std::vector<std::string> saved;
+    for (const auto& [name, entry] : manifest.keys) saved.push_back(name);
+    const std::vector<std::string> near = mixprec::detail::close_matches(key, saved);
+    TORCH_CHECK(
+        false, "[mixprec::checkpoint::read] ", dir.string(), ": no key '", key,
+        "' in the checkpoint",
+        near.empty() ? std::string() : " (close matches: " + mixprec::detail::join(near) + ")");
   }
 
   // Check every key's chunks before allocating anything: a damaged or hostile checkpoint must

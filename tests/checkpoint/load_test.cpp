@@ -171,6 +171,14 @@ TEST(ReadCheckpoint, ARequestedKeyTheCheckpointLacksIsRefused) {
               read_checkpoint(dir, options);
             }).find("no key 'v' in the checkpoint"),
             std::string::npos);
+  state.tensors.emplace("blocks.0.attn.weight", ShardedTensor::whole(at::zeros({2})));
+  const fs::path two = save_checkpoint(root.path(), "two", state).dir;
+  options.keys = {"blocks.0.attn.wieght"};
+  const std::string message = mixprec::testing::error_of([&] { read_checkpoint(two, options); });
+  EXPECT_NE(message.find("no key 'blocks.0.attn.wieght' in the checkpoint (close matches: "
+                         "blocks.0.attn.weight)"),
+            std::string::npos)
+      << message;
   options.keys = {"w"};
   EXPECT_TRUE(at::equal(read_checkpoint(dir, options).at("w").local, state.at("w").local));
 }
