@@ -59,6 +59,17 @@ at::Tensor expected_average(const at::Tensor& p, int salt, bool fp32) {
   return sum.to(p.scalar_type());
 }
 
+// After backward_weighted on every rank and finish(): each parameter's .grad is
+// expected_average of its salt (its position in the model, from 1), reduced in FP32.
+void expect_every_grad_averaged(const torch::nn::Module& model) {
+  int salt = 0;
+  for (const auto& item : model.named_parameters()) {
+    ++salt;
+    EXPECT_TRUE(at::equal(item.value().grad(), expected_average(item.value(), salt, true)))
+        << item.key();
+  }
+}
+
 struct Case {
   ReduceMode mode;
   bool overlap;
@@ -612,12 +623,7 @@ TEST(GradReducer, ZeroGradAndNoSyncWhileReductionsAreInFlightAreErrors) {
   EXPECT_NE(message.find("in flight; call finish() before accumulating"), std::string::npos)
       << message;
   reducer.finish();
-  int salt = 0;
-  for (auto& item : model->named_parameters()) {
-    ++salt;
-    EXPECT_TRUE(at::equal(item.value().grad(), expected_average(item.value(), salt, true)))
-        << item.key();
-  }
+  expect_every_grad_averaged(*model);
 }
 
 // accumulate_in_fp32 in kAllReduce mode, gradients cleared torch's way between steps, and a
@@ -772,12 +778,7 @@ TEST(GradReducer, ADestroyedReducerLeavesTheModelToTheNextOne) {
   second->zero_grad();
   backward_weighted(model, rank);
   second->finish();
-  int salt = 0;
-  for (auto& item : model->named_parameters()) {
-    ++salt;
-    EXPECT_TRUE(at::equal(item.value().grad(), expected_average(item.value(), salt, true)))
-        << item.key();
-  }
+  expect_every_grad_averaged(*model);
 }
 
 // Only a kReduceScatter reducer's ranks hold parts of the parameters: gathering them from an
