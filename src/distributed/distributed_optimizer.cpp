@@ -138,7 +138,11 @@ std::span<const std::string_view> DistributedOptimizer::state_kinds() const {
   return optim::detail::traits_for(defaults(), kWho).state_kinds();
 }
 
-int64_t DistributedOptimizer::param_step(size_t info) const { return slots_.at(info)->step; }
+int64_t DistributedOptimizer::param_step(size_t info) const {
+  TORCH_CHECK(info < slots_.size(), "[", kWho, "::param_step] index ", info,
+              " is not a parameter: the optimizer holds ", slots_.size(), " (params_info())");
+  return slots_[info]->step;
+}
 
 std::vector<DistributedOptimizer::LocalShard> DistributedOptimizer::local_shards() const {
   std::unordered_map<size_t, ParamShard> owned;  // layout index → this rank's piece

@@ -83,7 +83,8 @@ class DistributedOptimizer : public optim::Float16Optimizer {
   // The per-parameter state tensors' kinds (checkpoint/format/state_keys.h), in the order
   // LocalShard::state holds them.
   std::span<const std::string_view> state_kinds() const;
-  // Updates applied to params_info()[info] so far: the same on every rank.
+  // Updates applied to params_info()[info] so far: the same on every rank. Throws c10::Error
+  // naming the index if it is not below params_info().size().
   int64_t param_step(size_t info) const;
 
   // This rank's piece of one parameter and the optimizer state it owns for it.

@@ -407,6 +407,12 @@ TEST(DistributedOptimizer, LocalShardsAndPiecesAreThisRanksTrainablePieces) {
     EXPECT_EQ(z.piece_of(piece.fqn), (FlatRange{piece.begin, piece.end})) << piece.fqn;
   }
   EXPECT_EQ(z.piece_of("no.such.parameter").numel(), 0);
+  const size_t held = z.params_info().size();
+  const std::string message = error_of([&] { z.param_step(held); });
+  EXPECT_NE(message.find("::param_step] index " + std::to_string(held) +
+                         " is not a parameter: the optimizer holds " + std::to_string(held)),
+            std::string::npos)
+      << message;
 }
 
 // A parameter given another dtype after construction (set_data) is an error naming it, on every
