@@ -150,9 +150,6 @@ SaveResult save_from_source(const std::filesystem::path& root, const std::string
 
   SaveResult result;
   RootWriter writer(root, WriterOptions{options.lock_timeout(), options.stale_staging_timeout()});
-  result.cleaned_staging = writer.report().cleaned_staging;
-  result.repaired_latest = writer.report().repaired_latest;
-  result.warnings = writer.report().warnings;
   const std::unique_ptr<CheckpointStaging> staging = writer.stage(name);
   std::map<std::string, std::map<std::string, WrittenTensor>> written;
   for (size_t r = 0; r < ranks.size(); ++r) {
@@ -163,21 +160,32 @@ SaveResult save_from_source(const std::filesystem::path& root, const std::string
     ++result.files;
   }
   source.finish();  // may abandon the save: nothing is committed yet
+  return commit_checkpoint(writer, *staging, std::move(keys), written, ranks[0]->common, options,
+                           std::move(result));
+}
 
+SaveResult commit_checkpoint(RootWriter& writer, CheckpointStaging& staging,
+                             std::map<std::string, KeyEntry> keys,
+                             std::map<std::string, std::map<std::string, WrittenTensor>>& written,
+                             const nlohmann::json& common, const SaveOptions& options,
+                             SaveResult result) {
+  result.cleaned_staging = writer.report().cleaned_staging;
+  result.repaired_latest = writer.report().repaired_latest;
+  result.warnings = writer.report().warnings;
   Manifest manifest;
   manifest.sequence = writer.next_sequence();
   manifest.block_bytes = options.checksum_block_bytes();
   fill_checksums(keys, written);
   manifest.keys = std::move(keys);
-  const std::string common = ranks[0]->common.dump(2) + "\n";
-  staging->write_file("common.json", common);
-  manifest.common_file =
-      CommonFileRef{"common.json", common.size(),
-                    xxh3_64({reinterpret_cast<const std::byte*>(common.data()), common.size()})};
+  const std::string common_text = common.dump(2) + "\n";
+  staging.write_file("common.json", common_text);
+  manifest.common_file = CommonFileRef{
+      "common.json", common_text.size(),
+      xxh3_64({reinterpret_cast<const std::byte*>(common_text.data()), common_text.size()})};
   // Last: the table of contents.
-  staging->write_file(kManifestFileName, manifest_to_json(manifest));
+  staging.write_file(kManifestFileName, manifest_to_json(manifest));
   PublishReport published = writer.publish(
-      *staging, PublishOptions{options.update_latest(), options.keep_last(), options.in_use()});
+      staging, PublishOptions{options.update_latest(), options.keep_last(), options.in_use()});
   result.dir = std::move(published.dir);
   result.deleted = std::move(published.deleted);
   result.warnings.insert(result.warnings.end(), published.warnings.begin(),

@@ -2,7 +2,9 @@
 // own memory and an asynchronous one from staged host copies, through the same writer.
 #pragma once
 
+#include "mixprec/checkpoint/format/commit.h"
 #include "mixprec/checkpoint/format/manifest.h"
+#include "mixprec/checkpoint/format/root_writer.h"
 #include "mixprec/checkpoint/format/safetensors_writer.h"
 #include "mixprec/checkpoint/save.h"
 
@@ -124,6 +126,17 @@ std::map<std::string, WrittenTensor> write_rank_file(const Directory& dir, size_
 // Fills each chunk's checksums from what its file's writer returned (`written[file][tensor]`).
 void fill_checksums(std::map<std::string, KeyEntry>& keys,
                     std::map<std::string, std::map<std::string, WrittenTensor>>& written);
+
+// The commit every save ends with, once each rank's file is written and durable: fills the
+// checksums, writes common.json (`common`) and, last, the manifest into `staging`, publishes
+// it, and returns `result` (which holds what the writing counted: tensor_bytes, files) with
+// the writer's open report, the checkpoint's directory, what retention deleted and every
+// warning.
+SaveResult commit_checkpoint(RootWriter& writer, CheckpointStaging& staging,
+                             std::map<std::string, KeyEntry> keys,
+                             std::map<std::string, std::map<std::string, WrittenTensor>>& written,
+                             const nlohmann::json& common, const SaveOptions& options,
+                             SaveResult result);
 
 // save_checkpoint with the bytes coming from `source`.
 SaveResult save_from_source(const std::filesystem::path& root, const std::string& name,

@@ -124,10 +124,6 @@ ckpt::SaveResult save_collectively(Communicator& comm, const std::filesystem::pa
   const std::string committed =
       detail::agree_on_one_ranks_part(comm, kSaveOp, /*worker=*/0, [&]() -> std::string {
         ckpt::SaveResult result;
-        const ckpt::OpenReport& report = committer.writer->report();
-        result.cleaned_staging = report.cleaned_staging;
-        result.repaired_latest = report.repaired_latest;
-        result.warnings = report.warnings;
         std::map<std::string, std::map<std::string, ckpt::WrittenTensor>> by_file;
         for (size_t r = 0; r < written.size(); ++r) {
           const nlohmann::json w = nlohmann::json::parse(written[r]);
@@ -137,24 +133,9 @@ ckpt::SaveResult save_collectively(Communicator& comm, const std::filesystem::pa
           by_file[ckpt::detail::data_file_name(r)] = std::move(tensors);
           ++result.files;
         }
-        ckpt::Manifest manifest;
-        manifest.sequence = committer.writer->next_sequence();
-        manifest.block_bytes = options.checksum_block_bytes();
-        ckpt::detail::fill_checksums(keys, by_file);
-        manifest.keys = std::move(keys);
-        const std::string common = mine.common.dump(2) + "\n";
-        committer.staging->write_file("common.json", common);
-        manifest.common_file = ckpt::CommonFileRef{
-            "common.json", common.size(),
-            ckpt::xxh3_64({reinterpret_cast<const std::byte*>(common.data()), common.size()})};
-        committer.staging->write_file(ckpt::kManifestFileName, ckpt::manifest_to_json(manifest));
-        ckpt::PublishReport published = committer.writer->publish(
-            *committer.staging,
-            ckpt::PublishOptions{options.update_latest(), options.keep_last(), options.in_use()});
-        result.dir = std::move(published.dir);
-        result.deleted = std::move(published.deleted);
-        result.warnings.insert(result.warnings.end(), published.warnings.begin(),
-                               published.warnings.end());
+        result =
+            ckpt::detail::commit_checkpoint(*committer.writer, *committer.staging, std::move(keys),
+                                            by_file, mine.common, options, std::move(result));
         return detail::result_to_json(result).dump();
       });
   return detail::result_from_json(nlohmann::json::parse(committed));
