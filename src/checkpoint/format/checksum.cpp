@@ -5,11 +5,31 @@
 #define XXH_INLINE_ALL
 #include <xxhash.h>
 
+#ifdef MIXPREC_XXH3_AVX2
+#include "checksum_avx2.h"
+#endif
+
 #include <algorithm>
 #include <stdexcept>
 #include <utility>
 
 namespace mixprec::checkpoint {
+namespace {
+
+#ifdef MIXPREC_XXH3_AVX2
+// Checked once: the AVX2 build where the CPU runs it (checksum_avx2.cpp), the baseline else.
+const bool kAvx2 = __builtin_cpu_supports("avx2");
+#endif
+
+void update_xxh3(XXH3_state_t* state, std::span<const std::byte> bytes) {
+#ifdef MIXPREC_XXH3_AVX2
+  if (kAvx2) return detail::avx2::xxh3_update(state, bytes.data(), bytes.size());
+#endif
+  // Only fails on a null state, which the callers rule out.
+  (void)XXH3_64bits_update(state, bytes.data(), bytes.size());
+}
+
+}  // namespace
 
 struct Xxh3Hasher::State {
   XXH3_state_t xxh;
@@ -20,10 +40,7 @@ Xxh3Hasher::~Xxh3Hasher() = default;
 Xxh3Hasher::Xxh3Hasher(Xxh3Hasher&&) noexcept = default;
 Xxh3Hasher& Xxh3Hasher::operator=(Xxh3Hasher&&) noexcept = default;
 
-void Xxh3Hasher::update(std::span<const std::byte> bytes) {
-  // Only fails on a null state, which the constructor rules out.
-  (void)XXH3_64bits_update(&state_->xxh, bytes.data(), bytes.size());
-}
+void Xxh3Hasher::update(std::span<const std::byte> bytes) { update_xxh3(&state_->xxh, bytes); }
 
 std::uint64_t Xxh3Hasher::digest() const { return XXH3_64bits_digest(&state_->xxh); }
 
@@ -56,6 +73,9 @@ std::vector<std::uint64_t> BlockHasher::finish() {
 }
 
 std::uint64_t xxh3_64(std::span<const std::byte> bytes) {
+#ifdef MIXPREC_XXH3_AVX2
+  if (kAvx2) return detail::avx2::xxh3_64(bytes.data(), bytes.size());
+#endif
   return XXH3_64bits(bytes.data(), bytes.size());
 }
 
