@@ -201,6 +201,35 @@ TEST(ReadCheckpoint, ARootIsRefusedSayingItIsOne) {
   EXPECT_EQ(resolve_checkpoint(root.path()), dir);
 }
 
+// Tensors of several MiB: the destinations are faulted in on a second thread while the reads
+// fill them, and the reads hash behind themselves on a third (load.cpp, safetensors_reader.cpp).
+// Every byte arrives; a corrupt tensor early in the file fails the load with its key, and the
+// load returns (the faulting thread is stopped and joined) rather than hanging or crashing.
+TEST(ReadCheckpoint, LargeTensorsArriveExactlyAndACorruptOneFailsTheLoad) {
+  TempDir root;
+  ShardedStateDict state;
+  at::manual_seed(3);
+  state.tensors.emplace("a", ShardedTensor::whole(at::randn({3 << 20}).to(at::kBFloat16)));
+  state.tensors.emplace("b", ShardedTensor::whole(at::randn({(9 << 20) / 4 + 5})));
+  state.tensors.emplace("c", ShardedTensor::whole(at::randn({1000, 1100})));
+  const fs::path dir = save_checkpoint(root.path(), "c", state).dir;
+  const ShardedStateDict back = read_checkpoint(dir);
+  for (const std::string key : {"a", "b", "c"}) {
+    EXPECT_TRUE(at::equal(back.at(key).local, state.at(key).local)) << key;
+  }
+  const Chunk chunk = read_manifest(dir).keys.at("a").chunks.at(0);
+  std::string bytes = testing::read_file(dir / chunk.file);
+  const SafetensorsHeader header = SafetensorsReader(dir / chunk.file).header();
+  bytes[header.data_offset() + header.find(chunk.tensor)->begin + (5 << 20)] ^= 0x10;
+  testing::write_file(dir / chunk.file, bytes);
+  try {
+    read_checkpoint(dir);
+    FAIL() << "expected ChecksumError";
+  } catch (const ChecksumError& e) {
+    EXPECT_NE(std::string(e.what()).find("tensor 'a'"), std::string::npos) << e.what();
+  }
+}
+
 // A root without `latest` (a crash before its first update) whose committed checkpoints all
 // fail verification holds checkpoints: the error says which and why, not that it holds none.
 TEST(FindCheckpoint, ARootWhoseCheckpointsAllFailVerificationNamesThem) {
