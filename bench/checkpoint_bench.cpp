@@ -198,9 +198,9 @@ void record_peak(benchmark::State& bm, const std::string& name, std::int64_t bas
   bm.counters["peak_extra_MiB"] = extra / (1 << 20);
 }
 
-// MIXPREC_BENCH_CACHED=1 leaves read files in the page cache: the reads then measure what each
-// reader costs in CPU and memory traffic alone, without the disk (whose speed on a shared
-// machine moves several-fold between rounds).
+// MIXPREC_BENCH_CACHED=1 leaves read files in the page cache: the reads (loads, verify, the
+// resharding reads) then measure what each reader costs in CPU and memory traffic alone,
+// without the disk (whose speed on a shared machine moves several-fold between rounds).
 bool cached_reads() {
   static const bool cached = [] {
     const char* v = std::getenv("MIXPREC_BENCH_CACHED");
@@ -278,17 +278,19 @@ void BM_RawRead(benchmark::State& bm) {
     if (fd < 0) die("open raw.bin");
     std::vector<at::Tensor> back;
     for (const at::Tensor& t : s.tensors) back.push_back(at::empty(t.sizes(), t.options()));
-    const std::jthread prefault = prefault_like_ours(back);  // as read_checkpoint does
-    off_t offset = 0;
-    for (const at::Tensor& t : back) {
-      char* p = static_cast<char*>(t.data_ptr());
-      for (std::size_t done = 0; done < t.nbytes();) {
-        const ssize_t n = ::pread(fd, p + done, std::min(kPiece, t.nbytes() - done), offset);
-        if (n <= 0) die("pread raw.bin");
-        done += static_cast<std::size_t>(n);
-        offset += n;
+    {
+      const std::jthread prefault = prefault_like_ours(back);  // as read_checkpoint does
+      off_t offset = 0;
+      for (const at::Tensor& t : back) {
+        char* p = static_cast<char*>(t.data_ptr());
+        for (std::size_t done = 0; done < t.nbytes();) {
+          const ssize_t n = ::pread(fd, p + done, std::min(kPiece, t.nbytes() - done), offset);
+          if (n <= 0) die("pread raw.bin");
+          done += static_cast<std::size_t>(n);
+          offset += n;
+        }
       }
-    }
+    }  // joined inside the timing, as read_checkpoint joins its own
     ::close(fd);
     record_time(bm, __func__, seconds_since(t0));
   }

@@ -17,13 +17,20 @@ namespace mixprec::checkpoint {
 namespace {
 
 #ifdef MIXPREC_XXH3_AVX2
-// Checked once: the AVX2 build where the CPU runs it (checksum_avx2.cpp), the baseline else.
-const bool kAvx2 = __builtin_cpu_supports("avx2");
+// Whether to run the AVX2 build (checksum_avx2.cpp): checked once, on first use. Initialising
+// the CPU model first makes the check safe in a static initializer that runs before libgcc's.
+bool use_avx2() {
+  static const bool avx2 = [] {
+    __builtin_cpu_init();
+    return __builtin_cpu_supports("avx2") != 0;
+  }();
+  return avx2;
+}
 #endif
 
 void update_xxh3(XXH3_state_t* state, std::span<const std::byte> bytes) {
 #ifdef MIXPREC_XXH3_AVX2
-  if (kAvx2) return detail::avx2::xxh3_update(state, bytes.data(), bytes.size());
+  if (use_avx2()) return detail::avx2::xxh3_update(state, bytes.data(), bytes.size());
 #endif
   // Only fails on a null state, which the callers rule out.
   (void)XXH3_64bits_update(state, bytes.data(), bytes.size());
@@ -74,7 +81,7 @@ std::vector<std::uint64_t> BlockHasher::finish() {
 
 std::uint64_t xxh3_64(std::span<const std::byte> bytes) {
 #ifdef MIXPREC_XXH3_AVX2
-  if (kAvx2) return detail::avx2::xxh3_64(bytes.data(), bytes.size());
+  if (use_avx2()) return detail::avx2::xxh3_64(bytes.data(), bytes.size());
 #endif
   return XXH3_64bits(bytes.data(), bytes.size());
 }

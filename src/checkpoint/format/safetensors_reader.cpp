@@ -202,15 +202,16 @@ std::uint64_t SafetensorsReader::read_verified(std::string_view name,
             static_cast<std::size_t>(std::min<std::uint64_t>(kChecksumChunk, end - pos));
         std::span<std::byte> slice;
         if (have && cur.offset <= pos && pos + len <= end_of(cur)) {
-          // Entirely wanted: read straight into place, in large pieces. With the lane, half of
-          // what is left at a time (at least a checksum slice): each piece is hashed while the
-          // next is read, and the last piece, whose hash nothing hides, is one checksum slice
-          // rather than the whole of a tensor under kInPlaceSlice.
-          const std::uint64_t left = std::min(end, end_of(cur)) - pos;
+          // Entirely wanted: read straight into place, in large pieces. With the lane, at most
+          // half of what is left of the tensor (at least a checksum slice): each piece is
+          // hashed while the next is read, and the last piece of a whole read, whose hash
+          // nothing hides, is one checksum slice rather than all of a tensor under
+          // kInPlaceSlice. (Block and run ends need no short piece: the lane goes on hashing
+          // while the next block or run is read.)
           const std::uint64_t piece =
-              overlap ? std::clamp<std::uint64_t>(left / 2, kChecksumChunk, kInPlaceSlice)
+              overlap ? std::clamp<std::uint64_t>((size - pos) / 2, kChecksumChunk, kInPlaceSlice)
                       : kInPlaceSlice;
-          len = static_cast<std::size_t>(std::min(left, piece));
+          len = static_cast<std::size_t>(std::min({piece, end - pos, end_of(cur) - pos}));
           slice = cur.out.subspan(static_cast<std::size_t>(pos - cur.offset), len);
           pread_exact(base + pos, slice, name);
           if (end_of(cur) == pos + len) advance();

@@ -5,7 +5,16 @@
 
 #include "format_test_util.h"
 
+#ifdef XXH_INLINE_ALL
+#error "the reference must be libxxhash.a's XXH3_64bits, not the header's inlined code"
+#endif
 #include <xxhash.h>  // without XXH_INLINE_ALL: the library's XXH3_64bits (libxxhash.a)
+
+#if defined(__x86_64__)
+namespace mixprec::checkpoint::detail::avx2 {  // checksum_avx2.cpp, which x86-64 builds compile
+std::uint64_t xxh3_64(const void* data, std::size_t size);
+}
+#endif
 
 #include <gtest/gtest.h>
 
@@ -25,6 +34,12 @@ TEST(ChecksumReference, EqualsTheSystemLibxxhashAtEveryLengthAndSplit) {
     const std::span<const std::byte> bytes = std::span(all).first(n);
     const std::uint64_t reference = XXH3_64bits(bytes.data(), bytes.size());
     ASSERT_EQ(xxh3_64(bytes), reference) << "n=" << n;
+#if defined(__x86_64__)
+    // The AVX2 build itself, whether or not the dispatch picks it here.
+    if (__builtin_cpu_supports("avx2")) {
+      ASSERT_EQ(detail::avx2::xxh3_64(bytes.data(), bytes.size()), reference) << "n=" << n;
+    }
+#endif
     if (n % 97 != 0 && n < 4200) continue;  // streaming: a sample of lengths
     for (std::size_t piece : {1u, 63u, 1000u, 1u << 16}) {
       if (piece == 1 && n > 5000) continue;
