@@ -202,6 +202,36 @@ TEST(OptimizerStateDict, ShardedRoundTripResumesBitwise) {
   expect_same_state(*ma, a, *mb, b);
 }
 
+// A load takes the loaded moments' memory only where nothing else refers to it (a checkpoint
+// read's fresh tensors): the caller's own state dict, held through the load, is copied, so the
+// optimizer's in-place steps afterwards leave it as it was.
+TEST(OptimizerStateDict, ALoadedStateDictTheCallerHoldsIsCopiedNotTaken) {
+  Interleaved ma;
+  auto a = mixprec::testing::make_optimizer(ma, torch::optim::AdamWOptions(1e-2).weight_decay(0.1));
+  train(*ma, *a, 0, 3);
+  ShardedStateDict saved = a->sharded_state_dict();  // tensors of its own, as a user's dict
+  for (auto& [key, t] : saved.tensors) t.local = t.local.clone();
+  std::map<std::string, at::Tensor> before;
+  for (const auto& [key, t] : saved.tensors) before.emplace(key, t.local.clone());
+
+  Interleaved mb;
+  auto b = mixprec::testing::make_optimizer(mb, torch::optim::AdamWOptions(1e-2).weight_decay(0.1));
+  load_model_sharded_state_dict(*mb, model_sharded_state_dict(*ma));
+  EXPECT_TRUE(b->load_sharded_state_dict(saved).clean());
+  train(*mb, *b, 3, 5);
+  for (const auto& [key, t] : saved.tensors) {
+    EXPECT_TRUE(bitwise_equal(t.local, before.at(key))) << key << " was written by the steps";
+  }
+  // And the steps did move the optimizer's own moments.
+  bool moved = false;
+  for (const auto& [key, t] : b->sharded_state_dict().tensors) {
+    if (before.count(key) && t.local.sizes() == before.at(key).sizes()) {
+      moved |= !bitwise_equal(t.local, before.at(key));
+    }
+  }
+  EXPECT_TRUE(moved);
+}
+
 // Parameters stepped unevenly: the sharded form records each step that differs from the common
 // one, and lists a parameter never stepped as without state; both load strictly and resume
 // bitwise (a lost step would change Adam's bias correction).
