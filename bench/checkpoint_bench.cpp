@@ -132,7 +132,8 @@ struct State {
   mixprec::ShardedStateDict dict;   // aliases model and optimizer tensors
   std::vector<at::Tensor> tensors;  // the same tensors, for raw and torch::save
   std::uint64_t bytes = 0;
-  fs::path dir;  // scratch directory of this run
+  int64_t target_bytes = 0;  // what BenchNet was sized for, to build another like it
+  fs::path dir;              // scratch directory of this run
 };
 
 State& state() {
@@ -141,6 +142,7 @@ State& state() {
     const char* mb = std::getenv("MIXPREC_BENCH_STATE_MB");
     const int64_t target = (mb ? std::atoll(mb) : 1024) << 20;
     at::manual_seed(0);
+    st.target_bytes = target;
     st.model = std::make_shared<BenchNet>(target);
     st.optimizer = std::make_unique<mixprec::optim::Float16Optimizer>(
         *st.model, torch::optim::AdamWOptions(1e-4).weight_decay(0.01));
@@ -355,6 +357,24 @@ void BM_OursLoad(benchmark::State& bm) {
   bm.SetBytesProcessed(static_cast<int64_t>(bm.iterations() * s.bytes));
 }
 
+// A resume: load_training_state into a fresh model and optimizer (built outside the timing):
+// the read, every check, and the state applied (the loaded moments and masters are kept, not
+// copied; the BF16 weights are written from the masters).
+void BM_OursResume(benchmark::State& bm) {
+  State& s = state();
+  for (auto _ : bm) {
+    auto model = std::make_shared<BenchNet>(s.target_bytes);
+    mixprec::optim::Float16Optimizer optimizer(*model,
+                                               torch::optim::AdamWOptions(1e-4).weight_decay(0.01));
+    drop_cache(s.dir / "ours" / "step-1");
+    const auto t0 = Clock::now();
+    const ckpt::ResumeResult resumed = ckpt::load_training_state(s.dir / "ours", *model, optimizer);
+    record_time(bm, __func__, seconds_since(t0));
+    benchmark::DoNotOptimize(resumed.dir);
+  }
+  bm.SetBytesProcessed(static_cast<int64_t>(bm.iterations() * s.bytes));
+}
+
 void BM_OursVerify(benchmark::State& bm) {
   State& s = state();
   for (auto _ : bm) {
@@ -527,6 +547,7 @@ MIXPREC_IO_BENCH(BM_TorchLoad);
 MIXPREC_IO_BENCH(BM_OursSave);
 MIXPREC_IO_BENCH(BM_OursLoad);
 MIXPREC_IO_BENCH(BM_OursVerify);
+MIXPREC_IO_BENCH(BM_OursResume);
 MIXPREC_IO_BENCH(BM_OursAsyncSave);
 BENCHMARK(BM_OursAsyncSaveHidden)
     ->Iterations(1)
@@ -587,7 +608,7 @@ int main(int argc, char** argv) {
       torch::save(s.tensors, (s.dir / "torch.pt").string());
       fsync_file(s.dir / "torch.pt");
     }
-    if (selected("BM_OursLoad") || selected("BM_OursVerify")) {
+    if (selected("BM_OursLoad") || selected("BM_OursVerify") || selected("BM_OursResume")) {
       ckpt::save_checkpoint(s.dir / "ours", "step-1", s.dict);
     }
     for (int64_t block : kReshardBlocks) {
@@ -629,6 +650,11 @@ int main(int argc, char** argv) {
   std::printf("  ours vs torch       save %.2fx  load %.2fx  (goals >= 1.5x, >= 1.0x)\n",
               ratio(t("BM_TorchSave"), t("BM_OursSave")),
               ratio(t("BM_TorchLoad"), t("BM_OursLoad")));
+  std::printf(
+      "  resume              load_training_state into a fresh model and optimizer %.2f GB/s: "
+      "%.2f of the load alone, %.2f of raw\n",
+      gbps("BM_OursResume"), ratio(t("BM_OursLoad"), t("BM_OursResume")),
+      ratio(t("BM_RawRead"), t("BM_OursResume")));
   auto peak = [&](const char* name) {
     auto it = peak_extra.find(name);
     return it == peak_extra.end()

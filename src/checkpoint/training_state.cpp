@@ -112,6 +112,11 @@ ResumeResult load_training_state(const std::filesystem::path& path, torch::nn::M
                 e.msg());
   }
   const detail::CheckedRng checked_rng = detail::check_rng(parts.rng, result.dir);
+  // The checked states hold what they apply. Let go of the read tensors here, so that the
+  // optimizer can keep the memory of moments and masters nothing else refers to instead of
+  // copying it (Float16Optimizer::apply).
+  parts.model.tensors.clear();
+  parts.optimizer.tensors.clear();
 
   // Apply: the model first (the optimizer may seed masters from its values and then rewrites
   // half-precision parameters from masters).
