@@ -1,0 +1,165 @@
+// The interposed system-call wrappers behind SyscallTrace (syscall_trace.h).
+#include "syscall_trace.h"
+
+#include <dlfcn.h>
+#include <fcntl.h>
+#include <stdio.h>
+#include <unistd.h>
+
+#include <atomic>
+#include <cerrno>
+#include <mutex>
+#include <stdexcept>
+#include <system_error>
+
+namespace mixprec::checkpoint::testing {
+namespace {
+
+namespace fs = std::filesystem;
+
+struct Recorder {
+  std::atomic<bool> active{false};
+  std::mutex mutex;
+  fs::path under;
+  std::vector<SyscallEvent> events;
+};
+
+// Constructed at first use: a wrapper may run before main().
+Recorder& recorder() {
+  static Recorder* r = new Recorder;  // never destroyed: wrappers may run during exit
+  return *r;
+}
+
+// libc's definition of `name`, the next one after this executable's.
+template <class Fn>
+Fn real(const char* name) {
+  void* symbol = ::dlsym(RTLD_NEXT, name);
+  if (symbol == nullptr) std::abort();  // no libc function to forward to: nothing can work
+  return reinterpret_cast<Fn>(symbol);
+}
+
+fs::path fd_path(int fd) {
+  char buffer[4096];
+  const std::string link = "/proc/self/fd/" + std::to_string(fd);
+  const ssize_t n = ::readlink(link.c_str(), buffer, sizeof(buffer));
+  return n > 0 ? fs::path(std::string(buffer, static_cast<size_t>(n))) : fs::path();
+}
+
+fs::path at_path(int dir_fd, const char* name) {
+  if (name[0] == '/') return name;
+  if (dir_fd == AT_FDCWD) return fs::current_path() / name;
+  return fd_path(dir_fd) / name;
+}
+
+bool is_under(const fs::path& path, const fs::path& root) {
+  const std::string p = path.string(), r = root.string();
+  return p.size() >= r.size() && p.compare(0, r.size(), r) == 0 &&
+         (p.size() == r.size() || p[r.size()] == '/');
+}
+
+// Records one call that succeeded, if a trace is alive and the call touched its tree.
+void record(const char* call, const fs::path& path, const fs::path& to = {}) {
+  Recorder& r = recorder();
+  std::lock_guard<std::mutex> lock(r.mutex);
+  if (!r.active.load() || !(is_under(path, r.under) || (!to.empty() && is_under(to, r.under)))) {
+    return;
+  }
+  r.events.push_back({call, path, to});
+}
+
+bool tracing() { return recorder().active.load(std::memory_order_relaxed); }
+
+}  // namespace
+
+SyscallTrace::SyscallTrace(std::filesystem::path under) {
+  Recorder& r = recorder();
+  std::lock_guard<std::mutex> lock(r.mutex);
+  if (r.active.load()) throw std::logic_error("SyscallTrace: one trace at a time");
+  r.under = fs::canonical(under);
+  r.events.clear();
+  r.active.store(true);
+}
+
+SyscallTrace::~SyscallTrace() {
+  Recorder& r = recorder();
+  std::lock_guard<std::mutex> lock(r.mutex);
+  r.active.store(false);
+}
+
+std::vector<SyscallEvent> SyscallTrace::events() const {
+  Recorder& r = recorder();
+  std::lock_guard<std::mutex> lock(r.mutex);
+  return r.events;
+}
+
+}  // namespace mixprec::checkpoint::testing
+
+// The wrappers: libc's signatures, exception specifications included (glibc marks the calls
+// that are not cancellation points __THROW). errno is what libc's call left.
+namespace trace = mixprec::checkpoint::testing;
+
+extern "C" ssize_t write(int fd, const void* buffer, size_t count) {
+  static const auto libc_write = trace::real<ssize_t (*)(int, const void*, size_t)>("write");
+  const ssize_t n = libc_write(fd, buffer, count);
+  if (n > 0 && trace::tracing()) {
+    const int saved = errno;
+    trace::record("write", trace::fd_path(fd));
+    errno = saved;
+  }
+  return n;
+}
+
+extern "C" int fsync(int fd) {
+  static const auto libc_fsync = trace::real<int (*)(int)>("fsync");
+  const int rc = libc_fsync(fd);
+  if (rc == 0 && trace::tracing()) trace::record("fsync", trace::fd_path(fd));
+  return rc;
+}
+
+extern "C" int fdatasync(int fd) {
+  static const auto libc_fdatasync = trace::real<int (*)(int)>("fdatasync");
+  const int rc = libc_fdatasync(fd);
+  if (rc == 0 && trace::tracing()) trace::record("fdatasync", trace::fd_path(fd));
+  return rc;
+}
+
+extern "C" int rename(const char* from, const char* to) noexcept {
+  static const auto libc_rename = trace::real<int (*)(const char*, const char*)>("rename");
+  // Resolved before the call: afterwards `from` no longer exists.
+  const auto from_path = trace::tracing() ? trace::at_path(AT_FDCWD, from) : trace::fs::path();
+  const auto to_path = trace::tracing() ? trace::at_path(AT_FDCWD, to) : trace::fs::path();
+  const int rc = libc_rename(from, to);
+  if (rc == 0 && trace::tracing()) trace::record("rename", from_path, to_path);
+  return rc;
+}
+
+extern "C" int renameat(int from_dir, const char* from, int to_dir, const char* to) noexcept {
+  static const auto libc_renameat =
+      trace::real<int (*)(int, const char*, int, const char*)>("renameat");
+  const auto from_path = trace::tracing() ? trace::at_path(from_dir, from) : trace::fs::path();
+  const auto to_path = trace::tracing() ? trace::at_path(to_dir, to) : trace::fs::path();
+  const int rc = libc_renameat(from_dir, from, to_dir, to);
+  if (rc == 0 && trace::tracing()) trace::record("rename", from_path, to_path);
+  return rc;
+}
+
+extern "C" int renameat2(int from_dir, const char* from, int to_dir, const char* to,
+                         unsigned int flags) noexcept {
+  static const auto libc_renameat2 =
+      trace::real<int (*)(int, const char*, int, const char*, unsigned int)>("renameat2");
+  const auto from_path = trace::tracing() ? trace::at_path(from_dir, from) : trace::fs::path();
+  const auto to_path = trace::tracing() ? trace::at_path(to_dir, to) : trace::fs::path();
+  const int rc = libc_renameat2(from_dir, from, to_dir, to, flags);
+  if (rc == 0 && trace::tracing()) trace::record("rename", from_path, to_path);
+  return rc;
+}
+
+extern "C" int unlinkat(int dir, const char* name, int flags) noexcept {
+  static const auto libc_unlinkat = trace::real<int (*)(int, const char*, int)>("unlinkat");
+  const auto path = trace::tracing() ? trace::at_path(dir, name) : trace::fs::path();
+  const int rc = libc_unlinkat(dir, name, flags);
+  if (rc == 0 && trace::tracing()) {
+    trace::record((flags & AT_REMOVEDIR) != 0 ? "rmdir" : "unlink", path);
+  }
+  return rc;
+}
