@@ -12,8 +12,10 @@
 // (install.umbrella_header_complete) keeps it so.
 #pragma once
 
-// Precision plan: keep_in_fp32, PrecisionPlan, conversion, Float16Module.
+// Precision plan: keep_in_fp32, PrecisionPlan, conversion, Float16Module; the FP32 loss of
+// half-precision logits.
 #include "mixprec/precision/convert.h"
+#include "mixprec/precision/cross_entropy.h"
 #include "mixprec/precision/float16_module.h"
 #include "mixprec/precision/keep_fp32.h"
 #include "mixprec/precision/module_clone.h"

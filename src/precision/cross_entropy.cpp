@@ -1,0 +1,127 @@
+#include "mixprec/precision/cross_entropy.h"
+
+#include "precision/kernels/cross_entropy_args.h"
+
+#include <ATen/ATen.h>
+#include <ATen/Parallel.h>
+#include <c10/util/Exception.h>
+#include <torch/autograd.h>
+
+#include <algorithm>
+#include <atomic>
+#include <cstdint>
+#include <limits>
+
+namespace mixprec {
+namespace {
+
+constexpr const char* kWho = "[mixprec::cross_entropy_in_fp32]";
+
+detail::LogitFormat logit_format(c10::ScalarType dtype) {
+  switch (dtype) {
+    case at::kBFloat16:
+      return detail::LogitFormat::kBF16;
+    case at::kHalf:
+      return detail::LogitFormat::kF16;
+    default:
+      break;
+  }
+  return detail::LogitFormat::kF32;
+}
+
+// Rows in chunks of about 32K logits (as the optimizer kernels split elements), claimed from a
+// shared counter: a thread whose core is busy elsewhere takes fewer. Each row is computed the
+// same way on any thread, so the results do not depend on the split.
+template <class Fn>
+void for_each_row_chunk(int64_t rows, int64_t classes, const Fn& fn) {
+  const int64_t chunk = std::max<int64_t>(1, (int64_t{32} << 10) / classes);
+  const int64_t chunks = (rows + chunk - 1) / chunk;
+  if (chunks <= 1) {
+    if (rows > 0) fn(int64_t{0}, rows);
+    return;
+  }
+  std::atomic<int64_t> next{0};
+  at::parallel_for(0, std::min<int64_t>(chunks, at::get_num_threads()), 1, [&](int64_t, int64_t) {
+    for (int64_t k = next++; k < chunks; k = next++) {
+      fn(k * chunk, std::min(rows, (k + 1) * chunk));
+    }
+  });
+}
+
+struct CrossEntropyInFp32 : torch::autograd::Function<CrossEntropyInFp32> {
+  static at::Tensor forward(torch::autograd::AutogradContext* ctx, const at::Tensor& logits,
+                            const at::Tensor& targets) {
+    at::NoGradGuard no_grad;
+    const at::Tensor x = logits.contiguous();
+    const at::Tensor t = targets.contiguous();
+    const int64_t rows = x.size(0), classes = x.size(1);
+    at::Tensor loss = at::empty({rows}, x.options().dtype(at::kFloat));
+    at::Tensor lse = at::empty({rows}, x.options().dtype(at::kFloat));
+    const detail::LogitFormat format = logit_format(x.scalar_type());
+    for_each_row_chunk(rows, classes, [&](int64_t begin, int64_t end) {
+      detail::cross_entropy_forward_rows(
+          x.const_data_ptr(), format, classes, t.const_data_ptr<int64_t>(),
+          loss.mutable_data_ptr<float>(), lse.mutable_data_ptr<float>(), begin, end);
+    });
+    ctx->save_for_backward({x, t, lse});
+    // The mean in a fixed order, in double: the same on any number of threads.
+    double total = 0.0;
+    const float* row_loss = loss.const_data_ptr<float>();
+    for (int64_t r = 0; r < rows; ++r) total += row_loss[r];
+    return at::scalar_tensor(static_cast<float>(total / static_cast<double>(rows)),
+                             x.options().dtype(at::kFloat));
+  }
+
+  static torch::autograd::variable_list backward(torch::autograd::AutogradContext* ctx,
+                                                 torch::autograd::variable_list grads) {
+    if (!grads[0].defined()) return {at::Tensor(), at::Tensor()};
+    const auto saved = ctx->get_saved_variables();
+    const at::Tensor &x = saved[0], &t = saved[1], &lse = saved[2];
+    const int64_t rows = x.size(0), classes = x.size(1);
+    const float scale = grads[0].item<float>() / static_cast<float>(rows);
+    at::Tensor grad = at::empty_like(x);
+    const detail::LogitFormat format = logit_format(x.scalar_type());
+    for_each_row_chunk(rows, classes, [&](int64_t begin, int64_t end) {
+      detail::cross_entropy_backward_rows(x.const_data_ptr(), format, classes,
+                                          t.const_data_ptr<int64_t>(), lse.const_data_ptr<float>(),
+                                          scale, grad.mutable_data_ptr(), begin, end);
+    });
+    return {grad, at::Tensor()};
+  }
+};
+
+}  // namespace
+
+at::Tensor cross_entropy_in_fp32(const at::Tensor& logits, const at::Tensor& targets) {
+  TORCH_CHECK(logits.defined() && targets.defined(), kWho, " logits and targets must be defined");
+  TORCH_CHECK(logits.dim() == 2 && logits.size(1) >= 1, kWho,
+              " logits must be [N, V] with V >= 1, got shape ", logits.sizes());
+  const auto dtype = logits.scalar_type();
+  TORCH_CHECK(dtype == at::kBFloat16 || dtype == at::kHalf || dtype == at::kFloat, kWho,
+              " logits must be BF16, FP16 or FP32, got ", dtype);
+  TORCH_CHECK(
+      targets.scalar_type() == at::kLong && targets.dim() == 1 && targets.size(0) == logits.size(0),
+      kWho, " targets must be int64 [N] for logits ", logits.sizes(), ", got ",
+      targets.scalar_type(), " ", targets.sizes());
+  TORCH_CHECK(targets.device() == logits.device(), kWho, " logits are on ", logits.device(),
+              ", targets on ", targets.device());
+  // Elsewhere, and for what the kernel does not read (no rows: LibTorch's NaN mean), the
+  // composition it replaces.
+  if (!logits.device().is_cpu() || logits.layout() != at::kStrided || logits.is_conj() ||
+      logits.is_neg() || logits._is_zerotensor() || logits.size(0) == 0) {
+    return at::cross_entropy_loss(logits.to(at::kFloat), targets);
+  }
+  TORCH_CHECK(logits.size(1) <= std::numeric_limits<int32_t>::max(), kWho, " ", logits.size(1),
+              " classes: at most 2^31 - 1");
+  {
+    const at::Tensor t = targets.contiguous();
+    const int64_t* target = t.const_data_ptr<int64_t>();
+    for (int64_t r = 0; r < t.numel(); ++r) {
+      TORCH_CHECK(target[r] >= 0 && target[r] < logits.size(1), kWho, " target ", target[r],
+                  " of row ", r, " lies outside [0, ", logits.size(1), ")");
+    }
+  }
+  return CrossEntropyInFp32::apply(logits, targets);
+}
+
+}  // namespace mixprec
