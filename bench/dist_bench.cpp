@@ -48,6 +48,7 @@
 #include "mixprec/distributed/distributed_optimizer.h"
 #include "mixprec/distributed/init.h"
 #include "mixprec/precision/convert.h"
+#include "mixprec/precision/cross_entropy.h"
 #include "mixprec/precision/keep_fp32.h"
 
 #include <ATen/ATen.h>
@@ -158,7 +159,7 @@ struct GptWorkload : Workload {
     const train::GptConfig& c = model.gpt->config;
     auto [logits, aux] = model.forward(tokens.narrow(1, 0, c.seq_len));
     const at::Tensor targets = tokens.narrow(1, 1, c.seq_len);
-    return at::cross_entropy_loss(logits.reshape({-1, c.vocab}), targets.reshape({-1})) +
+    return mixprec::cross_entropy_in_fp32(logits.reshape({-1, c.vocab}), targets.reshape({-1})) +
            0.01 * aux;
   }
   void set_before_use(std::function<void(const torch::nn::Module&)> fn) override {

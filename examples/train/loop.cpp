@@ -4,6 +4,8 @@
 #include "memory.h"
 #include "schedule.h"
 
+#include "mixprec/precision/cross_entropy.h"
+
 #include <ATen/ATen.h>
 #include <ATen/record_function.h>
 #include <torch/types.h>
@@ -19,8 +21,9 @@ double seconds_since(Clock::time_point t) {
   return std::chrono::duration<double>(Clock::now() - t).count();
 }
 
+// In FP32 from the model's BF16/FP16 logits, without an FP32 copy of them.
 at::Tensor cross_entropy(const at::Tensor& logits, const at::Tensor& targets) {
-  return at::cross_entropy_loss(logits.reshape({-1, logits.size(-1)}), targets.reshape(-1));
+  return mixprec::cross_entropy_in_fp32(logits.reshape({-1, logits.size(-1)}), targets.reshape(-1));
 }
 
 }  // namespace

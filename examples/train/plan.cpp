@@ -41,8 +41,12 @@ std::tuple<at::Tensor, at::Tensor> MixedModel::forward(const at::Tensor& tokens)
 }
 
 MixedModel apply_precision(Gpt gpt, const Precision& precision) {
-  mixprec::Float16Module module(
-      gpt, mixprec::Float16ModuleOptions().dtype(precision.dtype).plan(precision_plan(*gpt)));
+  // The logits stay in the model's dtype: the loss reads them in FP32 itself
+  // (mixprec::cross_entropy_in_fp32), without an FP32 copy of the whole batch's.
+  mixprec::Float16Module module(gpt, mixprec::Float16ModuleOptions()
+                                         .dtype(precision.dtype)
+                                         .plan(precision_plan(*gpt))
+                                         .fp32_output(false));
   return {std::move(gpt), std::move(module), precision.quant};
 }
 

@@ -37,7 +37,7 @@ std::string generate(MixedModel& model, const std::string& prompt, int64_t n, do
         '\n');
     const at::Tensor input = at::tensor(window, at::kLong).unsqueeze(0);
     const at::Tensor last =
-        std::get<0>(model.forward(input)).select(1, length - 1).squeeze(0);  // [vocab]
+        std::get<0>(model.forward(input)).select(1, length - 1).squeeze(0).to(at::kFloat);
     int64_t next = 0;
     if (temperature == 0) {
       next = last.argmax().item<int64_t>();

@@ -4,6 +4,7 @@
 #include "gpt.h"
 #include "plan.h"
 
+#include "mixprec/precision/cross_entropy.h"
 #include "mixprec/quant/quant_linear.h"
 
 #include <ATen/ATen.h>
@@ -70,7 +71,7 @@ TEST(MixedModel, TheHeadIsTheTokenEmbeddingItself) {
   // Logits are x · tok_embᵀ: a gradient on one logit column reaches exactly that embedding row.
   const at::Tensor tokens = at::zeros({1, 4}, at::kLong);  // every input is byte 0
   auto [logits, aux] = m.forward(tokens);
-  EXPECT_EQ(logits.scalar_type(), at::kFloat) << "Float16Module upcasts the output";
+  EXPECT_EQ(logits.scalar_type(), at::kBFloat16) << "the loss reads BF16 logits in FP32 itself";
   EXPECT_EQ(logits.sizes(), (std::vector<int64_t>{1, 4, 256}));
   logits.select(2, 200).sum().backward();
   const at::Tensor grad = m.gpt->tok_emb->weight.grad().to(at::kFloat);
@@ -216,7 +217,7 @@ TEST(MixedModel, RecomputedBlocksGiveTheSameLossGradientsAndLoadBitForBit) {
       const at::Tensor targets = at::randint(0, 256, {4 * 16}, at::kLong);
       auto [logits, aux] = m.forward(tokens);
       Result r;
-      r.loss = at::cross_entropy_loss(logits.flatten(0, 1), targets) + 0.01 * aux;
+      r.loss = mixprec::cross_entropy_in_fp32(logits.flatten(0, 1), targets) + 0.01 * aux;
       // Every node reachable from the loss: one recomputing node per block, or none.
       std::vector<torch::autograd::Node*> pending = {r.loss.grad_fn().get()};
       std::set<torch::autograd::Node*> seen;
