@@ -1,14 +1,13 @@
 #include "mixprec/precision/cross_entropy.h"
 
+#include "optim/kernels/parallel_chunks.h"
 #include "precision/kernels/cross_entropy_args.h"
 
 #include <ATen/ATen.h>
-#include <ATen/Parallel.h>
 #include <c10/util/Exception.h>
 #include <torch/autograd.h>
 
 #include <algorithm>
-#include <atomic>
 #include <cstdint>
 #include <limits>
 
@@ -29,23 +28,12 @@ detail::LogitFormat logit_format(c10::ScalarType dtype) {
   return detail::LogitFormat::kF32;
 }
 
-// Rows in chunks of about 32K logits (as the optimizer kernels split elements), claimed from a
-// shared counter: a thread whose core is busy elsewhere takes fewer. Each row is computed the
-// same way on any thread, so the results do not depend on the split.
+// Rows in chunks of about kGrainSize logits, as the optimizer kernels split elements. Each row
+// is computed the same way on any thread, so the results do not depend on the split.
 template <class Fn>
 void for_each_row_chunk(int64_t rows, int64_t classes, const Fn& fn) {
-  const int64_t chunk = std::max<int64_t>(1, (int64_t{32} << 10) / classes);
-  const int64_t chunks = (rows + chunk - 1) / chunk;
-  if (chunks <= 1) {
-    if (rows > 0) fn(int64_t{0}, rows);
-    return;
-  }
-  std::atomic<int64_t> next{0};
-  at::parallel_for(0, std::min<int64_t>(chunks, at::get_num_threads()), 1, [&](int64_t, int64_t) {
-    for (int64_t k = next++; k < chunks; k = next++) {
-      fn(k * chunk, std::min(rows, (k + 1) * chunk));
-    }
-  });
+  optim::detail::for_each_chunk(rows, std::max<int64_t>(1, optim::detail::kGrainSize / classes),
+                                fn);
 }
 
 struct CrossEntropyInFp32 : torch::autograd::Function<CrossEntropyInFp32> {
