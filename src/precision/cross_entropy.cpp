@@ -19,13 +19,13 @@ constexpr const char* kWho = "[mixprec::cross_entropy_in_fp32]";
 detail::LogitFormat logit_format(c10::ScalarType dtype) {
   switch (dtype) {
     case at::kBFloat16:
-      return detail::LogitFormat::kBF16;
+      return optim::detail::GradFormat::kBF16;
     case at::kHalf:
-      return detail::LogitFormat::kF16;
+      return optim::detail::GradFormat::kF16;
     default:
       break;
   }
-  return detail::LogitFormat::kF32;
+  return optim::detail::GradFormat::kF32;
 }
 
 // Rows in chunks of about kGrainSize logits, as the optimizer kernels split elements. Each row

@@ -6,10 +6,13 @@
 
 #include <cstdint>
 
+#include "optim/kernels/kernel_args.h"
+
 namespace mixprec::detail {
 
-// Element format of the logits (and of their gradient).
-enum class LogitFormat : int { kF32, kBF16, kF16 };
+// Element format of the logits (and of their gradient): the optimizer kernels' gradient formats,
+// whose exact widening and narrowing the kernel shares (optim/kernels/simd_convert-inl.h).
+using LogitFormat = optim::detail::GradFormat;
 
 // For each row r in [begin, end) of logits [rows, classes] (contiguous): lse[r] =
 // logsumexp(logits[r]) and loss[r] = lse[r] - logits[r][targets[r]], in FP32. Targets are in

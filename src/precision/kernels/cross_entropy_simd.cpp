@@ -17,6 +17,7 @@
 #include <cstring>
 #include <limits>
 
+#include "optim/kernels/format_dispatch.h"
 #include "optim/kernels/simd_convert-inl.h"
 #include "precision/kernels/cross_entropy_args.h"
 
@@ -144,23 +145,10 @@ void BackwardRow(const Element<G>* x, size_t classes, int64_t target, float lse,
   }
 }
 
-template <class Fn>
-void DispatchFormat(LogitFormat format, const Fn& fn) {
-  switch (format) {
-    case LogitFormat::kBF16:
-      return fn(std::integral_constant<GradFormat, GradFormat::kBF16>{});
-    case LogitFormat::kF16:
-      return fn(std::integral_constant<GradFormat, GradFormat::kF16>{});
-    case LogitFormat::kF32:
-      break;
-  }
-  fn(std::integral_constant<GradFormat, GradFormat::kF32>{});
-}
-
 void CrossEntropyForwardRows(const void* logits, LogitFormat format, int64_t classes,
                              const int64_t* targets, float* loss, float* lse, int64_t begin,
                              int64_t end) {
-  DispatchFormat(format, [&](auto g) {
+  optim::detail::dispatch_grad_format(format, [&](auto g) {
     const auto* x = static_cast<const Element<g>*>(logits);
     for (int64_t r = begin; r < end; ++r) {
       ForwardRow<g>(x + r * classes, static_cast<size_t>(classes), targets[r], loss + r, lse + r);
@@ -171,7 +159,7 @@ void CrossEntropyForwardRows(const void* logits, LogitFormat format, int64_t cla
 void CrossEntropyBackwardRows(const void* logits, LogitFormat format, int64_t classes,
                               const int64_t* targets, const float* lse, float scale, void* grad,
                               int64_t begin, int64_t end) {
-  DispatchFormat(format, [&](auto g) {
+  optim::detail::dispatch_grad_format(format, [&](auto g) {
     const auto* x = static_cast<const Element<g>*>(logits);
     auto* out = static_cast<Element<g>*>(grad);
     for (int64_t r = begin; r < end; ++r) {
