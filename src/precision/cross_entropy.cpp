@@ -1,6 +1,7 @@
 #include "mixprec/precision/cross_entropy.h"
 
 #include "optim/kernels/parallel_chunks.h"
+#include "optim/kernels/step_args.h"
 #include "precision/kernels/cross_entropy_args.h"
 
 #include <ATen/ATen.h>
@@ -15,18 +16,6 @@ namespace mixprec {
 namespace {
 
 constexpr const char* kWho = "[mixprec::cross_entropy_in_fp32]";
-
-detail::LogitFormat logit_format(c10::ScalarType dtype) {
-  switch (dtype) {
-    case at::kBFloat16:
-      return optim::detail::GradFormat::kBF16;
-    case at::kHalf:
-      return optim::detail::GradFormat::kF16;
-    default:
-      break;
-  }
-  return optim::detail::GradFormat::kF32;
-}
 
 // Rows in chunks of about kGrainSize logits, as the optimizer kernels split elements. Each row
 // is computed the same way on any thread, so the results do not depend on the split.
@@ -45,7 +34,7 @@ struct CrossEntropyInFp32 : torch::autograd::Function<CrossEntropyInFp32> {
     const int64_t rows = x.size(0), classes = x.size(1);
     at::Tensor loss = at::empty({rows}, x.options().dtype(at::kFloat));
     at::Tensor lse = at::empty({rows}, x.options().dtype(at::kFloat));
-    const detail::LogitFormat format = logit_format(x.scalar_type());
+    const detail::LogitFormat format = optim::detail::grad_format(x);
     for_each_row_chunk(rows, classes, [&](int64_t begin, int64_t end) {
       detail::cross_entropy_forward_rows(
           x.const_data_ptr(), format, classes, t.const_data_ptr<int64_t>(),
@@ -68,7 +57,7 @@ struct CrossEntropyInFp32 : torch::autograd::Function<CrossEntropyInFp32> {
     const int64_t rows = x.size(0), classes = x.size(1);
     const float scale = grads[0].item<float>() / static_cast<float>(rows);
     at::Tensor grad = at::empty_like(x);
-    const detail::LogitFormat format = logit_format(x.scalar_type());
+    const detail::LogitFormat format = optim::detail::grad_format(x);
     for_each_row_chunk(rows, classes, [&](int64_t begin, int64_t end) {
       detail::cross_entropy_backward_rows(x.const_data_ptr(), format, classes,
                                           t.const_data_ptr<int64_t>(), lse.const_data_ptr<float>(),
