@@ -49,6 +49,11 @@ class Calls {
     }
     return kNone;
   }
+  // The first fsync or fdatasync of the file `path` at or after `from`, or kNone: either makes
+  // its data durable (a directory's entries need fsync).
+  std::size_t first_data_sync(const fs::path& path, std::size_t from) const {
+    return std::min(first("fsync", path, from), first("fdatasync", path, from));
+  }
   // The last matching call before `before`, or kNone.
   std::size_t last(const std::string& call, const fs::path& path, std::size_t before) const {
     for (std::size_t i = std::min(before, events_.size()); i-- > 0;) {
@@ -98,7 +103,7 @@ std::size_t expect_durable_latest(const Calls& calls, const fs::path& root, std:
   const fs::path written = calls[moved].path;
   const std::size_t last_write = calls.last("write", written, moved);
   EXPECT_NE(last_write, kNone) << written;
-  const std::size_t synced = calls.first("fsync", written, last_write == kNone ? 0 : last_write);
+  const std::size_t synced = calls.first_data_sync(written, last_write == kNone ? 0 : last_write);
   EXPECT_LT(synced, moved) << written << " is not fsynced between its last write and its rename";
   const std::size_t root_synced = calls.first("fsync", root, moved);
   EXPECT_NE(root_synced, kNone) << "the root is not fsynced after `latest`'s rename";
@@ -131,7 +136,7 @@ TEST(DurabilityOrder, ASaveMakesEachStepDurableBeforeTheNextDependsOnIt) {
     const fs::path staged = staging / entry.path().filename();
     const std::size_t last_write = calls.last("write", staged, commit);
     ASSERT_NE(last_write, kNone) << staged << " was never written";
-    EXPECT_LT(calls.first("fsync", staged, last_write), directory_synced)
+    EXPECT_LT(calls.first_data_sync(staged, last_write), directory_synced)
         << staged << " is not fsynced between its last write and its directory's fsync";
     ++files;
   }
