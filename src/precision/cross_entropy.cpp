@@ -52,6 +52,11 @@ struct CrossEntropyInFp32 : torch::autograd::Function<CrossEntropyInFp32> {
   static torch::autograd::variable_list backward(torch::autograd::AutogradContext* ctx,
                                                  torch::autograd::variable_list grads) {
     if (!grads[0].defined()) return {at::Tensor(), at::Tensor()};
+    // The gradient is written by the kernel, outside autograd: it has no derivative of its own.
+    TORCH_CHECK(!at::GradMode::is_enabled(), kWho,
+                " has no second derivative: backward with create_graph is not supported (the "
+                "LibTorch composition, at::cross_entropy_loss(logits.to(at::kFloat), targets), "
+                "has one)");
     const auto saved = ctx->get_saved_variables();
     const at::Tensor &x = saved[0], &t = saved[1], &lse = saved[2];
     const int64_t rows = x.size(0), classes = x.size(1);
@@ -88,8 +93,9 @@ at::Tensor cross_entropy_in_fp32(const at::Tensor& logits, const at::Tensor& tar
       logits.is_neg() || logits._is_zerotensor() || logits.size(0) == 0) {
     return at::cross_entropy_loss(logits.to(at::kFloat), targets);
   }
-  TORCH_CHECK(logits.size(1) <= std::numeric_limits<int32_t>::max(), kWho, " ", logits.size(1),
-              " classes: at most 2^31 - 1");
+  // The kernel numbers a row's columns in int32 lanes (up to 16 past the last).
+  TORCH_CHECK(logits.size(1) <= std::numeric_limits<int32_t>::max() - 64, kWho, " ", logits.size(1),
+              " classes: at most 2^31 - 65");
   {
     const at::Tensor t = targets.contiguous();
     const int64_t* target = t.const_data_ptr<int64_t>();

@@ -24,11 +24,13 @@ namespace mixprec {
 // logits [N, V] of dtype BF16, FP16 or FP32 (any strides) and targets [N] int64 in [0, V):
 // at::cross_entropy_loss(logits.to(at::kFloat), targets) with the default options (mean, no
 // ignored index, no class weights, no label smoothing). Differentiable in logits: the gradient,
-// (softmax(logits[i]) - onehot(targets[i])) * grad / N, comes in logits' dtype.
+// (softmax(logits[i]) - onehot(targets[i])) * grad / N, comes in logits' dtype; once only (a
+// backward with create_graph throws: use the LibTorch composition for second derivatives).
+// A row with a NaN, a +Inf or nothing but -Inf has a NaN loss and gradient, as LibTorch's.
 // On the CPU a fused kernel computes it (above); on other devices that LibTorch composition.
 // Throws c10::Error naming the problem if logits is not 2-D with V >= 1 or of another dtype,
-// targets is not int64 [N], the two are on different devices, or a target lies outside
-// [0, V) (naming its row and value).
+// targets is not int64 [N], the two are on different devices, or (on the CPU; elsewhere
+// LibTorch's own check applies) a target lies outside [0, V), naming its row and value.
 at::Tensor cross_entropy_in_fp32(const at::Tensor& logits, const at::Tensor& targets);
 
 }  // namespace mixprec

@@ -44,7 +44,8 @@ HWY_INLINE hn::VFromD<DF> LoadPart(DF df, const Element<G>* p, size_t n, float f
   return hn::IfThenElse(hn::FirstN(df, n), convert::LoadGrad<G>(df, part, 0), hn::Set(df, fill));
 }
 
-// exp(v) for v <= 0 or NaN: -Inf goes in as -FLT_MAX (Highway's Exp is defined from there up).
+// exp(v) for v <= 0: -Inf goes in as -FLT_MAX (Highway's Exp is defined from there up). Not for
+// NaN, which Highway's Exp turns into 0: NaN rows never get here (ForwardRow, BackwardRow).
 HWY_INLINE hn::VFromD<DF> ExpOfNonPositive(DF df, hn::VFromD<DF> v) {
   const auto lowest = hn::Set(df, std::numeric_limits<float>::lowest());
   return hn::Exp(df, hn::IfThenElse(hn::Lt(v, lowest), lowest, v));
@@ -78,9 +79,9 @@ void ForwardRow(const Element<G>* x, size_t classes, int64_t target, float* loss
   if (i < full) take(m0, convert::LoadGrad<G>(df, x, i));
   if (full < classes) take(m1, LoadPart<G>(df, x + full, classes - full, kNegInf));
   const float row_max = hn::GetLane(hn::MaxOfLanes(df, hn::Max(m0, m1)));
-  // A NaN, or +Inf (whose x - max is Inf - Inf), makes the row's log-softmax NaN in LibTorch.
-  if (!hn::AllFalse(du, hn::Ne(nan, hn::Zero(du))) ||
-      row_max == std::numeric_limits<float>::infinity()) {
+  // A NaN, +Inf (whose x - max is Inf - Inf) or a row all -Inf (-Inf - -Inf) makes the row's
+  // log-softmax NaN in LibTorch.
+  if (!hn::AllFalse(du, hn::Ne(nan, hn::Zero(du))) || std::isinf(row_max)) {
     *lse = *loss = std::numeric_limits<float>::quiet_NaN();
     return;
   }
@@ -126,6 +127,7 @@ void BackwardRow(const Element<G>* x, size_t classes, int64_t target, float lse,
   }
   const auto shift = hn::Set(df, lse);
   const auto s = hn::Set(df, scale);
+  // Column indices as int32 (the caller caps classes well below 2^31 - lanes, so they never wrap).
   const auto column = hn::Iota(di, 0);
   const auto target_column = hn::Set(di, static_cast<int32_t>(target));
   const auto lanes_at = [&](hn::VFromD<DF> v, size_t i) {
