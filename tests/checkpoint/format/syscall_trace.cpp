@@ -103,7 +103,6 @@ fs::path resolved(const Fn& resolve) noexcept {
   }
 }
 
-
 }  // namespace
 
 SyscallTrace::SyscallTrace(std::filesystem::path under) {
@@ -136,10 +135,10 @@ std::vector<SyscallEvent> SyscallTrace::events() const {
 namespace trace = mixprec::checkpoint::testing;
 
 // Every call that writes a file's data is a "write": the format layer uses write(), and a
-// switch to another must not make the last write look earlier than it is.
+// switch to another must not make the last write look earlier than it is. `libc` is the
+// caller's own (each wrapper resolves its function once).
 template <class Fn, class... Args>
-ssize_t traced_write(const char* name, int fd, Args... args) {
-  static const auto libc = trace::real<Fn>(name);
+static ssize_t traced_write(Fn libc, int fd, Args... args) {
   const ssize_t n = libc(fd, args...);
   if (n > 0 && trace::tracing()) {
     const int saved = errno;
@@ -149,45 +148,49 @@ ssize_t traced_write(const char* name, int fd, Args... args) {
   return n;
 }
 
+// fsync and fdatasync, recorded under their own names.
+static int traced_sync(int (*libc)(int), const char* call, int fd) {
+  const int rc = libc(fd);
+  if (rc == 0 && trace::tracing()) {
+    trace::record(call, trace::resolved([&] { return trace::fd_path(fd); }));
+  }
+  return rc;
+}
+
 extern "C" ssize_t write(int fd, const void* buffer, size_t count) {
-  return traced_write<ssize_t (*)(int, const void*, size_t)>("write", fd, buffer, count);
+  static const auto libc = trace::real<ssize_t (*)(int, const void*, size_t)>("write");
+  return traced_write(libc, fd, buffer, count);
 }
 
 extern "C" ssize_t pwrite(int fd, const void* buffer, size_t count, off_t offset) {
-  return traced_write<ssize_t (*)(int, const void*, size_t, off_t)>("pwrite", fd, buffer, count,
-                                                                    offset);
+  static const auto libc = trace::real<ssize_t (*)(int, const void*, size_t, off_t)>("pwrite");
+  return traced_write(libc, fd, buffer, count, offset);
 }
 
 extern "C" ssize_t pwrite64(int fd, const void* buffer, size_t count, off64_t offset) {
-  return traced_write<ssize_t (*)(int, const void*, size_t, off64_t)>("pwrite64", fd, buffer, count,
-                                                                      offset);
+  static const auto libc = trace::real<ssize_t (*)(int, const void*, size_t, off64_t)>("pwrite64");
+  return traced_write(libc, fd, buffer, count, offset);
 }
 
 extern "C" ssize_t writev(int fd, const struct iovec* pieces, int count) {
-  return traced_write<ssize_t (*)(int, const struct iovec*, int)>("writev", fd, pieces, count);
+  static const auto libc = trace::real<ssize_t (*)(int, const struct iovec*, int)>("writev");
+  return traced_write(libc, fd, pieces, count);
 }
 
 extern "C" ssize_t pwritev(int fd, const struct iovec* pieces, int count, off_t offset) {
-  return traced_write<ssize_t (*)(int, const struct iovec*, int, off_t)>("pwritev", fd, pieces,
-                                                                         count, offset);
+  static const auto libc =
+      trace::real<ssize_t (*)(int, const struct iovec*, int, off_t)>("pwritev");
+  return traced_write(libc, fd, pieces, count, offset);
 }
 
 extern "C" int fsync(int fd) {
-  static const auto libc_fsync = trace::real<int (*)(int)>("fsync");
-  const int rc = libc_fsync(fd);
-  if (rc == 0 && trace::tracing()) {
-    trace::record("fsync", trace::resolved([&] { return trace::fd_path(fd); }));
-  }
-  return rc;
+  static const auto libc = trace::real<int (*)(int)>("fsync");
+  return traced_sync(libc, "fsync", fd);
 }
 
 extern "C" int fdatasync(int fd) {
-  static const auto libc_fdatasync = trace::real<int (*)(int)>("fdatasync");
-  const int rc = libc_fdatasync(fd);
-  if (rc == 0 && trace::tracing()) {
-    trace::record("fdatasync", trace::resolved([&] { return trace::fd_path(fd); }));
-  }
-  return rc;
+  static const auto libc = trace::real<int (*)(int)>("fdatasync");
+  return traced_sync(libc, "fdatasync", fd);
 }
 
 extern "C" int rename(const char* from, const char* to) noexcept {
