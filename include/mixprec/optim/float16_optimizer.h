@@ -268,7 +268,9 @@ class Float16Optimizer : private detail::GroupOptionsCheck, public torch::optim:
   const OffloadStats& offload_stats() const { return offload_stats_; }
 
   // torch's positional form. Tensors alias the optimizer's own (as torch's state_dict does):
-  // a later step changes them; clone what must outlive it. (With master_remainders a BF16
+  // a later step changes them; clone what must outlive it. A load installs new ones (as torch's
+  // load_state_dict does; apply() may take the loaded tensors themselves): take the dict again
+  // after a load. (With master_remainders a BF16
   // parameter's FP32 main copy is joined into a fresh tensor: see the header comment.)
   PositionalStateDict state_dict() const;
   // Validates everything (group count and sizes, ids, shapes, dtypes, hyper-parameters with
