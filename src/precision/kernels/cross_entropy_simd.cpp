@@ -14,7 +14,6 @@
 
 #include <algorithm>
 #include <cmath>
-#include <cstring>
 #include <limits>
 
 #include "optim/kernels/format_dispatch.h"
@@ -58,26 +57,33 @@ HWY_INLINE float ToFloat(Element<G> x) {
   return hn::GetLane(convert::LoadGrad<G>(df, one, 0));
 }
 
+// Folds a row's vectors into two accumulators, alternately (two chains in flight): op(acc, v)
+// for each whole vector, then for the partial one at the end with its missing lanes `fill`.
+template <GradFormat G, class Op>
+HWY_INLINE void FoldRow(DF df, const Element<G>* x, size_t classes, float fill,
+                        hn::VFromD<DF>& acc0, hn::VFromD<DF>& acc1, const Op& op) {
+  const size_t lanes = hn::Lanes(df);
+  const size_t full = classes / lanes * lanes;
+  size_t i = 0;
+  for (; i + 2 * lanes <= full; i += 2 * lanes) {
+    op(acc0, convert::LoadGrad<G>(df, x, i));
+    op(acc1, convert::LoadGrad<G>(df, x, i + lanes));
+  }
+  if (i < full) op(acc0, convert::LoadGrad<G>(df, x, i));
+  if (full < classes) op(acc1, LoadPart<G>(df, x + full, classes - full, fill));
+}
+
 template <GradFormat G>
 void ForwardRow(const Element<G>* x, size_t classes, int64_t target, float* loss, float* lse) {
   const DF df;
   const hn::RebindToUnsigned<DF> du;
-  const size_t lanes = hn::Lanes(df);
   constexpr float kNegInf = -std::numeric_limits<float>::infinity();
-  const size_t full = classes / lanes * lanes;
   auto m0 = hn::Set(df, kNegInf), m1 = m0;
   auto nan = hn::Zero(du);  // all ones in a lane that saw a NaN
-  const auto take = [&](hn::VFromD<DF>& m, hn::VFromD<DF> v) {
+  FoldRow<G>(df, x, classes, kNegInf, m0, m1, [&](hn::VFromD<DF>& m, hn::VFromD<DF> v) {
     m = hn::Max(m, v);
     nan = hn::Or(nan, hn::BitCast(du, hn::VecFromMask(df, hn::IsNaN(v))));
-  };
-  size_t i = 0;
-  for (; i + 2 * lanes <= full; i += 2 * lanes) {
-    take(m0, convert::LoadGrad<G>(df, x, i));
-    take(m1, convert::LoadGrad<G>(df, x, i + lanes));
-  }
-  if (i < full) take(m0, convert::LoadGrad<G>(df, x, i));
-  if (full < classes) take(m1, LoadPart<G>(df, x + full, classes - full, kNegInf));
+  });
   const float row_max = hn::GetLane(hn::MaxOfLanes(df, hn::Max(m0, m1)));
   // A NaN, +Inf (whose x - max is Inf - Inf) or a row all -Inf (-Inf - -Inf) makes the row's
   // log-softmax NaN in LibTorch.
@@ -86,14 +92,10 @@ void ForwardRow(const Element<G>* x, size_t classes, int64_t target, float* loss
     return;
   }
   const auto shift = hn::Set(df, row_max);
-  const auto exp_at = [&](hn::VFromD<DF> v) { return ExpOfNonPositive(df, hn::Sub(v, shift)); };
   auto s0 = hn::Zero(df), s1 = hn::Zero(df);
-  for (i = 0; i + 2 * lanes <= full; i += 2 * lanes) {
-    s0 = hn::Add(s0, exp_at(convert::LoadGrad<G>(df, x, i)));
-    s1 = hn::Add(s1, exp_at(convert::LoadGrad<G>(df, x, i + lanes)));
-  }
-  if (i < full) s0 = hn::Add(s0, exp_at(convert::LoadGrad<G>(df, x, i)));
-  if (full < classes) s1 = hn::Add(s1, exp_at(LoadPart<G>(df, x + full, classes - full, kNegInf)));
+  FoldRow<G>(df, x, classes, kNegInf, s0, s1, [&](hn::VFromD<DF>& s, hn::VFromD<DF> v) {
+    s = hn::Add(s, ExpOfNonPositive(df, hn::Sub(v, shift)));
+  });
   const float sum = hn::GetLane(hn::SumOfLanes(df, hn::Add(s0, s1)));
   *lse = row_max + std::log(sum);
   *loss = *lse - ToFloat<G>(x[target]);
